@@ -1,0 +1,42 @@
+"""durably-py: local-first durable execution for Python scripts and AI workflows."""
+
+from .advisories import Advisory
+from .clock import Clock, FakeClock
+from .context import AttemptContext, BudgetView, WorkflowContext, attempt
+from .engine import Engine, create_engine, engine_for, run, run_async
+from .errors import (
+    BudgetExceededError,
+    CircuitOpenError,
+    CorruptLogError,
+    DurablyError,
+    KeyConflictError,
+    LeaseLostError,
+    PurityError,
+    RunCancelledError,
+    RunNotFoundError,
+    SerializationError,
+    StaleRunError,
+    StepFailedError,
+    StepInterruptedError,
+    StepTimeoutError,
+    ValidationError,
+    WorkflowFailedError,
+)
+from .events import StepEvent
+from .history import RunState, StepState
+from .policies import Retry
+from .result import Err, Ok, is_ok, partition
+from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
+from .workflow import Workflow, workflow
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Advisory", "AttemptContext", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
+    "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
+    "LeaseLostError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError",
+    "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
+    "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "Workflow",
+    "WorkflowContext", "WorkflowFailedError", "attempt", "create_engine", "engine_for", "is_ok", "partition",
+    "run", "run_async", "workflow",
+]

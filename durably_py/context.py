@@ -1,0 +1,152 @@
+"""The API a workflow sees: `ctx` (`WorkflowContext`) and `attempt()` inside a running step."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .codec import dump_value, load_value
+from .errors import ValidationError
+from .history import BUDGET_KINDS
+from .kernel import PLAIN, Complete, StepOptions, current_attempt, label_of
+from .result import Err, Ok
+
+if TYPE_CHECKING:
+    from .kernel import RunKernel
+
+
+class AttemptContext:
+    """The running attempt of one step: its number, stash, idempotency key and cancellation flag."""
+
+    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "cancelled_event")
+
+    def __init__(self, kernel: RunKernel, path: str, number: int, stashed: Any) -> None:
+        self.kernel = kernel
+        self.path = path
+        self.number = number
+        self._stashed = stashed
+        self.did_stash = False
+        self.cancelled_event = threading.Event()
+
+    @property
+    def stashed(self) -> Any:
+        """The value last stashed by an earlier attempt or process (None if nothing was stashed)."""
+        return self._stashed
+
+    def stash(self, value: Any) -> None:
+        """Record partial progress durably now; the next attempt of this step starts from it."""
+        wire = dump_value(value, "stash")
+        self.kernel.write({"t": "stash", "p": self.path, "v": wire})
+        self._stashed = load_value(wire)
+        self.did_stash = True
+
+    @property
+    def operation_id(self) -> str:
+        """Stable across retries and resumes of this step: hand it to an external API as idempotency key."""
+        return f"{self.kernel.run_id}/{self.path}"
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the attempt timed out; sync code should check it and stop."""
+        return self.cancelled_event.is_set()
+
+    def cancel(self) -> None:
+        self.cancelled_event.set()
+
+
+def attempt() -> AttemptContext:
+    """The attempt of the step running in this task or thread."""
+    try:
+        return current_attempt.get()
+    except LookupError:
+        raise ValidationError("attempt() was called outside a running step",
+                              hint="Call attempt() inside the function passed to ctx.step().",
+                              docs="docs/authoring.md#attempt") from None
+
+
+class BudgetView:
+    """What the run may still spend, per kind (`usd`, `tokens`, `units`)."""
+
+    def __init__(self, kernel: RunKernel) -> None:
+        self._kernel = kernel
+
+    def _kind(self, kind: str) -> str:
+        if kind not in BUDGET_KINDS:
+            raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
+                                  docs="docs/policies.md#budgets")
+        return kind
+
+    def spent(self, kind: str) -> float:
+        """Total charged so far, across every process that ran this run."""
+        return self._kernel.spent[self._kind(kind)]
+
+    def remaining(self, kind: str) -> float:
+        """Budget left (infinity when the kind has no budget)."""
+        limit = (self._kernel.budget or {}).get(self._kind(kind))
+        return float("inf") if limit is None else limit - self._kernel.spent[kind]
+
+
+class WorkflowContext:
+    """`ctx`: steps, fan-out, recorded time and randomness, logging, budgets."""
+
+    def __init__(self, kernel: RunKernel) -> None:
+        self._kernel = kernel
+        self.budget = BudgetView(kernel)
+
+    @property
+    def run_id(self) -> str:
+        """The id of the durable run."""
+        return self._kernel.run_id
+
+    @property
+    def attempt(self) -> int:
+        """The workflow attempt: 1 for the first process, +1 for every resume."""
+        return self._kernel.history.attempt
+
+    def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+             timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+             schema: Any = None, replay: str = "safe") -> Awaitable[Any]:
+        """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
+        if (retry is None and timeout is None and compensate is None and concurrency_key is None
+                and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
+            opts = PLAIN
+        else:
+            opts = StepOptions(name or label_of(fn), retry, timeout, compensate, concurrency_key,
+                               concurrency_limit, uses, schema, replay)
+        return self._kernel.step(fn, args, name, opts)
+
+    def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
+        """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""
+        return self._kernel.parallel(list(items), concurrency)
+
+    def now(self) -> datetime:
+        """The current time, recorded (replay returns the same instant)."""
+        return self._kernel.now()
+
+    def random(self) -> float:
+        """A random float in [0, 1), recorded."""
+        return self._kernel.random()
+
+    def uuid(self) -> str:
+        """A random UUID4 string, recorded."""
+        return self._kernel.uuid()
+
+    def log(self, *values: Any, **print_kwargs: Any) -> None:
+        """print(), but only when the workflow is live, never while it replays recorded steps."""
+        if not self._kernel.replaying():
+            print(*values, **print_kwargs)
+
+    def complete(self, value: Any = None) -> NoReturn:
+        """End the workflow now with `value` (from anywhere in it, a loop reducer included)."""
+        raise Complete(value)
+
+    def charge(self, *, usd: float = 0, tokens: float = 0, units: float = 0) -> None:
+        """Record spend against the run's budget; replayed charges are not counted twice."""
+        self._kernel.charge({"usd": usd, "tokens": tokens, "units": units})
+
+    def annotate(self, **values: Any) -> None:
+        """Attach JSON values to the run, shown by `durably inspect`."""
+        self._kernel.annotate(values)

@@ -1,0 +1,385 @@
+"""The engine: finds or creates a run, takes its lease, runs the kernel, and operates runs by id."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from .advisories import Advisory, AdvisoryTracker
+from .clock import Clock
+from .codec import digest, dump_value, encode_line, load_error, load_value, to_iso
+from .context import WorkflowContext
+from .errors import DurablyError, KeyConflictError, RunNotFoundError, ValidationError, WorkflowFailedError
+from .events import StepEvent
+from .history import BUDGET_KINDS, History, RunState, describe
+from .kernel import RunKernel, Selector
+from .storage import FileStorage, LOG_VERSION, Storage, validate_key, validate_run_id
+from .workflow import Workflow, as_workflow
+
+JOIN_POLL = 0.05
+
+
+def check_budget(budget: Any) -> dict[str, float] | None:
+    """Validate a `budget=` mapping of kind -> non-negative limit."""
+    if budget is None:
+        return None
+    if not isinstance(budget, dict):
+        raise ValidationError(f"budget= must be a dict like {{'usd': 5}}, got {budget!r}",
+                              hint="Pass budget={'usd': 5.0, 'tokens': 100000}.", docs="docs/policies.md#budgets")
+    for kind, limit in budget.items():
+        if kind not in BUDGET_KINDS:
+            raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
+                                  docs="docs/policies.md#budgets")
+        if isinstance(limit, bool) or not isinstance(limit, int | float) or not limit >= 0 or limit == float("inf"):
+            raise ValidationError(f"budget {kind}={limit!r} must be a finite number >= 0",
+                                  hint="Give each kind a finite limit, e.g. {'usd': 5}.",
+                                  docs="docs/policies.md#budgets")
+    return {k: float(v) for k, v in budget.items()}
+
+
+def check_checkpoint(value: Any) -> int | None:
+    """Validate `checkpoint_every=` (an int >= 1, or None for the default policy)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValidationError(f"checkpoint_every= must be an int >= 1, got {value!r}",
+                              hint="checkpoint_every=1 fsyncs after every step.", docs="docs/storage.md#checkpoints")
+    return value
+
+
+def new_run_id(workflow: str) -> str:
+    """A readable unique id: the workflow's name, the date, and random hex."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
+    return f"{slug}-{datetime.now(UTC):%Y%m%d}-{secrets.token_hex(4)}"
+
+
+class Limiter:
+    """Caps how many steps sharing a concurrency key run at once, across every run of an engine."""
+
+    def __init__(self, key: str, limit: int) -> None:
+        self.key = key
+        self.limit = limit
+        self.active = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    async def acquire(self, kernel: RunKernel) -> None:
+        while self.active >= self.limit:
+            fut = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self.waiters:
+                    self.waiters.remove(fut)
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+        while self.waiters:
+            fut = self.waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+
+class Engine:
+    """Runs workflows against one storage; operates its runs by id or key."""
+
+    def __init__(self, storage: Storage | None = None, *, concurrency: int = 4, checkpoint_every: int | None = None,
+                 budget: dict[str, float] | None = None,
+                 on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
+                 lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None) -> None:
+        self.storage: Storage = storage if storage is not None else FileStorage(".durably")
+        self.concurrency = concurrency
+        self.checkpoint_every = check_checkpoint(checkpoint_every)
+        self.budget = check_budget(budget)
+        self.on_run_failed = on_run_failed
+        self.lease_ttl = lease
+        self.heartbeat_every = heartbeat
+        self.clock = clock or Clock()
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="durably-step")
+        self.limiters: dict[str, Limiter] = {}
+
+    def limiter(self, opts: Any) -> Limiter | None:
+        """The shared limiter for a step's concurrency key."""
+        key = opts.concurrency_key
+        if key is None:
+            return None
+        limiter = self.limiters.get(key)
+        limit = opts.concurrency_limit or (limiter.limit if limiter else 1 << 30)
+        if limiter is None:
+            limiter = self.limiters[key] = Limiter(key, limit)
+        limiter.limit = limit
+        return limiter
+
+    # ---- finding runs -------------------------------------------------------------------------
+    def _read(self, run_id: str) -> tuple[History, str | None]:
+        log = self.storage.read(run_id)
+        if log is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
+        return History(log.records), log.torn
+
+    def _where(self) -> str:
+        return str(getattr(self.storage, "dir", type(self.storage).__name__))
+
+    def resolve(self, run: str) -> str:
+        """A run id from a run id or a run key."""
+        if not isinstance(run, str):
+            raise ValidationError(f"a run is named by its id or key, got {run!r}", hint="Pass the id as a string.")
+        run_id = self.storage.lookup(f"key:{run}")
+        if run_id is not None:
+            return run_id
+        validate_run_id(run)
+        if self.storage.read(run) is None:
+            raise RunNotFoundError(f"no run with id or key {run!r} in {self._where()}", run_id=run)
+        return run
+
+    async def inspect(self, run: str) -> RunState:
+        """The state of a run (by id or key): status, steps, advisories, result or error."""
+        run_id = self.resolve(run)
+        history, torn = self._read(run_id)
+        return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
+
+    async def list(self, *, status: str | None = None, workflow: str | None = None, key: str | None = None,
+                   limit: int | None = None) -> list[RunState]:
+        """Runs newest first, filtered by status, workflow name or key."""
+        out = []
+        for info in self.storage.list_runs():
+            header = info.header
+            if workflow is not None and header.get("workflow") != workflow:
+                continue
+            if key is not None and header.get("key") != key:
+                continue
+            history = History([header])
+            if info.last.get("t") == "end":
+                history.add(info.last)
+            state = describe(history, held=info.held, steps=False)
+            state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
+            if status is not None and state.status != status:
+                continue
+            out.append(state)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    # ---- running --------------------------------------------------------------------------------
+    async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+                  budget: dict[str, float] | None = None, checkpoint_every: int | None = None,
+                  advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
+                  on_step: Callable[[StepEvent], Any] | None = None, run_id: str | None = None,
+                  crash_after: Selector | None = None, crash_in_step: Selector | None = None) -> Any:
+        """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error."""
+        workflow = as_workflow(wf)
+        budget = check_budget(budget) if budget is not None else self.budget
+        checkpoint_every = check_checkpoint(checkpoint_every) or self.checkpoint_every
+        if advisories not in (None, "silent"):
+            raise ValidationError(f"advisories= must be None or 'silent', got {advisories!r}",
+                                  hint="advisories='silent' stops printing advisories to stderr.",
+                                  docs="docs/advisories.md")
+        if key is not None:
+            validate_key(key)
+        if _run_hook is not None:
+            on_step = _run_hook.chain(on_step)
+        while True:
+            lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
+            if lease is None:
+                return self._joined(workflow, history)
+            fresh = False
+            run_id = lease.run_id
+            try:
+                return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                           advisories, on_advisory, on_step, torn, crash_after, crash_in_step)
+            finally:
+                self.storage.release(lease)
+
+    async def _acquire(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
+                       budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
+        """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease."""
+        if run_id is None:
+            if workflow.input_schema is not None:
+                input = workflow.input_schema.convert(
+                    dump_value(workflow.input_schema.to_builtins(input), "input"), "input")
+            wire_input = dump_value(workflow.input_schema.to_builtins(input) if workflow.input_schema else input,
+                                    "input")
+            input_digest = digest(load_value(wire_input))
+            identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
+            run_id = None if fresh else self.storage.lookup(identity)
+            if run_id is not None:
+                history, _ = self._read(run_id)
+                if key is not None and history.header.get("input_digest") != input_digest:
+                    raise KeyConflictError(
+                        f"key {key!r} is bound to run {run_id} with input {load_value(history.header.get('input'))!r}, "
+                        f"not {input!r}",
+                        hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
+                             "to rebind the key.",
+                        run_id=run_id, key=key, bound_input=load_value(history.header.get("input")), input=input)
+                if history.end is not None and history.end["status"] in ("completed", "cancelled"):
+                    run_id = None
+            if run_id is None:
+                run_id = self._create(workflow, wire_input, input_digest, key, identity, budget)
+        while True:
+            history, torn = self._read(run_id)
+            if history.end is not None and history.end["status"] == "completed":
+                return None, history, None, torn
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            if lease is not None:
+                history, torn = self._read(run_id)
+                if history.end is not None and history.end["status"] == "completed":
+                    self.storage.release(lease)
+                    return None, history, None, torn
+                return lease, history, history.header.get("input"), torn
+            while self.storage.held(run_id):
+                await asyncio.sleep(JOIN_POLL)
+            history, torn = self._read(run_id)
+            if history.end is not None:
+                return None, history, None, torn
+
+    def _create(self, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None, identity: str,
+                budget: dict[str, float] | None) -> str:
+        run_id = new_run_id(workflow.name)
+        header = {"t": "run", "v": LOG_VERSION, "run_id": run_id, "workflow": workflow.name,
+                  "fingerprint": workflow.fingerprint, "key": key, "input": wire_input,
+                  "input_digest": input_digest, "identity": identity, "budget": budget,
+                  "created_at": to_iso(datetime.now(UTC)), "script": os.environ.get("DURABLY_SCRIPT"),
+                  "ts": time.time()}
+        self.storage.create(run_id, encode_line(header))
+        self.storage.bind(identity, run_id)
+        return run_id
+
+    def _joined(self, workflow: Workflow, history: History) -> Any:
+        """The result of a run another process finished (or that had finished already)."""
+        end = history.end
+        assert end is not None
+        if end["status"] == "completed":
+            value = load_value(end["result"])
+            return workflow.output_schema.convert(value, "result") if workflow.output_schema else value
+        error = load_error(end["error"])
+        if isinstance(error, DurablyError) or not isinstance(error, Exception):
+            raise error
+        raise error from WorkflowFailedError(f"run {history.header['run_id']} failed in another process",
+                                             run_id=history.header["run_id"])
+
+    async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                       budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                       on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
+                       torn: str | None, crash_after: Selector | None, crash_in_step: Selector | None) -> Any:
+        if torn:
+            print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
+        threshold = getattr(self.storage, "compact_above_bytes", None)
+        if threshold and self.storage.size(lease.run_id) > threshold:
+            self.storage.rewrite(lease, b"".join(encode_line(r) for r in history.compacted()))
+        tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
+                                  silent=advisories == "silent",
+                                  restored=[Advisory.from_dict(a) for a in history.advisories.values()])
+        kernel = RunKernel(engine=self, storage=self.storage, lease=lease, history=history, workflow=workflow,
+                           input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
+                           on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step)
+        if history.end is not None and history.end["status"] == "failed":
+            kernel.write({"t": "reopen", "ts": time.time()})
+        if kernel.code_changed and history.fingerprint != workflow.fingerprint:
+            kernel.write({"t": "code", "fingerprint": workflow.fingerprint})
+        if budget is not None and budget != history.budget:
+            kernel.write({"t": "budget", "b": budget})
+            kernel.budget = budget
+        value = load_value(wire_input)
+        if workflow.input_schema is not None:
+            value = workflow.input_schema.convert(value, "input")
+        kernel.input = value
+        heartbeat = asyncio.ensure_future(self._heartbeat(lease, kernel))
+        try:
+            return await kernel.run(WorkflowContext(kernel))
+        except Exception as exc:
+            if self.on_run_failed is not None:
+                try:
+                    result = self.on_run_failed({"run_id": lease.run_id, "error": exc})
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:  # noqa: BLE001 - a failing hook never hides the run's own error
+                    pass
+            raise
+        finally:
+            heartbeat.cancel()
+
+    async def _heartbeat(self, lease: Any, kernel: RunKernel) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_every)
+            if not self.storage.heartbeat(lease, self.lease_ttl):
+                kernel.dead = True
+                return
+
+
+def create_engine(storage: Storage | None = None, **options: Any) -> Engine:
+    """An engine over `storage` (default: FileStorage at `.durably/`)."""
+    return Engine(storage, **options)
+
+
+_engines: dict[str, Engine] = {}
+
+
+def engine_for(dir: str | os.PathLike[str] | None) -> Engine:
+    """The shared engine rooted at `dir` (default `.durably/` or $DURABLY_DIR)."""
+    root = os.path.abspath(dir or os.environ.get("DURABLY_DIR") or ".durably")
+    engine = _engines.get(root)
+    if engine is None:
+        engine = _engines[root] = Engine(FileStorage(root))
+    return engine
+
+
+async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+                    budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
+                    checkpoint_every: int | None = None, advisories: str | None = None,
+                    on_advisory: Callable[[Advisory], Any] | None = None,
+                    on_step: Callable[[StepEvent], Any] | None = None) -> Any:
+    """`run()` for code already inside an event loop."""
+    return await engine_for(dir).run(wf, input, key=key, fresh=fresh, budget=budget,
+                                     checkpoint_every=checkpoint_every, advisories=advisories,
+                                     on_advisory=on_advisory, on_step=on_step)
+
+
+def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+        budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None, advisories: str | None = None,
+        on_advisory: Callable[[Advisory], Any] | None = None,
+        on_step: Callable[[StepEvent], Any] | None = None) -> Any:
+    """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise ValidationError("run() was called inside a running event loop",
+                              hint="Use `await run_async(...)` inside async code.", docs="docs/running.md")
+    return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
+                                 checkpoint_every=checkpoint_every, advisories=advisories,
+                                 on_advisory=on_advisory, on_step=on_step))
+
+
+class RunHook:
+    """Lets the CLI watch every `run()` a script makes (its live progress view)."""
+
+    def __init__(self, listener: Callable[[StepEvent], Any]) -> None:
+        self.listener = listener
+
+    def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
+        def both(event: StepEvent) -> None:
+            self.listener(event)
+            if on_step is not None:
+                on_step(event)
+        return both
+
+
+_run_hook: RunHook | None = None
+
+
+def set_run_hook(hook: RunHook | None) -> None:
+    """Install (or remove) the process-wide step listener the CLI uses."""
+    global _run_hook
+    _run_hook = hook

@@ -1,0 +1,154 @@
+"""Every error durably raises: a `DurablyError` carrying `hint` (the next move) and `docs`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DOCS = "docs/errors.md"
+
+
+class DurablyError(Exception):
+    """Base of every operational error; `hint` says what to do next, `docs` where to read more."""
+
+    default_hint = "See the docs for this error."
+    anchor = "durablyerror"
+
+    def __init__(self, message: str, *, hint: str | None = None, docs: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint or self.default_hint
+        self.docs = docs or f"{DOCS}#{self.anchor}"
+        self.details = details
+        for name, value in details.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def describe(self) -> str:
+        """The message, the hint and the docs on three lines, as the CLI prints them."""
+        return f"{type(self).__name__}: {self.message}\n  hint: {self.hint}\n  docs: {self.docs}"
+
+
+class ValidationError(DurablyError, ValueError):
+    """An argument or a value does not have the shape it must have."""
+
+    default_hint = "Fix the value named in the message; nothing was run or recorded."
+    anchor = "validationerror"
+
+
+class SerializationError(DurablyError, TypeError):
+    """A value crossing the durable boundary is not JSON plus datetime; `path` names where."""
+
+    default_hint = (
+        "Convert the value at the step boundary to JSON types (dict with str keys, list, str, int, "
+        "float, bool, None) or a timezone-aware datetime."
+    )
+    anchor = "serializationerror"
+
+
+class StepTimeoutError(DurablyError, TimeoutError):
+    """A step attempt ran longer than its `timeout=`; retryable."""
+
+    default_hint = "Raise `timeout=`, add `retry=`, or `attempt().stash()` progress so a retry resumes it."
+    anchor = "steptimeouterror"
+
+
+class StepFailedError(DurablyError):
+    """A recorded step failure whose exception class could not be rebuilt on replay."""
+
+    default_hint = "The step failed in an earlier process; `type_name`, `message` and `traceback` describe it."
+    anchor = "stepfailederror"
+
+
+class StepInterruptedError(DurablyError):
+    """A `replay="unsafe"` step started and never finished: its process died inside it."""
+
+    default_hint = (
+        "Check whether the external effect happened (use `operation_id` as its idempotency key), "
+        "then continue from the workflow; the step is not run again on its own."
+    )
+    anchor = "stepinterruptederror"
+
+
+class PurityError(DurablyError):
+    """The workflow did something replay cannot reproduce (its recorded step topology changed)."""
+
+    default_hint = (
+        "Keep the order of recorded steps stable; add new steps after the recorded ones, "
+        "or start over with `fresh=True`."
+    )
+    anchor = "purityerror"
+
+
+class StaleRunError(DurablyError):
+    """The run was recorded by other workflow code than the code now asked to resume it."""
+
+    default_hint = "Run with `fresh=True` to start over, or `durably adopt RUN` if the change is compatible."
+    anchor = "stalerunerror"
+
+
+class BudgetExceededError(DurablyError):
+    """Charges passed the run's budget; raised before the next step starts."""
+
+    default_hint = "Raise the budget (`budget=`) and resume the run, or spend less per step."
+    anchor = "budgetexceedederror"
+
+
+class CircuitOpenError(DurablyError):
+    """A resource's circuit breaker is open; retryable."""
+
+    default_hint = "Wait for the breaker's cooldown; steps with `retry=` back off and try again."
+    anchor = "circuitopenerror"
+
+
+class KeyConflictError(DurablyError):
+    """A run key is already bound to a run with another input."""
+
+    default_hint = "Use another `key=`, pass the same input, or `fresh=True` to rebind the key."
+    anchor = "keyconflicterror"
+
+
+class RunCancelledError(DurablyError):
+    """The run was cancelled."""
+
+    default_hint = "Start it again with `fresh=True` or `durably restart RUN`."
+    anchor = "runcancellederror"
+
+
+class LeaseLostError(DurablyError):
+    """Another process claimed this run; this process stops writing to it."""
+
+    default_hint = "The run continues in the other process; `durably inspect RUN` shows its progress."
+    anchor = "leaselosterror"
+
+
+class RunNotFoundError(DurablyError, LookupError):
+    """No run has that id or key."""
+
+    default_hint = "`durably list` shows the runs in this state dir; check `--dir`."
+    anchor = "runnotfounderror"
+
+
+class CorruptLogError(DurablyError):
+    """A run's log has a damaged line before its last; nothing was overwritten."""
+
+    default_hint = (
+        "Restore the file from a backup or move it aside; durably never rewrites a damaged log. "
+        "A torn last line alone is repaired automatically."
+    )
+    anchor = "corruptlogerror"
+
+
+class WorkflowFailedError(DurablyError):
+    """A workflow failed in another process; raised when its recorded error cannot be rebuilt."""
+
+    default_hint = "`durably inspect RUN` shows the failed step; run again to resume at it."
+    anchor = "workflowfailederror"
+
+
+class RunParkedError(DurablyError):
+    """The run is parked (waiting for a signal or a wake time) and `run()` was asked not to wait."""
+
+    default_hint = "Send the signal with `durably signal`, or run again after the wake time."
+    anchor = "runparkederror"

@@ -1,0 +1,606 @@
+"""The replay kernel: runs a workflow from the top, answering recorded steps from the log.
+
+Every `ctx.step` gets a hierarchical path when it is *called* (``"3"``, ``"4.1.0"``);
+a path with a recorded result returns it without running the function, any
+other path runs live and appends its result before returning it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import random
+import sys
+import threading
+import time
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from datetime import timedelta
+from types import CoroutineType
+from typing import TYPE_CHECKING, Any
+
+from .advisories import AdvisoryTracker, level_for
+from .clock import Clock
+from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
+from .errors import (
+    BudgetExceededError,
+    PurityError,
+    SerializationError,
+    StaleRunError,
+    StepInterruptedError,
+    StepTimeoutError,
+    ValidationError,
+)
+from .events import StepEvent
+from .history import BUDGET_KINDS, History, path_tuple
+from .policies import Retry, check_timeout
+from .result import Err, Ok
+from .schema import compile_schema
+
+if TYPE_CHECKING:
+    from .context import AttemptContext, WorkflowContext
+    from .storage.base import Lease, Storage
+    from .workflow import Workflow
+
+CO_COROUTINE = inspect.CO_COROUTINE
+NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
+DEFAULT_SYNC_STEPS = 1000
+DEFAULT_SYNC_SECONDS = 1.0
+
+
+class Crash(BaseException):  # noqa: N818 - it is not an error but a simulated process death
+    """Raised by crash injection: the run stops exactly as a killed process would."""
+
+
+class Complete(BaseException):  # noqa: N818 - control flow, not an error
+    """`ctx.complete(value)`: unwinds to the top of the workflow with its result."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+class Scope:
+    """Allocates the child paths of one sequential strand (the workflow body, a branch, a loop turn)."""
+
+    __slots__ = ("prefix", "n", "owner", "labels")
+
+    def __init__(self, prefix: str, owner: asyncio.Task[Any] | None) -> None:
+        self.prefix = prefix
+        self.n = 0
+        self.owner = owner
+        self.labels: dict[str, int] = {}
+
+    def alloc(self) -> str:
+        path = f"{self.prefix}{self.n}"
+        self.n += 1
+        return path
+
+
+current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
+current_attempt: contextvars.ContextVar[AttemptContext] = contextvars.ContextVar("durably_attempt")
+
+Selector = tuple[int, ...] | str | tuple[str, int]
+
+
+def label_of(fn: Callable[..., Any]) -> str:
+    """The default step label: the callable's qualified name."""
+    target = getattr(fn, "func", fn)
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return bool(code.co_flags & CO_COROUTINE)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+class StepOptions:
+    """Validated options of one `ctx.step` call."""
+
+    __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe")
+
+    def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
+                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any) -> None:
+        if retry is not None and not isinstance(retry, Retry):
+            raise ValidationError(f"retry= of step {label!r} must be a Retry(...), got {retry!r}",
+                                  hint="Use retry=Retry(3, backoff='exponential').", docs="docs/policies.md#retry")
+        if compensate is not None and not callable(compensate):
+            raise ValidationError(f"compensate= of step {label!r} must be callable, got {compensate!r}",
+                                  hint="Pass a function that takes the step's output and undoes it.",
+                                  docs="docs/policies.md#compensation")
+        if replay not in ("safe", "unsafe"):
+            raise ValidationError(f"replay= of step {label!r} must be 'safe' or 'unsafe', got {replay!r}",
+                                  hint="replay='unsafe' stops a resumed run from re-running an interrupted step.",
+                                  docs="docs/policies.md#replay")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValidationError(f"concurrency_limit= of step {label!r} must be an int >= 1",
+                                  hint="concurrency_limit caps the steps sharing a concurrency_key.",
+                                  docs="docs/policies.md#concurrency-keys")
+        if concurrency_limit is not None and concurrency_key is None:
+            raise ValidationError(f"step {label!r} sets concurrency_limit= without concurrency_key=",
+                                  hint="Name the shared key, e.g. concurrency_key=host, concurrency_limit=5.",
+                                  docs="docs/policies.md#concurrency-keys")
+        self.retry = retry
+        self.timeout = check_timeout(timeout, f"timeout= of step {label!r}")
+        self.compensate = compensate
+        self.concurrency_key = concurrency_key
+        self.concurrency_limit = concurrency_limit
+        self.uses = uses
+        self.schema = compile_schema(schema, f"schema of step {label!r}")
+        self.unsafe = replay == "unsafe"
+
+
+PLAIN = StepOptions("", None, None, None, None, None, None, None, "safe")
+
+
+class RunKernel:
+    """One live execution of one run: owns its lease and appends its records."""
+
+    def __init__(self, *, engine: Any, storage: Storage, lease: Lease, history: History, workflow: Workflow,
+                 input: Any, clock: Clock, executor: Executor, checkpoint_every: int | None,
+                 on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
+                 crash_after: Selector | None = None, crash_in_step: Selector | None = None) -> None:
+        self.engine = engine
+        self.storage = storage
+        self.lease = lease
+        self.history = history
+        self.run_id: str = history.header["run_id"]
+        self.workflow = workflow
+        self.input = input
+        self.clock = clock
+        self.executor = executor
+        self.on_step = on_step
+        self.advisories = advisories
+        self.done = history.done
+        self.code_changed = history.header.get("fingerprint") != workflow.fingerprint
+        self.budget: dict[str, float] | None = history.budget
+        self.spent = history.spent()
+        self.lock = threading.Lock()
+        self.sync_every = checkpoint_every or DEFAULT_SYNC_STEPS
+        self.sync_by_time = checkpoint_every is None
+        self.unsynced = 0
+        self.last_sync = time.monotonic()
+        self.syncs = 0
+        self.dead = False
+        self.crash_after = crash_after
+        self.crash_in_step = crash_in_step
+        self.label_seen: dict[str, int] = {}
+        self.executions: dict[str, int] = {}
+        self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
+        self.retries = 0
+        self.recent: list[bool] = []
+        self.ctx: WorkflowContext | None = None
+
+    # ---- writing -------------------------------------------------------------------------------
+    def write(self, rec: dict[str, Any]) -> None:
+        """Append one record (thread-safe); in a crashed run nothing more is written."""
+        if self.dead:
+            raise Crash()
+        data = encode_line(rec)
+        with self.lock:
+            self.storage.append(self.lease, data)
+        self.history.add(rec)
+
+    def step_done(self) -> None:
+        """Count a completed step and fsync when the checkpoint policy says so."""
+        self.unsynced += 1
+        if self.unsynced >= self.sync_every or (
+            self.sync_by_time and time.monotonic() - self.last_sync >= DEFAULT_SYNC_SECONDS
+        ):
+            self.sync()
+
+    def sync(self) -> None:
+        """Make everything written so far survive a machine crash."""
+        if self.dead:
+            return
+        with self.lock:
+            self.storage.sync(self.lease)
+        self.syncs += 1
+        self.unsynced = 0
+        self.last_sync = time.monotonic()
+
+    # ---- events ---------------------------------------------------------------------------------
+    def emit(self, path: str, label: str, status: str, attempt: int, ms: float | None = None,
+             error: BaseException | None = None) -> None:
+        """Tell the `on_step` listener; a listener that raises never fails the run."""
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(StepEvent(self.run_id, path_tuple(path), label, status, attempt,  # type: ignore[arg-type]
+                                   self.executions.get(path, 0), ms, error))
+        except Exception:  # noqa: BLE001 - listeners must never fail the run
+            pass
+
+    def advise(self, code: str, measure: float, msg: str) -> None:
+        """Report an advisory when `measure` crosses one of the code's thresholds; store emissions."""
+        level = level_for(code, measure)
+        if level is None:
+            return
+        emitted = self.advisories.report(code, level, msg)
+        if emitted is not None and not self.dead:
+            self.write({"t": "adv", "a": emitted.to_dict()})
+
+    # ---- crash injection ----------------------------------------------------------------------
+    @staticmethod
+    def matches(selector: Selector | None, path: str, label: str, nth: int) -> bool:
+        if selector is None:
+            return False
+        if isinstance(selector, str):
+            return selector == label
+        if len(selector) == 2 and isinstance(selector[0], str):
+            return selector[0] == label and selector[1] == nth
+        return tuple(selector) == path_tuple(path)
+
+    def crash(self) -> None:
+        self.dead = True
+        raise Crash()
+
+    # ---- steps ----------------------------------------------------------------------------------
+    def scope(self) -> Scope:
+        """The calling strand's scope; paths may only be allocated by the task that owns it."""
+        try:
+            scope = current_scope.get()
+        except LookupError:
+            raise PurityError("ctx was used outside its running workflow",
+                              hint="Call ctx methods only while the workflow function runs.") from None
+        if scope.owner is not None and scope.owner is not asyncio.current_task():
+            raise PurityError(
+                "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
+                "coroutines that call ctx.step), so its path would depend on scheduling",
+                hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
+                     "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
+                docs="docs/authoring.md#paths",
+            )
+        return scope
+
+    def check_label(self, path: str, rec: dict[str, Any], label: str) -> None:
+        recorded = rec["l"]
+        if recorded == label:
+            return
+        where = f"step path {path_tuple(path)}: recorded as {recorded!r}, now called {label!r}"
+        if self.code_changed:
+            raise StaleRunError(
+                f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
+                hint=f"Restore the old step order, or start over with fresh=True (`durably restart {self.run_id}`).",
+                run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label)
+        raise PurityError(
+            f"the workflow took another branch on replay; at {where}",
+            hint="Keep workflow code between steps deterministic: read time, randomness and I/O through "
+                 "ctx.now()/ctx.random()/ctx.step(), or start over with fresh=True.",
+            run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label)
+
+    def step(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None,
+             opts: StepOptions) -> Awaitable[Any]:
+        """Allocate the step's path now; return an awaitable that replays or runs it."""
+        if not callable(fn):
+            raise ValidationError(f"ctx.step needs a callable, got {fn!r}",
+                                  hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
+                                  docs="docs/authoring.md#steps")
+        scope = self.scope()
+        path = scope.alloc()
+        label = name or label_of(fn)
+        count = scope.labels[label] = scope.labels.get(label, 0) + 1
+        if count == 100 or count == 1000:
+            self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran in one strand")
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, label)
+            return self.replay(path, rec, opts)
+        return self.execute(path, label, fn, args, opts)
+
+    async def replay(self, path: str, rec: dict[str, Any], opts: StepOptions) -> Any:
+        if self.on_step is not None:
+            self.emit(path, rec["l"], "replayed", rec.get("a", 1), rec.get("ms"))
+        if rec["t"] == "err":
+            raise load_error(rec["e"])
+        value = load_value(rec["v"])
+        if opts.schema is not None:
+            value = opts.schema.convert(value, "output")
+        if opts.compensate is not None:
+            self.compensations[path] = (opts.compensate, value, rec["l"])
+        return value
+
+    def check_budget(self) -> None:
+        if self.budget is None:
+            return
+        for kind, limit in self.budget.items():
+            if self.spent[kind] > limit:
+                raise BudgetExceededError(
+                    f"run {self.run_id} spent {self.spent[kind]:g} {kind}, over its budget of {limit:g}",
+                    hint="Resume with a larger budget=, e.g. run(..., budget={'%s': %g}); the spend so far is kept."
+                         % (kind, limit * 2),
+                    kind=kind, spent=self.spent[kind], limit=limit)
+
+    async def execute(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                      opts: StepOptions) -> Any:
+        from .context import AttemptContext
+
+        self.check_budget()
+        nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
+        prior = self.history.fails.get(path)
+        number = prior["a"] + 1 if prior else 1
+        if prior is not None:
+            await self.clock.sleep_until(from_iso(prior["next"]))
+        if opts.unsafe:
+            started = self.history.starts.get(path)
+            if started is not None:
+                error = StepInterruptedError(
+                    f"step {label!r} at path {path_tuple(path)} started in an earlier process and never finished",
+                    path=list(path_tuple(path)), label=label, operation_id=f"{self.run_id}/{path}")
+                self.write({"t": "err", "p": path, "l": label, "a": started.get("a", number), "e": dump_error(error),
+                            "ts": time.time()})
+                self.emit(path, label, "failed", number, error=error)
+                raise error
+        limiter = self.engine.limiter(opts) if opts.concurrency_key or opts.uses else None
+        if limiter is not None:
+            await limiter.acquire(self)
+        try:
+            return await self._attempts(path, label, fn, args, opts, number, nth, AttemptContext)
+        finally:
+            if limiter is not None:
+                limiter.release()
+
+    async def _attempts(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                        opts: StepOptions, number: int, nth: int, attempt_cls: type[AttemptContext]) -> Any:
+        is_async = _is_async(fn)
+        while True:
+            if opts.unsafe:
+                self.write({"t": "start", "p": path, "l": label, "a": number, "ts": time.time()})
+                self.sync()
+            stash = self.history.stashes.get(path)
+            att = attempt_cls(self, path, number, load_value(stash["v"]) if stash else None)
+            token = current_attempt.set(att)
+            self.executions[path] = self.executions.get(path, 0) + 1
+            if self.on_step is not None:
+                self.emit(path, label, "running", number)
+            self.clock.busy += 1
+            started = time.perf_counter()
+            try:
+                if opts.timeout is None and is_async:
+                    value = fn(*args)
+                    if type(value) is CoroutineType or inspect.isawaitable(value):
+                        value = await value
+                elif opts.timeout is None:
+                    value = await self._invoke(fn, args, is_async)
+                else:
+                    try:
+                        value = await asyncio.wait_for(self._invoke(fn, args, is_async), opts.timeout)
+                    except TimeoutError:
+                        att.cancel()
+                        raise StepTimeoutError(
+                            f"step {label!r} timed out after {opts.timeout:g}s (attempt {number})",
+                            path=list(path_tuple(path)), label=label, timeout=opts.timeout) from None
+                if self.crash_in_step is not None and self.matches(self.crash_in_step, path, label, nth):
+                    self.crash()
+                wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
+                value = load_value(wire)
+                if opts.schema is not None:
+                    value = opts.schema.convert(value, "output")
+            except (Crash, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                ms = (time.perf_counter() - started) * 1000
+                self.clock.busy -= 1
+                current_attempt.reset(token)
+                if isinstance(exc, SerializationError):
+                    exc.add_note(f"returned by step {label!r} at path {path_tuple(path)}")
+                await self._failed(path, label, opts, number, ms, exc, att)
+                number += 1
+                continue
+            ms = (time.perf_counter() - started) * 1000
+            self.clock.busy -= 1
+            current_attempt.reset(token)
+            self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": number, "ms": ms, "ts": time.time()})
+            self.step_done()
+            if opts.compensate is not None:
+                self.compensations[path] = (opts.compensate, value, label)
+            if self.on_step is not None:
+                self.emit(path, label, "ok", number, ms)
+            if ms >= 60_000 and opts.timeout is None:
+                self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
+            self._outcome(True)
+            if self.crash_after is not None and self.matches(self.crash_after, path, label, nth):
+                self.crash()
+            return value
+
+    async def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...], is_async: bool) -> Any:
+        if is_async:
+            value = fn(*args)
+        else:
+            loop = asyncio.get_running_loop()
+            value = await loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+        if inspect.isawaitable(value):
+            value = await value
+        return value
+
+    def _outcome(self, ok: bool) -> None:
+        if self.retries:
+            self.recent.append(ok)
+            del self.recent[:-20]
+
+    async def _failed(self, path: str, label: str, opts: StepOptions, number: int, ms: float,
+                      exc: Exception, att: AttemptContext) -> None:
+        """Record a failed attempt; wait out the backoff and return to retry, or raise to fail the step."""
+        retry: Retry | None = opts.retry
+        self._outcome(False)
+        if ms >= 30_000 and not att.did_stash:
+            self.advise("STASH_SUGGESTED", ms / 1000,
+                        f"step {label!r} ran {ms / 1000:.0f}s and failed without stashing progress")
+        if retry is None or number >= retry.attempts or isinstance(exc, NOT_RETRYABLE):
+            self.write({"t": "err", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
+                        "ts": time.time()})
+            self.step_done()
+            self.emit(path, label, "failed", number, ms, exc)
+            raise exc
+        delay = retry.delay(number)
+        wake = self.clock.now() + timedelta(seconds=delay)
+        self.write({"t": "fail", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
+                    "next": to_iso(wake), "ts": time.time()})
+        self.retries += 1
+        self.emit(path, label, "retrying", number, ms, exc)
+        failing = self.recent.count(False) / max(len(self.recent), 1)
+        if failing >= 0.5:
+            self.advise("RETRY_STORM", self.retries, f"{self.retries} retries in this run; "
+                        f"{failing:.0%} of recent attempts failed")
+        await self.clock.sleep_until(wake)
+
+    # ---- recorded values and the rest of the context --------------------------------------------
+    def recorded(self, label: str, make: Callable[[], Any]) -> Any:
+        """A value recorded once at the next path (ctx.now/random/uuid): live it is made, on replay read."""
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, label)
+            return load_value(rec["v"])
+        wire = dump_value(make(), label)
+        self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+        self.step_done()
+        return load_value(wire)
+
+    def now(self) -> Any:
+        return self.recorded("ctx.now", self.clock.now)
+
+    def random(self) -> float:
+        return self.recorded("ctx.random", random.random)
+
+    def uuid(self) -> str:
+        return self.recorded("ctx.uuid", lambda: str(uuidlib.uuid4()))
+
+    def replaying(self) -> bool:
+        """True while the calling strand is still before the end of its recorded steps."""
+        try:
+            scope = current_scope.get()
+        except LookupError:
+            return False
+        return f"{scope.prefix}{scope.n}" in self.done
+
+    def charge(self, amounts: dict[str, float]) -> None:
+        """Record spend; inside a step it is always new spend, in the workflow body it replays once."""
+        for kind, amount in amounts.items():
+            if kind not in BUDGET_KINDS:
+                raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
+                                      docs="docs/policies.md#budgets")
+            if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount >= 0:
+                raise ValidationError(f"charge {kind}={amount!r} must be a non-negative number",
+                                      hint="Charge what was spent, e.g. ctx.charge(usd=0.02, tokens=1200).",
+                                      docs="docs/policies.md#budgets")
+        amounts = {k: float(v) for k, v in amounts.items() if v}
+        att = current_attempt.get(None)
+        if att is not None and att.kernel is self:
+            path = f"{att.path}@{uuidlib.uuid4().hex[:12]}"
+        else:
+            path = "$" + self.scope().alloc()
+            if path in self.history.charges:
+                return
+        self.write({"t": "charge", "p": path, "c": amounts, "ts": time.time()})
+        for kind, amount in amounts.items():
+            self.spent[kind] += amount
+            if self.budget and kind in self.budget and self.budget[kind] > 0:
+                self.advise("BUDGET_NEAR", self.spent[kind] / self.budget[kind],
+                            f"spent {self.spent[kind]:g} of the {self.budget[kind]:g} {kind} budget")
+
+    def annotate(self, values: dict[str, Any]) -> None:
+        """Attach JSON values to the run (shown by inspect); the latest value of a name wins."""
+        wire = dump_value(values, "annotations")
+        if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
+            self.write({"t": "note", "n": wire})
+
+    def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]:
+        """Allocate a path for the fan-out now; each branch runs under its own prefix."""
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                        or concurrency < 1):
+            raise ValidationError(f"ctx.parallel concurrency= must be an int >= 1, got {concurrency!r}",
+                                  hint="Omit concurrency= to run every branch at once.",
+                                  docs="docs/authoring.md#parallel")
+        items = list(items)
+        for i, item in enumerate(items):
+            if not (inspect.isawaitable(item) or callable(item)):
+                raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
+                                      hint="Pass ctx.step(...) awaitables or zero-argument callables.",
+                                      docs="docs/authoring.md#parallel")
+        prefix = self.scope().alloc()
+        if len(items) >= 1000:
+            self.advise("FANOUT_CEILING", len(items), f"ctx.parallel with {len(items)} branches")
+        return self._parallel(prefix, items, concurrency)
+
+    async def _parallel(self, prefix: str, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def branch(i: int, item: Any) -> Ok[Any] | Err:
+            current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
+            if gate is not None:
+                await gate.acquire()
+            try:
+                value = item() if callable(item) and not inspect.isawaitable(item) else item
+                if inspect.isawaitable(value):
+                    value = await value
+                return Ok(value)
+            except Exception as exc:  # noqa: BLE001 - a branch failure is its Err result
+                return Err(exc)
+            finally:
+                if gate is not None:
+                    gate.release()
+
+        tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    # ---- the whole run ------------------------------------------------------------------------
+    async def compensate(self, error: BaseException) -> None:
+        """Run the compensations of completed steps in reverse completion order, each once, durably."""
+        order = {p: i for i, p in enumerate(self.done)}
+        failures = []
+        for path in sorted(self.compensations, key=lambda p: order.get(p, -1), reverse=True):
+            if path in self.history.comps or path not in self.done:
+                continue
+            fn, value, label = self.compensations[path]
+            try:
+                out = await self._invoke(fn, (value,), _is_async(fn))
+                del out
+            except (Crash, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded and reported, the others still run
+                self.write({"t": "comp", "p": path, "ok": False, "e": dump_error(exc), "ts": time.time()})
+                failures.append(f"compensation of step {label!r} at {path_tuple(path)} failed: "
+                                f"{type(exc).__name__}: {exc}")
+                continue
+            self.write({"t": "comp", "p": path, "ok": True, "ts": time.time()})
+        for line in failures:
+            error.add_note(line)
+            print(f"durably: {line}", file=sys.stderr)
+
+    async def run(self, ctx: WorkflowContext) -> Any:
+        """Execute the workflow body and record how it ended."""
+        self.ctx = ctx
+        current_scope.set(Scope("", asyncio.current_task()))
+        try:
+            try:
+                result = await self.workflow(ctx, self.input)
+            except Complete as done:
+                result = done.value
+            schema = self.workflow.output_schema
+            wire = dump_value(schema.to_builtins(result) if schema else result, "result")
+            value = load_value(wire)
+            if schema is not None:
+                value = schema.convert(value, "result")
+        except (Crash, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if self.dead:
+                raise Crash() from exc
+            await self.compensate(exc)
+            self.write({"t": "end", "status": "failed", "error": dump_error(exc), "ts": time.time()})
+            self.sync()
+            raise
+        self.write({"t": "end", "status": "completed", "result": wire, "ts": time.time()})
+        self.sync()
+        return value

@@ -1,0 +1,258 @@
+"""The one storage protocol every adapter implements, and the id rules they share.
+
+A run is an append-only sequence of records (JSON objects, one per line in the
+file adapter). The first record is the run header ``{"t": "run", "v": 1, ...}``.
+Adapters store and return records; they never interpret them beyond the header
+and the last record (for `list_runs`). The kernel encodes records to bytes once
+(``msgspec``) and hands the adapter complete newline-terminated lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from ..errors import CorruptLogError, ValidationError
+
+LOG_VERSION = 1
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_KEY_LEN = 512
+
+
+def validate_run_id(run_id: object) -> str:
+    """Return `run_id` if it is a safe run id, else raise `ValidationError` (no path can escape the state dir)."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or ".." in run_id:
+        raise ValidationError(
+            f"invalid run id {run_id!r}: a run id is 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, without '..'",
+            hint="Copy the id from `durably list`; ids never contain slashes.",
+        )
+    return run_id
+
+
+def validate_key(key: object) -> str:
+    """Return `key` if it is a usable run key (1-512 printable characters), else raise `ValidationError`."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LEN or any(
+        ord(c) < 32 or ord(c) == 127 for c in key
+    ):
+        raise ValidationError(
+            f"invalid run key {key!r}: a key is 1-{MAX_KEY_LEN} printable characters (no control characters or NUL)",
+            hint="Pick a short readable name, e.g. key='nightly-harvest'.",
+        )
+    return key
+
+
+
+def validate_identity(identity: object) -> str:
+    """Return `identity` if it can be bound (a non-empty str without NUL); adapters hash it, never use it as a path."""
+    if not isinstance(identity, str) or not identity or "\x00" in identity:
+        raise ValidationError(
+            f"invalid run identity {identity!r}: an identity is a non-empty string without NUL",
+            hint="Pass the key (or workflow name plus canonical input) as a plain string.",
+        )
+    return identity
+
+
+def validate_owner(owner: object) -> str:
+    """Return `owner` if it is a non-empty str, so claim records always say who claimed."""
+    if not isinstance(owner, str) or not owner:
+        raise ValidationError(f"invalid lease owner {owner!r}: an owner is a non-empty string")
+    return owner
+
+
+def validate_ttl(ttl: object) -> float:
+    """Return `ttl` as seconds if it is a non-negative number, so lease expiry arithmetic cannot fail later."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl >= 0:
+        raise ValidationError(f"invalid lease ttl {ttl!r}: a ttl is a non-negative number of seconds")
+    return float(ttl)
+
+
+def validate_lines(data: object) -> bytes:
+    """Return `data` if it is bytes of complete lines (non-empty, ending in a newline), so no append can tear a line."""
+    if not isinstance(data, bytes | bytearray) or not data.endswith(b"\n"):
+        raise ValidationError(
+            f"records must be bytes of complete newline-terminated lines, got {type(data).__name__} "
+            f"ending in {bytes(data[-1:]) if isinstance(data, bytes | bytearray) else data!r}",
+            hint="Encode each record with msgspec and end it with b'\\n'.",
+        )
+    return data
+
+
+_RECORD_DECODER = msgspec.json.Decoder(dict[str, Any])
+
+
+def decode_record(line: bytes) -> dict[str, Any] | None:
+    """One line as a record, or None when it is not a JSON object (for best-effort views such as `list_runs`)."""
+    try:
+        return _RECORD_DECODER.decode(line)
+    except msgspec.DecodeError:
+        return None
+
+
+def validate_header(run_id: str, header: object) -> dict[str, Any]:
+    """The decoded header if `header` is one ``{"t": "run", ...}`` line for `run_id`, else `ValidationError`."""
+    header = validate_lines(header)
+    record = decode_record(header) if header.count(b"\n") == 1 else None
+    if record is None or record.get("t") != "run" or record.get("run_id", run_id) != run_id:
+        raise ValidationError(
+            f"invalid header for run {run_id!r}: expected one line {{\"t\": \"run\", \"run_id\": {run_id!r}, ...}}",
+            hint="Create runs through the kernel, which writes the header.",
+        )
+    return record
+
+
+def parse_log(data: bytes, where: str) -> tuple[list[dict[str, Any]], int, str | None]:
+    """Decode a log into (records, bytes of good lines, torn-tail message or None).
+
+    A last line without its newline, or that is not a JSON object, is torn: it is left out and described.
+    Any bad line before the last raises `CorruptLogError` naming `where` and the 1-based line number.
+    Blank lines are skipped. Nothing is modified: callers decide whether to truncate to the good length.
+    """
+    good = data.rfind(b"\n") + 1
+    tail = len(data) - good
+    try:
+        records = _RECORD_DECODER.decode_lines(data if tail == 0 else data[:good])
+    except msgspec.DecodeError:
+        return _parse_slowly(data, good, where)
+    if tail == 0:
+        return records, good, None
+    line_no = data.count(b"\n", 0, good) + 1
+    return records, good, f"dropped a torn last line ({tail} bytes) at line {line_no} of {where}"
+
+
+def _parse_slowly(data: bytes, good: int, where: str) -> tuple[list[dict[str, Any]], int, str | None]:
+    """Line-by-line `parse_log`, only run once the fast path failed, to find the damaged line."""
+    records: list[dict[str, Any]] = []
+    lines = data[:good].split(b"\n")[:-1]
+    has_tail = good < len(data)
+    offset = 0
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(_RECORD_DECODER.decode(line))
+            except msgspec.DecodeError as exc:
+                if number == len(lines) and not has_tail:
+                    message = f"dropped a torn last line ({len(line) + 1} bytes) at line {number} of {where}"
+                    return records, offset, message
+                raise CorruptLogError(
+                    f"line {number} of {where} is damaged ({exc}); it is not the last line, so it is not a torn write",
+                    path=where,
+                    line=number,
+                ) from None
+        offset += len(line) + 1
+    raise AssertionError("parse_log's fast path rejected a log the slow path accepts")  # pragma: no cover
+
+
+def validate_rewrite(run_id: str, data: object) -> bytes:
+    """Return `data` if it is a whole log (complete records, header first), so a compaction cannot damage a run."""
+    data = bytes(validate_lines(data))
+    try:
+        records, _, torn = parse_log(data, f"the rewrite of run {run_id}")
+    except CorruptLogError as exc:
+        raise ValidationError(str(exc)) from None
+    if torn or records[0].get("t") != "run":
+        raise ValidationError(
+            f"a rewrite of run {run_id} must be whole JSON-object lines starting with the run header",
+            hint=torn or "Put the header record first.",
+        )
+    return data
+
+
+def max_epoch(records: list[dict[str, Any]]) -> int:
+    """The highest claim epoch among `records` (0 when never claimed)."""
+    epochs = [r.get("epoch") for r in records if r.get("t") == "claim"]
+    return max((e for e in epochs if isinstance(e, int)), default=0)
+
+
+def iso_now() -> str:
+    """The current UTC time as ISO 8601, as claim records carry it."""
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def claim_line(epoch: int, owner: str) -> bytes:
+    """The claim record every adapter appends on a successful claim, as one line."""
+    return msgspec.json.encode({"t": "claim", "epoch": epoch, "owner": owner, "at": iso_now()}) + b"\n"
+
+
+def last_line(data: bytes) -> bytes:
+    """The last complete line of newline-terminated `data` (without scanning the rest)."""
+    return data[data.rfind(b"\n", 0, len(data) - 1) + 1 :]
+
+
+@dataclass
+class Lease:
+    """The right to append to one run, fenced by `epoch` (every claim bumps it)."""
+
+    run_id: str
+    owner: str
+    epoch: int
+    state: dict[str, Any] = field(default_factory=dict)  # adapter-private fencing data
+
+
+@dataclass
+class Log:
+    """A run's records as read; `torn` describes a damaged last line that was dropped, if any."""
+
+    records: list[dict[str, Any]]
+    torn: str | None = None
+
+
+@dataclass
+class RunInfo:
+    """What `list_runs` knows of one run without reading its whole log."""
+
+    run_id: str
+    header: dict[str, Any]
+    last: dict[str, Any]
+    held: bool
+    updated_at: float
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Where runs live. Appends are atomic and ordered per run; only a lease holder appends."""
+
+    def create(self, run_id: str, header: bytes) -> None:
+        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (None if unknown). A torn last line is dropped and named in `Log.torn`;
+        damage before the last line raises `CorruptLogError` naming the line."""
+
+    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+        """Take the run's lease (None while another live owner holds it). Appends a claim record
+        ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail."""
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """Extend the lease; False when it was lost to another owner."""
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up (a stale lease leaves the stored one alone)."""
+
+    def held(self, run_id: str) -> bool:
+        """True while a live owner holds the run's lease."""
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete newline-terminated record lines; `LeaseLostError` if `lease` is no longer current."""
+
+    def sync(self, lease: Lease) -> None:
+        """Make every appended record durable against a machine crash (fsync or equivalent)."""
+
+    def size(self, run_id: str) -> int:
+        """Bytes the run's log takes (what compaction is measured against)."""
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Atomically replace the whole log with `data` (compaction); all-or-nothing."""
+
+    def bind(self, identity: str, run_id: str) -> None:
+        """Point an identity (a key, or workflow + canonical input) at a run."""
+
+    def lookup(self, identity: str) -> str | None:
+        """The run an identity points at, if any."""
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, newest first."""

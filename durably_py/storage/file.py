@@ -1,0 +1,530 @@
+"""Runs as JSON-lines files under one directory; a lease is an OS file lock that dies with its process.
+
+Layout under ``dir``::
+
+    runs/<run_id>.jsonl   the log, one record per line, only ever appended to (or atomically replaced)
+    runs/<run_id>.lock    locked by the process holding the lease; the OS drops the lock if it dies
+    runs/<run_id>.owner   JSON about the last claimant (owner, pid, host, epoch, at) so others can say who holds it
+    index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
+
+Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
+non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
+make a lease taken in one thread unreleasable from another, and flock's per-open-file semantics are exactly
+what we want (a fresh open of the lock file conflicts with any holder, in this process or another). Without
+fcntl (Windows) the same calls fall back to ``filelock.FileLock(thread_local=False, is_singleton=False)``.
+Leases held by this process are also kept in a module-level registry keyed by the resolved lock path, so a
+second claim or `held` in the same process is answered without relying on platform lock semantics.
+
+Appends are fenced by the log's size: each lease remembers how long the log should be, and an append first
+checks ``os.fstat`` of its descriptor (size, and that the file was not replaced) before one ``os.write``.
+The time-to-live of `claim` and `heartbeat` is ignored: the lock lasts exactly as long as the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from .base import (
+    Lease,
+    Log,
+    RunInfo,
+    claim_line,
+    decode_record,
+    iso_now,
+    max_epoch,
+    parse_log,
+    validate_header,
+    validate_identity,
+    validate_lines,
+    validate_owner,
+    validate_rewrite,
+    validate_run_id,
+    validate_ttl,
+)
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+_HOST = socket.gethostname()
+_CLAIM_TRIES = 3
+_registry: dict[str, _Held] = {}
+_registry_lock = threading.Lock()
+
+
+class _OsLock:
+    """A non-blocking lock on one file that the OS releases when the holding process dies."""
+
+    __slots__ = ("path", "_fd", "_filelock")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._filelock: Any = None
+
+    def acquire(self, *, shared: bool = False, create: bool = True) -> bool:
+        """Try once to take the lock; False if someone holds it (or the file is missing and `create` is off)."""
+        if fcntl is None:  # pragma: no cover - Windows
+            import filelock
+
+            if not create and not os.path.exists(self.path):
+                return False
+            lock = filelock.FileLock(self.path, thread_local=False, is_singleton=False)
+            try:
+                lock.acquire(blocking=False)
+            except filelock.Timeout:
+                return False
+            self._filelock = lock
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases the flock)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        if self._filelock is not None:  # pragma: no cover - Windows
+            lock, self._filelock = self._filelock, None
+            lock.release()
+
+
+def _probe(lock_path: str) -> bool:
+    """True if some process (this one included) holds the lock at `lock_path`."""
+    with _registry_lock:
+        if lock_path in _registry:
+            return True
+    probe = _OsLock(lock_path)
+    if probe.acquire(shared=True, create=False):
+        probe.release()
+        return False
+    return os.path.exists(lock_path)
+
+
+class _Held:
+    """This process's side of one lease: the lock, the append descriptor and the log size it expects."""
+
+    __slots__ = ("run_id", "log", "lock", "fd", "size", "synced", "dir_synced", "live", "mutex")
+
+    def __init__(self, run_id: str, log: Path, lock: _OsLock) -> None:
+        self.run_id = run_id
+        self.log = log
+        self.lock = lock
+        self.fd = -1
+        self.size = 0
+        self.synced = -1
+        self.dir_synced = False
+        self.live = False
+        self.mutex = threading.Lock()
+
+    def check(self) -> None:
+        """Raise `LeaseLostError` unless this lease is live and the log is exactly as this process left it."""
+        if not self.live:
+            raise LeaseLostError(f"the lease on run {self.run_id} was released", run_id=self.run_id)
+        st = os.fstat(self.fd)
+        if st.st_size != self.size or st.st_nlink == 0:
+            raise LeaseLostError(
+                f"the log of run {self.run_id} was changed by someone else ({self.log})", run_id=self.run_id
+            )
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd` (one syscall unless the OS writes short)."""
+    written = os.write(fd, data)
+    while written < len(data):
+        written += os.write(fd, memoryview(data)[written:])
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or create in directory `path` durable (a no-op where directories cannot be opened)."""
+    if os.name != "posix":  # pragma: no cover - Windows
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lost(lease: Lease) -> LeaseLostError:
+    """The error for a lease that does not belong to any file storage (or was never granted)."""
+    return LeaseLostError(f"lease on run {lease.run_id} is not a live file-storage lease", run_id=lease.run_id)
+
+
+class FileStorage:
+    """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
+
+    def __init__(self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576) -> None:
+        self.dir = Path(dir)
+        self.runs_dir = self.dir / "runs"
+        self.index_dir = self.dir / "index"
+        self.compact_above_bytes = compact_above_bytes
+        self.fsyncs = 0
+        self._mine: set[_Held] = set()
+
+    def __repr__(self) -> str:
+        return f"FileStorage({str(self.dir)!r})"
+
+    def _log(self, run_id: str) -> Path:
+        """The log path of a validated run id."""
+        return self.runs_dir / f"{validate_run_id(run_id)}.jsonl"
+
+    def _lock_path(self, run_id: str) -> str:
+        """The resolved lock path of a run: the key of the in-process lease registry."""
+        return os.path.realpath(self.runs_dir / f"{run_id}.lock")
+
+    def _fsync(self, fd: int) -> None:
+        """fsync and count it."""
+        os.fsync(fd)
+        self.fsyncs += 1
+
+    def _write_tmp(self, directory: Path, stem: str, data: bytes, *, durable: bool) -> Path:
+        """Write `data` to a new uniquely named hidden temp file in `directory` (fsynced if `durable`)."""
+        tmp = directory / f".{stem}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            if durable:
+                self._fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink()
+            raise
+        os.close(fd)
+        return tmp
+
+    def create(self, run_id: str, header: bytes) -> None:
+        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+        log = self._log(run_id)
+        validate_header(run_id, header)
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
+        try:
+            try:
+                os.link(tmp, log)
+            except FileExistsError:
+                raise ValidationError(
+                    f"run {run_id} already exists in {self.dir}",
+                    hint="Pick a new run id, or resume the existing run.",
+                    run_id=run_id,
+                ) from None
+            except OSError:  # pragma: no cover - filesystems without hard links
+                self._create_exclusive(log, run_id, header)
+        finally:
+            tmp.unlink()
+
+    def _create_exclusive(self, log: Path, run_id: str, header: bytes) -> None:  # pragma: no cover
+        """`create` where hard links are unavailable: O_EXCL plus a single write."""
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise ValidationError(f"run {run_id} already exists in {self.dir}", run_id=run_id) from None
+        try:
+            _write_all(fd, header)
+        finally:
+            os.close(fd)
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (None if unknown); a torn last line is dropped and named in `Log.torn`."""
+        log = self._log(run_id)
+        try:
+            with open(log, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        records, _, torn = parse_log(data, str(log))
+        return Log(records, torn)
+
+    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+        """Lock the run and append a claim record with the next epoch; None while another owner holds the lock."""
+        log = self._log(run_id)
+        validate_owner(owner)
+        validate_ttl(ttl)
+        if not log.exists():
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        lock_path = self._lock_path(run_id)
+        held = _Held(run_id, log, _OsLock(lock_path))
+        with _registry_lock:
+            if lock_path in _registry:
+                return None
+            _registry[lock_path] = held
+        try:
+            for attempt in range(_CLAIM_TRIES):
+                if held.lock.acquire():
+                    break
+                if attempt + 1 < _CLAIM_TRIES:
+                    time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
+            else:
+                self._unregister(held)
+                return None
+            epoch = self._open_claimed(held, owner)
+        except BaseException:
+            self._drop(held)
+            raise
+        self._mine.add(held)
+        return Lease(run_id, owner, epoch, {"file": held})
+
+    def _open_claimed(self, held: _Held, owner: str) -> int:
+        """With the lock taken: check the log, cut a torn tail, append the claim record; return the epoch."""
+        fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
+        held.fd = fd
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+        records, good, _ = parse_log(data, str(held.log))
+        if not records:
+            raise CorruptLogError(f"{held.log} has no header line", path=str(held.log), line=1)
+        if good < len(data):
+            os.ftruncate(fd, good)
+        epoch = max(max_epoch(records), self._sidecar_epoch(held.run_id)) + 1
+        line = claim_line(epoch, owner)
+        _write_all(fd, line)
+        held.size = good + len(line)
+        held.live = True
+        self._write_sidecar(held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()})
+        return epoch
+
+    def _sidecar_epoch(self, run_id: str) -> int:
+        """The epoch of the last claim per the owner sidecar (survives compactions that drop claim records)."""
+        info = self.holder_info(run_id)
+        epoch = info.get("epoch") if info else None
+        return epoch if isinstance(epoch, int) else 0
+
+    def _write_sidecar(self, run_id: str, info: dict[str, Any]) -> None:
+        """Atomically replace the owner sidecar (only the lock holder writes it)."""
+        path = self.runs_dir / f"{run_id}.owner"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(msgspec.json.encode(info))
+        os.replace(tmp, path)
+
+    def holder_info(self, run_id: str) -> dict[str, Any] | None:
+        """What the last claimant wrote about itself (owner, pid, host, epoch, at); meaningful while `held`."""
+        try:
+            info = msgspec.json.decode((self.runs_dir / f"{validate_run_id(run_id)}.owner").read_bytes())
+        except (FileNotFoundError, msgspec.DecodeError):
+            return None
+        return info if isinstance(info, dict) else None
+
+    def _unregister(self, held: _Held) -> None:
+        """Forget `held` in the process registry, if it is still the registered lease."""
+        with _registry_lock:
+            if _registry.get(held.lock.path) is held:
+                del _registry[held.lock.path]
+
+    def _drop(self, held: _Held) -> None:
+        """Close the lease's descriptor, release its lock and forget it."""
+        with held.mutex:
+            held.live = False
+            if held.fd >= 0:
+                fd, held.fd = held.fd, -1
+                os.close(fd)
+            held.lock.release()
+        self._unregister(held)
+        self._mine.discard(held)
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """True while the lease is live (the OS lock needs no renewal; `ttl` is ignored)."""
+        validate_ttl(ttl)
+        held = lease.state.get("file")
+        if not isinstance(held, _Held):
+            return False
+        with held.mutex:
+            try:
+                held.check()
+            except LeaseLostError:
+                return False
+        return True
+
+    def release(self, lease: Lease) -> None:
+        """Unlock the run and close the log; releasing a stale or released lease does nothing."""
+        held = lease.state.get("file")
+        if isinstance(held, _Held):
+            self._drop(held)
+
+    def held(self, run_id: str) -> bool:
+        """True while any process, this one included, holds the run's lock."""
+        validate_run_id(run_id)
+        return _probe(self._lock_path(run_id))
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete lines with one write after checking the log is as this lease left it."""
+        held = lease.state.get("file")
+        if held is None:
+            raise _lost(lease)
+        if type(data) is not bytes or not data.endswith(b"\n"):
+            validate_lines(data)
+        with held.mutex:
+            held.check()
+            try:
+                _write_all(held.fd, data)
+            except OSError:
+                self._undo_partial_write(held)
+                raise
+            held.size += len(data)
+
+    def _undo_partial_write(self, held: _Held) -> None:
+        """After a failed write, cut the log back to its last whole line, or give the lease up if that fails."""
+        try:
+            os.ftruncate(held.fd, held.size)
+        except OSError:
+            held.live = False
+
+    def sync(self, lease: Lease) -> None:
+        """fsync the log (and its directory, once per lease) unless nothing was appended since the last sync."""
+        held = lease.state.get("file")
+        if held is None:
+            raise _lost(lease)
+        with held.mutex:
+            held.check()
+            if held.synced != held.size:
+                self._fsync(held.fd)
+                held.synced = held.size
+            if not held.dir_synced:
+                _fsync_dir(self.runs_dir)
+                self.fsyncs += 1
+                held.dir_synced = True
+
+    def size(self, run_id: str) -> int:
+        """Bytes of the run's log file."""
+        log = self._log(run_id)
+        try:
+            return os.stat(log).st_size
+        except FileNotFoundError:
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id) from None
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Replace the log with `data` via a fsynced temp file and rename; the lease stays valid for appends."""
+        held = lease.state.get("file")
+        if held is None:
+            raise _lost(lease)
+        data = validate_rewrite(lease.run_id, data)
+        with held.mutex:
+            held.check()
+            tmp = held.log.with_name(held.log.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, data)
+                self._fsync(fd)
+            finally:
+                os.close(fd)
+            os.close(held.fd)
+            held.fd = -1
+            try:
+                os.replace(tmp, held.log)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            finally:
+                held.fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
+            _fsync_dir(self.runs_dir)
+            self.fsyncs += 1
+            held.size = held.synced = len(data)
+
+    def bind(self, identity: str, run_id: str) -> None:
+        """Point `identity` at `run_id` durably: index file named by the identity's SHA-256, replaced atomically."""
+        path = self._index_path(identity)
+        validate_run_id(run_id)
+        self.index_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_tmp(self.index_dir, "bind", run_id.encode(), durable=True)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.index_dir)
+        self.fsyncs += 1
+
+    def lookup(self, identity: str) -> str | None:
+        """The run `identity` is bound to, if any."""
+        try:
+            run_id = self._index_path(identity).read_bytes().decode("utf-8", "replace").strip()
+        except FileNotFoundError:
+            return None
+        try:
+            return validate_run_id(run_id)
+        except ValidationError:
+            return None
+
+    def _index_path(self, identity: str) -> Path:
+        """Where an identity's binding lives: its SHA-256, never the identity itself."""
+        return self.index_dir / hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, newest (last written) first, reading only each log's first and last lines."""
+        try:
+            names = os.listdir(self.runs_dir)
+        except FileNotFoundError:
+            return []
+        infos = []
+        for name in sorted(names):
+            run_id = name[:-6]
+            if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
+                continue
+            info = self._info(run_id)
+            if info is not None:
+                infos.append(info)
+        infos.sort(key=lambda info: info.updated_at, reverse=True)
+        return infos
+
+    def _info(self, run_id: str) -> RunInfo | None:
+        """One run's `RunInfo` from its log's ends (None if the log vanished meanwhile)."""
+        try:
+            with open(self.runs_dir / f"{run_id}.jsonl", "rb") as f:
+                st = os.fstat(f.fileno())
+                header = decode_record(f.readline()) or {}
+                last = _last_record(f, st.st_size) or header
+        except FileNotFoundError:
+            return None
+        return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime)
+
+    def close(self) -> None:
+        """Release every lease this instance still holds (for shutdown and tests)."""
+        for held in list(self._mine):
+            self._drop(held)
+
+
+def _is_run_id(name: str) -> bool:
+    """True if `name` is a valid run id (list_runs skips other files)."""
+    try:
+        validate_run_id(name)
+    except ValidationError:
+        return False
+    return True
+
+
+def _last_record(f: Any, size: int) -> dict[str, Any] | None:
+    """The last complete line of `f` that is a record, read backwards from the end in growing chunks."""
+    chunk = 4096
+    while True:
+        start = max(0, size - chunk)
+        f.seek(start)
+        buf = f.read(size - start)
+        lines = buf[: buf.rfind(b"\n") + 1].split(b"\n")[:-1]
+        for line in reversed(lines[1:] if start else lines):
+            record = decode_record(line)
+            if record is not None:
+                return record
+        if start == 0:
+            return None
+        chunk *= 8

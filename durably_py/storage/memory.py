@@ -1,0 +1,211 @@
+"""Runs in process memory, for tests and throwaway runs; same semantics as the file adapter.
+
+Each run keeps the raw bytes of its log and decodes them on read, so what goes in comes back exactly as it
+would from a file. Leases are time-based (`ttl` seconds, renewed by `heartbeat`) and fenced by epoch: a lease
+is current while no later claim happened and it was not released, even after its ttl ran out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from .base import (
+    Lease,
+    Log,
+    RunInfo,
+    claim_line,
+    decode_record,
+    last_line,
+    parse_log,
+    validate_header,
+    validate_identity,
+    validate_lines,
+    validate_owner,
+    validate_rewrite,
+    validate_run_id,
+    validate_ttl,
+)
+
+
+class _Run:
+    """One run's log bytes and lease state."""
+
+    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced")
+
+    def __init__(self, data: bytes, order: int) -> None:
+        self.data = bytearray(data)
+        self.epoch = 0
+        self.owner: str | None = None
+        self.expires = 0.0
+        self.updated = time.time()
+        self.order = order
+        self.synced = 0
+
+
+class MemoryStorage:
+    """Runs in a dict, guarded by one lock; nothing survives the process."""
+
+    def __init__(self) -> None:
+        self.compact_above_bytes: int | None = None
+        self.fsyncs = 0
+        self._runs: dict[str, _Run] = {}
+        self._index: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._order = itertools.count()
+
+    def __repr__(self) -> str:
+        return f"MemoryStorage({len(self._runs)} runs)"
+
+    def create(self, run_id: str, header: bytes) -> None:
+        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+        validate_run_id(run_id)
+        validate_header(run_id, header)
+        with self._lock:
+            if run_id in self._runs:
+                raise ValidationError(f"run {run_id} already exists in memory", run_id=run_id)
+            self._runs[run_id] = _Run(header, next(self._order))
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (None if unknown)."""
+        validate_run_id(run_id)
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return None
+            data = bytes(run.data)
+        records, _, torn = parse_log(data, f"memory run {run_id}")
+        return Log(records, torn)
+
+    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+        """Take the lease unless a live owner holds it; bumps the epoch and appends the claim record."""
+        validate_run_id(run_id)
+        validate_owner(owner)
+        validate_ttl(ttl)
+        with self._lock:
+            run = self._get(run_id)
+            now = time.monotonic()
+            if run.owner is not None and run.expires >= now:
+                return None
+            records, good, _ = parse_log(bytes(run.data), f"memory run {run_id}")
+            if not records:
+                raise CorruptLogError(f"memory run {run_id} has no header line", path=f"memory run {run_id}", line=1)
+            del run.data[good:]
+            run.epoch += 1
+            run.owner = owner
+            run.expires = now + ttl
+            self._touch(run, claim_line(run.epoch, owner))
+            return Lease(run_id, owner, run.epoch, {"memory": self})
+
+    def _get(self, run_id: str) -> _Run:
+        """The run, or `RunNotFoundError`."""
+        run = self._runs.get(run_id)
+        if run is None:
+            raise RunNotFoundError(f"no run {run_id} in memory", run_id=run_id)
+        return run
+
+    def _current(self, lease: Lease) -> _Run:
+        """The run `lease` is current for, or `LeaseLostError` (call with the lock held)."""
+        run = self._runs.get(lease.run_id)
+        if run is None or run.epoch != lease.epoch or run.owner is None or lease.state.get("memory") is not self:
+            raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+        return run
+
+    def _touch(self, run: _Run, data: bytes) -> None:
+        """Append `data` and mark the run as just updated."""
+        run.data += data
+        run.updated = time.time()
+        run.order = next(self._order)
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """Extend the lease by `ttl` seconds from now; False when it was lost."""
+        validate_ttl(ttl)
+        with self._lock:
+            try:
+                run = self._current(lease)
+            except LeaseLostError:
+                return False
+            run.expires = time.monotonic() + ttl
+            return True
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up; a stale lease leaves the current one alone."""
+        with self._lock:
+            try:
+                run = self._current(lease)
+            except LeaseLostError:
+                return
+            run.owner = None
+
+    def held(self, run_id: str) -> bool:
+        """True while an owner holds an unexpired lease."""
+        validate_run_id(run_id)
+        with self._lock:
+            run = self._runs.get(run_id)
+            return run is not None and run.owner is not None and run.expires >= time.monotonic()
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete lines; `LeaseLostError` if `lease` is no longer current."""
+        if type(data) is not bytes or not data.endswith(b"\n"):
+            validate_lines(data)
+        with self._lock:
+            self._touch(self._current(lease), data)
+
+    def sync(self, lease: Lease) -> None:
+        """Count a would-be fsync if anything was appended since the last sync (memory is never durable)."""
+        with self._lock:
+            run = self._current(lease)
+            if run.synced != len(run.data):
+                run.synced = len(run.data)
+                self.fsyncs += 1
+
+    def size(self, run_id: str) -> int:
+        """Bytes of the run's log."""
+        validate_run_id(run_id)
+        with self._lock:
+            return len(self._get(run_id).data)
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Replace the whole log with `data` (counted as one fsync, as the file adapter's is); the lease stays current."""
+        data = validate_rewrite(lease.run_id, data)
+        with self._lock:
+            run = self._current(lease)
+            run.data = bytearray(data)
+            run.synced = len(data)
+            self.fsyncs += 1
+            run.updated = time.time()
+            run.order = next(self._order)
+
+    def bind(self, identity: str, run_id: str) -> None:
+        """Point `identity` at `run_id`."""
+        validate_identity(identity)
+        validate_run_id(run_id)
+        with self._lock:
+            self._index[identity] = run_id
+
+    def lookup(self, identity: str) -> str | None:
+        """The run `identity` is bound to, if any."""
+        validate_identity(identity)
+        with self._lock:
+            return self._index.get(identity)
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, most recently updated first."""
+        now = time.monotonic()
+        with self._lock:
+            rows = [
+                (run.order, run_id, bytes(run.data[: run.data.find(b"\n") + 1]), bytes(last_line(run.data)),
+                 run.owner is not None and run.expires >= now, run.updated)
+                for run_id, run in self._runs.items()
+            ]
+        rows.sort(reverse=True)
+        infos = []
+        for _, run_id, first, last, held, updated in rows:
+            header = decode_record(first) or {}
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated))
+        return infos
+
+    def close(self) -> None:
+        """Nothing to release; present so every adapter can be closed alike."""

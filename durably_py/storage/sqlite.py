@@ -1,0 +1,302 @@
+"""Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
+
+Tables: ``runs`` (one row per run: header line, times, lease epoch/owner/expiry, last line, log size, and a
+count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
+``records`` (the log as appended chunks of lines, in ``seq`` order) and ``identities`` (identity -> run id).
+Each append is one committed transaction, so it survives a crash of the process; with ``synchronous=NORMAL``
+it may not survive a machine crash until `sync`, which commits once with ``synchronous=FULL`` (the WAL is
+fsynced, carrying every earlier commit with it) and counts that as one fsync.
+
+Leases are time-based: a claim holds for `ttl` seconds (renewed by `heartbeat`), after which another owner
+may claim. Every claim bumps the run's epoch and appends are ``UPDATE ... WHERE epoch = ?``-fenced, so an
+expired lease keeps appending only until someone else actually claims. One connection is shared by the
+threads of a process behind a lock; other processes coordinate through SQLite's own locking.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from .base import (
+    Lease,
+    Log,
+    RunInfo,
+    claim_line,
+    decode_record,
+    last_line,
+    parse_log,
+    validate_header,
+    validate_identity,
+    validate_lines,
+    validate_owner,
+    validate_rewrite,
+    validate_run_id,
+    validate_ttl,
+)
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    header BLOB NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    epoch INTEGER NOT NULL DEFAULT 0,
+    owner TEXT,
+    lease_expires REAL,
+    last BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    syncs INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS records (
+    seq INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS records_by_run ON records (run_id, seq);
+CREATE TABLE IF NOT EXISTS identities (
+    identity TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL
+);
+"""
+_FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
+
+
+class SqliteStorage:
+    """Runs as rows of one SQLite database file; the connection opens on first use."""
+
+    def __init__(self, path: str | os.PathLike[str] = ".durably/durably.db", *, timeout: float = 30.0) -> None:
+        self.path = os.fspath(path)
+        self.timeout = timeout
+        self.compact_above_bytes: int | None = None
+        self.fsyncs = 0
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.RLock()
+        self._synced: dict[tuple[str, int], int] = {}
+
+    def __repr__(self) -> str:
+        return f"SqliteStorage({self.path!r})"
+
+    def _db(self) -> sqlite3.Connection:
+        """The shared connection, opened (and the schema created) on first use; call with the lock held."""
+        if self._conn is None:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            with _transaction(conn):
+                if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._conn = conn
+        return self._conn
+
+    def close(self) -> None:
+        """Close the connection (it reopens on next use)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def create(self, run_id: str, header: bytes) -> None:
+        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+        validate_run_id(run_id)
+        validate_header(run_id, header)
+        header = bytes(header)
+        now = time.time()
+        with self._lock, _transaction(self._db()) as db:
+            try:
+                db.execute(
+                    "INSERT INTO runs (run_id, header, created, updated, last, size) VALUES (?, ?, ?, ?, ?, ?)",
+                    (run_id, header, now, now, header, len(header)),
+                )
+            except sqlite3.IntegrityError:
+                raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
+
+    def _log_bytes(self, db: sqlite3.Connection, run_id: str) -> bytes:
+        """The whole log of a run as one byte string."""
+        rows = db.execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
+        return b"".join(row[0] for row in rows)
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (None if unknown)."""
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db(), "BEGIN") as db:
+            if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+                return None
+            data = self._log_bytes(db, run_id)
+        records, _, torn = parse_log(data, self._where(run_id))
+        return Log(records, torn)
+
+    def _where(self, run_id: str) -> str:
+        """How errors name a run's log."""
+        return f"run {run_id} in {self.path}"
+
+    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+        """Take the lease if it is free, released or expired; bumps the epoch and appends the claim record."""
+        validate_run_id(run_id)
+        validate_owner(owner)
+        validate_ttl(ttl)
+        with self._lock, _transaction(self._db()) as db:
+            row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+            epoch, holder, expires = row
+            now = time.time()
+            if holder is not None and expires >= now:
+                return None
+            data = self._log_bytes(db, run_id)
+            records, good, _ = parse_log(data, self._where(run_id))
+            if not records:
+                raise CorruptLogError(f"{self._where(run_id)} has no header line", path=self._where(run_id), line=1)
+            if good < len(data):
+                db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
+                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
+            epoch += 1
+            line = claim_line(epoch, owner)
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+            db.execute(
+                "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
+                " WHERE run_id = ?",
+                (epoch, owner, now + ttl, now, line, good + len(line), run_id),
+            )
+        return Lease(run_id, owner, epoch, {"sqlite": self})
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """Extend the lease to `ttl` seconds from now; False when it was lost."""
+        validate_ttl(ttl)
+        if lease.state.get("sqlite") is not self:
+            return False
+        with self._lock, _transaction(self._db()) as db:
+            cur = db.execute(
+                f"UPDATE runs SET lease_expires = ? WHERE {_FENCE}", (time.time() + ttl, lease.run_id, lease.epoch)
+            )
+            return cur.rowcount > 0
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up; a stale lease leaves the current one alone."""
+        if lease.state.get("sqlite") is not self:
+            return
+        with self._lock, _transaction(self._db()) as db:
+            db.execute(f"UPDATE runs SET owner = NULL, lease_expires = NULL WHERE {_FENCE}", (lease.run_id, lease.epoch))
+            self._synced.pop((lease.run_id, lease.epoch), None)
+
+    def held(self, run_id: str) -> bool:
+        """True while an owner holds an unexpired lease."""
+        validate_run_id(run_id)
+        with self._lock:
+            row = self._db().execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return row is not None and row[0] is not None and row[1] >= time.time()
+
+    def _fenced(self, db: sqlite3.Connection, lease: Lease, sets: str, params: tuple[object, ...]) -> None:
+        """Run ``UPDATE runs SET <sets>`` for the lease's row, or raise `LeaseLostError` if it is not current."""
+        if lease.state.get("sqlite") is not self:
+            raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+        cur = db.execute(f"UPDATE runs SET {sets} WHERE {_FENCE}", (*params, lease.run_id, lease.epoch))
+        if cur.rowcount == 0:
+            raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete lines in one committed transaction, fenced by the lease's epoch."""
+        if type(data) is not bytes or not data.endswith(b"\n"):
+            validate_lines(data)
+        data = bytes(data)
+        with self._lock, _transaction(self._db()) as db:
+            self._fenced(db, lease, "updated = ?, last = ?, size = size + ?", (time.time(), last_line(data), len(data)))
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+
+    def sync(self, lease: Lease) -> None:
+        """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
+        key = (lease.run_id, lease.epoch)
+        with self._lock:
+            db = self._db()
+            row = db.execute("SELECT size FROM runs WHERE " + _FENCE, (lease.run_id, lease.epoch)).fetchone()
+            if row is not None and self._synced.get(key) == row[0] and lease.state.get("sqlite") is self:
+                return
+            with _durable(self, db) as tx:
+                self._fenced(tx, lease, "syncs = syncs + 1", ())
+            self._synced[key] = row[0]
+
+    def size(self, run_id: str) -> int:
+        """Bytes of the run's log."""
+        validate_run_id(run_id)
+        with self._lock:
+            row = self._db().execute("SELECT size FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+        return row[0]
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Replace the whole log with `data` in one durable transaction; the lease stays current."""
+        data = validate_rewrite(lease.run_id, data)
+        header = data[: data.index(b"\n") + 1]
+        with self._lock, _durable(self, self._db()) as db:
+            self._fenced(
+                db, lease, "header = ?, last = ?, size = ?, updated = ?", (header, last_line(data), len(data), time.time())
+            )
+            db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+            self._synced[(lease.run_id, lease.epoch)] = len(data)
+
+    def bind(self, identity: str, run_id: str) -> None:
+        """Point `identity` at `run_id`."""
+        validate_identity(identity)
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db()) as db:
+            db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)", (identity, run_id))
+
+    def lookup(self, identity: str) -> str | None:
+        """The run `identity` is bound to, if any."""
+        validate_identity(identity)
+        with self._lock:
+            row = self._db().execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
+        return None if row is None else row[0]
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, most recently updated first."""
+        now = time.time()
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT run_id, header, last, owner, lease_expires, updated FROM runs ORDER BY updated DESC, rowid DESC"
+            ).fetchall()
+        infos = []
+        for run_id, header_line, last, owner, expires, updated in rows:
+            header = decode_record(header_line) or {}
+            held = owner is not None and expires is not None and expires >= now
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated))
+        return infos
+
+
+@contextmanager
+def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
+    """Run the body in one transaction (a write lock up front by default); commit on success, else roll back."""
+    db.execute(begin)
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+@contextmanager
+def _durable(storage: SqliteStorage, db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A write transaction committed with ``synchronous=FULL`` (an fsync of the WAL), counted in `fsyncs`."""
+    db.execute("PRAGMA synchronous=FULL")
+    try:
+        with _transaction(db):
+            yield db
+    finally:
+        db.execute("PRAGMA synchronous=NORMAL")
+    storage.fsyncs += 1

@@ -1,0 +1,548 @@
+"""One conformance suite for every storage adapter, plus what only the file adapter promises."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from durably_py.errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from durably_py.storage import (
+    LOG_VERSION,
+    FileStorage,
+    Lease,
+    Log,
+    MemoryStorage,
+    RunInfo,
+    SqliteStorage,
+    Storage,
+    validate_run_id,
+)
+
+LONG = 3600.0
+BAD_IDS: list[Any] = ["../x", "a/b", "x\x00", "", ".", "..", "a" * 200, 7, None, b"abc", "a..b", "-x"]
+
+
+def header(run_id: str, **extra: Any) -> bytes:
+    """A run header line as the kernel writes it."""
+    record = {"t": "run", "v": LOG_VERSION, "run_id": run_id, "workflow": "wf", "key": None, "created_at": "2024"}
+    return msgspec.json.encode(record | extra) + b"\n"
+
+
+def line(**record: Any) -> bytes:
+    """One record line."""
+    return msgspec.json.encode(record) + b"\n"
+
+
+def make(kind: str, tmp_path: Path) -> Any:
+    """A fresh adapter of `kind` rooted in `tmp_path`."""
+    if kind == "file":
+        return FileStorage(tmp_path / "state")
+    if kind == "memory":
+        return MemoryStorage()
+    return SqliteStorage(tmp_path / "state" / "durably.db")
+
+
+@pytest.fixture(params=["file", "memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    adapter = make(request.param, tmp_path)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Any:
+    adapter = FileStorage(tmp_path / "state")
+    yield adapter
+    adapter.close()
+
+
+def started(store: Any, run_id: str = "r1", owner: str = "me") -> Lease:
+    """Create and claim a run."""
+    store.create(run_id, header(run_id))
+    lease = store.claim(run_id, owner, LONG)
+    assert lease is not None
+    return lease
+
+
+def kinds(records: list[dict[str, Any]]) -> list[str]:
+    return [r["t"] for r in records]
+
+
+# -- conformance: every adapter ------------------------------------------------------------------------------
+
+
+def test_is_a_storage(store: Any) -> None:
+    assert isinstance(store, Storage)
+    assert isinstance(store.fsyncs, int)
+    assert store.compact_above_bytes is None or store.compact_above_bytes > 0
+
+
+def test_compact_above_bytes_defaults(tmp_path: Path) -> None:
+    assert FileStorage(tmp_path).compact_above_bytes == 1_048_576
+    assert FileStorage(tmp_path, compact_above_bytes=None).compact_above_bytes is None
+    assert MemoryStorage().compact_above_bytes is None
+    assert SqliteStorage(tmp_path / "d.db").compact_above_bytes is None
+
+
+def test_create_read_round_trip(store: Any) -> None:
+    store.create("r1", header("r1", key="nightly/../x"))
+    log = store.read("r1")
+    assert isinstance(log, Log)
+    assert log.torn is None
+    assert log.records == [msgspec.json.decode(header("r1", key="nightly/../x"))]
+    assert store.size("r1") == len(header("r1", key="nightly/../x"))
+
+
+def test_duplicate_create_is_rejected(store: Any) -> None:
+    store.create("r1", header("r1"))
+    with pytest.raises(ValidationError, match="already exists"):
+        store.create("r1", header("r1"))
+    assert len(store.read("r1").records) == 1
+
+
+@pytest.mark.parametrize(
+    "bad", [b"", b'{"t":"run"}', b'{"t":"step"}\n', b"[1]\n", b'{"t":"run","run_id":"other"}\n', "str\n", b'{"t":"run"}\n{}\n']
+)
+def test_create_rejects_bad_headers(store: Any, bad: Any) -> None:
+    with pytest.raises(ValidationError):
+        store.create("r1", bad)
+    assert store.read("r1") is None
+
+
+def test_unknown_run(store: Any) -> None:
+    assert store.read("nope") is None
+    assert store.held("nope") is False
+    assert store.lookup("some key") is None
+    with pytest.raises(RunNotFoundError):
+        store.claim("nope", "me", LONG)
+    with pytest.raises(RunNotFoundError):
+        store.size("nope")
+    assert store.list_runs() == []
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_invalid_run_ids_are_rejected_everywhere(store: Any, bad: Any) -> None:
+    with pytest.raises(ValidationError):
+        validate_run_id(bad)
+    with pytest.raises(ValidationError):
+        store.create(bad, header("r1"))
+    for call in (store.read, store.held, store.size, lambda r: store.claim(r, "me", LONG), lambda r: store.bind("k", r)):
+        with pytest.raises(ValidationError):
+            call(bad)
+    assert store.list_runs() == []
+
+
+def test_claim_epochs_increase_and_claims_are_recorded(store: Any) -> None:
+    first = started(store, owner="alice")
+    assert first.epoch == 1 and first.owner == "alice" and first.run_id == "r1"
+    store.release(first)
+    second = store.claim("r1", "bob", LONG)
+    assert second is not None and second.epoch == 2
+    records = store.read("r1").records
+    assert kinds(records) == ["run", "claim", "claim"]
+    assert [(r["epoch"], r["owner"]) for r in records[1:]] == [(1, "alice"), (2, "bob")]
+    assert all(r["at"].endswith("+00:00") for r in records[1:])
+
+
+def test_second_claim_while_held(store: Any) -> None:
+    lease = started(store)
+    assert store.held("r1") is True
+    assert store.claim("r1", "other", LONG) is None
+    assert store.claim("r1", "me", LONG) is None
+    assert kinds(store.read("r1").records) == ["run", "claim"]
+    store.release(lease)
+    assert store.held("r1") is False
+    assert store.claim("r1", "other", LONG).epoch == 2
+
+
+def test_append_round_trip_in_order(store: Any) -> None:
+    lease = started(store)
+    store.append(lease, line(t="step", i=0))
+    store.append(lease, line(t="step", i=1) + line(t="step", i=2, v={"a": [1, "é", None]}))
+    records = store.read("r1").records
+    assert kinds(records) == ["run", "claim", "step", "step", "step"]
+    assert [r["i"] for r in records[2:]] == [0, 1, 2]
+    assert records[-1]["v"] == {"a": [1, "é", None]}
+
+
+@pytest.mark.parametrize("bad", [b"", b'{"t":"x"}', "text\n"])
+def test_append_needs_complete_lines(store: Any, bad: Any) -> None:
+    lease = started(store)
+    with pytest.raises(ValidationError):
+        store.append(lease, bad)
+    assert kinds(store.read("r1").records) == ["run", "claim"]
+
+
+def test_stale_lease_cannot_write(store: Any) -> None:
+    old = started(store)
+    store.release(old)
+    with pytest.raises(LeaseLostError):
+        store.append(old, line(t="step"))
+    with pytest.raises(LeaseLostError):
+        store.sync(old)
+    assert store.heartbeat(old, LONG) is False
+    new = store.claim("r1", "other", LONG)
+    assert new is not None and new.epoch == 2
+    with pytest.raises(LeaseLostError):
+        store.append(old, line(t="step"))
+    with pytest.raises(LeaseLostError):
+        store.rewrite(old, header("r1"))
+    store.release(old)
+    assert store.held("r1") is True
+    store.append(new, line(t="step"))
+    assert store.heartbeat(new, LONG) is True
+    assert kinds(store.read("r1").records) == ["run", "claim", "claim", "step"]
+
+
+def test_lease_from_another_adapter_is_not_current(store: Any, tmp_path: Path) -> None:
+    started(store)
+    foreign = Lease("r1", "me", 1)
+    with pytest.raises(LeaseLostError):
+        store.append(foreign, line(t="step"))
+    assert store.heartbeat(foreign, LONG) is False
+
+
+def test_rewrite_replaces_atomically_and_appends_continue(store: Any) -> None:
+    lease = started(store)
+    for i in range(50):
+        store.append(lease, line(t="step", i=i, pad="x" * 40))
+    big = store.size("r1")
+    compacted = header("r1") + line(t="snapshot", upto=49)
+    store.rewrite(lease, compacted)
+    assert store.size("r1") == len(compacted) < big
+    assert kinds(store.read("r1").records) == ["run", "snapshot"]
+    store.append(lease, line(t="step", i=50))
+    assert store.heartbeat(lease, LONG) is True
+    assert kinds(store.read("r1").records) == ["run", "snapshot", "step"]
+    store.release(lease)
+    assert store.claim("r1", "next", LONG).epoch == 2
+
+
+@pytest.mark.parametrize("bad", [b"", b'{"t":"snapshot"}\n', b'{"t":"run"}\n{"t"', b'{"t":"run"}\n[1]\n{}\n'])
+def test_rewrite_rejects_bad_data_and_keeps_the_log(store: Any, bad: bytes) -> None:
+    lease = started(store)
+    with pytest.raises(ValidationError):
+        store.rewrite(lease, bad)
+    assert kinds(store.read("r1").records) == ["run", "claim"]
+    store.append(lease, line(t="step"))
+
+
+def test_bind_and_lookup(store: Any) -> None:
+    store.create("r1", header("r1"))
+    store.create("r2", header("r2"))
+    identities = ["nightly", "a/b/c", "../../etc/passwd", "..", "/", "wf\x01" + "x" * 600, "ключ ✓"]
+    for identity in identities:
+        store.bind(identity, "r1")
+        assert store.lookup(identity) == "r1"
+    store.bind("a/b/c", "r2")
+    assert store.lookup("a/b/c") == "r2"
+    assert store.lookup("a/b") is None
+    for bad in ["", "x\x00", None, 3]:
+        with pytest.raises(ValidationError):
+            store.bind(bad, "r1")
+        with pytest.raises(ValidationError):
+            store.lookup(bad)
+
+
+def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
+    store.create("old", header("old", workflow="a"))
+    time.sleep(0.02)
+    store.create("new", header("new", workflow="b"))
+    infos = store.list_runs()
+    assert [i.run_id for i in infos] == ["new", "old"]
+    assert all(isinstance(i, RunInfo) and not i.held for i in infos)
+    assert infos[0].header["workflow"] == "b" and infos[0].last == infos[0].header
+    time.sleep(0.02)
+    lease = store.claim("old", "me", LONG)
+    store.append(lease, line(t="step", i=9))
+    infos = store.list_runs()
+    assert [(i.run_id, i.held) for i in infos] == [("old", True), ("new", False)]
+    assert infos[0].last == {"t": "step", "i": 9}
+    assert infos[0].header["workflow"] == "a"
+    assert infos[0].updated_at >= infos[1].updated_at > time.time() - 60
+    store.release(lease)
+    assert [i.held for i in store.list_runs()] == [False, False]
+
+
+def test_sync_counts_fsyncs(store: Any) -> None:
+    lease = started(store)
+    before = store.fsyncs
+    store.sync(lease)
+    assert store.fsyncs > before
+    after_first = store.fsyncs
+    store.sync(lease)
+    assert store.fsyncs == after_first
+    store.append(lease, line(t="step"))
+    assert store.fsyncs == after_first
+    store.sync(lease)
+    assert store.fsyncs == after_first + 1
+
+
+def test_claim_validates_owner_and_ttl(store: Any) -> None:
+    store.create("r1", header("r1"))
+    for owner, ttl in [("", LONG), (None, LONG), ("me", -1), ("me", "10"), ("me", float("nan"))]:
+        with pytest.raises(ValidationError):
+            store.claim("r1", owner, ttl)
+    assert store.held("r1") is False
+
+
+def test_concurrent_claims_have_one_winner(store: Any) -> None:
+    store.create("r1", header("r1"))
+    results: list[Lease | None] = []
+    barrier = threading.Barrier(8)
+
+    def claim(n: int) -> None:
+        barrier.wait()
+        results.append(store.claim("r1", f"t{n}", LONG))
+
+    threads = [threading.Thread(target=claim, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [r for r in results if r is not None]
+    assert len(winners) == 1 and winners[0].epoch == 1
+
+
+def test_threads_append_through_one_lease(store: Any) -> None:
+    lease = started(store)
+
+    def work(n: int) -> None:
+        for i in range(100):
+            store.append(lease, line(t="step", n=n, i=i))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = store.read("r1").records
+    assert len(records) == 2 + 400
+    for n in range(4):
+        assert [r["i"] for r in records if r.get("n") == n] == list(range(100))
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_time_based_leases_expire(kind: str, tmp_path: Path) -> None:
+    store = make(kind, tmp_path)
+    store.create("r1", header("r1"))
+    old = store.claim("r1", "me", 0.05)
+    assert store.held("r1") is True
+    assert store.heartbeat(old, 0.05) is True
+    time.sleep(0.1)
+    assert store.held("r1") is False
+    store.append(old, line(t="step", late=True))
+    new = store.claim("r1", "other", LONG)
+    assert new is not None and new.epoch == 2
+    with pytest.raises(LeaseLostError):
+        store.append(old, line(t="step"))
+    assert store.heartbeat(old, LONG) is False
+    store.close()
+
+
+def test_sqlite_is_shared_between_instances(tmp_path: Path) -> None:
+    one, two = SqliteStorage(tmp_path / "db"), SqliteStorage(tmp_path / "db")
+    lease = started(one)
+    assert two.held("r1") and two.claim("r1", "x", LONG) is None
+    one.append(lease, line(t="step"))
+    assert kinds(two.read("r1").records) == ["run", "claim", "step"]
+    one.close()
+    two.close()
+
+
+# -- file adapter ---------------------------------------------------------------------------------------------
+
+
+def log_path(fs: FileStorage, run_id: str = "r1") -> Path:
+    return fs.dir / "runs" / f"{run_id}.jsonl"
+
+
+def test_file_layout(fs: FileStorage) -> None:
+    assert not fs.dir.exists()
+    lease = started(fs, owner="worker-1")
+    fs.bind("a/../../b", "r1")
+    runs = sorted(p.name for p in (fs.dir / "runs").iterdir())
+    assert runs == ["r1.jsonl", "r1.lock", "r1.owner"]
+    (index,) = (fs.dir / "index").iterdir()
+    assert len(index.name) == 64 and index.read_text() == "r1"
+    info = fs.holder_info("r1")
+    assert info is not None and info["owner"] == "worker-1" and info["pid"] == os.getpid() and info["epoch"] == 1
+    fs.release(lease)
+
+
+def test_same_process_second_storage_sees_the_lease(fs: FileStorage) -> None:
+    lease = started(fs)
+    other = FileStorage(fs.dir)
+    assert other.held("r1") is True
+    assert other.claim("r1", "other", LONG) is None
+    fs.release(lease)
+    assert other.held("r1") is False
+    again = other.claim("r1", "other", LONG)
+    assert again is not None and again.epoch == 2
+    assert fs.held("r1") is True
+    other.release(again)
+
+
+def test_torn_last_line_is_dropped_then_cut_by_claim(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.append(lease, line(t="step", i=1) + line(t="step", i=2))
+    fs.release(lease)
+    path = log_path(fs)
+    with open(path, "ab") as f:
+        f.write(b'{"t":"step","i":3,"v":"hal')
+    before = path.read_bytes()
+    log = fs.read("r1")
+    assert [r.get("i") for r in log.records] == [None, None, 1, 2]
+    assert log.torn == f"dropped a torn last line (26 bytes) at line 5 of {path}"
+    assert path.read_bytes() == before
+    assert [i.last for i in fs.list_runs()] == [{"t": "step", "i": 2}]
+    lease = fs.claim("r1", "me", LONG)
+    assert lease is not None and lease.epoch == 2
+    fs.append(lease, line(t="step", i=3))
+    log = fs.read("r1")
+    assert log.torn is None
+    assert kinds(log.records) == ["run", "claim", "step", "step", "claim", "step"]
+    assert path.read_bytes().startswith(before[: before.rindex(b"\n") + 1])
+    fs.release(lease)
+
+
+@pytest.mark.parametrize("tail", [b'{"t":"st\n', b"[1,2]\n", b"\x00\x00\x00\x00\n", b'"just a string"'])
+def test_damaged_complete_last_line_is_torn_too(fs: FileStorage, tail: bytes) -> None:
+    fs.create("r1", header("r1"))
+    with open(log_path(fs), "ab") as f:
+        f.write(tail)
+    log = fs.read("r1")
+    assert kinds(log.records) == ["run"]
+    assert log.torn is not None and f"({len(tail)} bytes) at line 2 of" in log.torn
+    lease = fs.claim("r1", "me", LONG)
+    assert log_path(fs).read_bytes() == header("r1") + line(t="claim", epoch=1, owner="me", at=lease_at(fs))
+    fs.release(lease)
+
+
+def lease_at(fs: FileStorage) -> str:
+    return fs.read("r1").records[-1]["at"]
+
+
+@pytest.mark.parametrize("bad", [b'{"t":"step",\n', b"[1]\n", b"42\n", b"\x00\x00\n"], ids=repr)
+def test_mid_file_corruption_is_reported_and_never_touched(fs: FileStorage, bad: bytes) -> None:
+    lease = started(fs)
+    fs.release(lease)
+    path = log_path(fs)
+    with open(path, "ab") as f:
+        f.write(bad + line(t="step", i=1) + b'{"t":"torn')
+    before = path.read_bytes()
+    with pytest.raises(CorruptLogError) as caught:
+        fs.read("r1")
+    assert f"line 3 of {path}" in str(caught.value)
+    assert caught.value.line == 3 and caught.value.path == str(path)
+    with pytest.raises(CorruptLogError, match="line 3 of"):
+        fs.claim("r1", "me", LONG)
+    assert path.read_bytes() == before
+    assert fs.held("r1") is False
+    assert [i.run_id for i in fs.list_runs()] == ["r1"]
+
+
+def test_empty_log_cannot_be_claimed(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    log_path(fs).write_bytes(b'{"t":"ru')
+    assert fs.read("r1").records == []
+    with pytest.raises(CorruptLogError, match="no header"):
+        fs.claim("r1", "me", LONG)
+    assert log_path(fs).read_bytes() == b'{"t":"ru'
+
+
+def test_foreign_write_fences_the_lease(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.append(lease, line(t="step"))
+    with open(log_path(fs), "ab") as f:
+        f.write(line(t="intruder"))
+    with pytest.raises(LeaseLostError, match="changed by someone else"):
+        fs.append(lease, line(t="step"))
+    assert fs.heartbeat(lease, LONG) is False
+    fs.release(lease)
+
+
+def test_foreign_replace_fences_the_lease(fs: FileStorage) -> None:
+    lease = started(fs)
+    path = log_path(fs)
+    tmp = path.with_suffix(".other")
+    tmp.write_bytes(path.read_bytes())
+    os.replace(tmp, path)
+    with pytest.raises(LeaseLostError):
+        fs.append(lease, line(t="step"))
+    fs.release(lease)
+
+
+def test_rewrite_leaves_no_temp_file_and_keeps_the_epoch(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.append(lease, line(t="step") * 10)
+    fs.rewrite(lease, header("r1"))
+    fs.append(lease, line(t="after"))
+    assert sorted(p.name for p in (fs.dir / "runs").iterdir()) == ["r1.jsonl", "r1.lock", "r1.owner"]
+    assert kinds(fs.read("r1").records) == ["run", "after"]
+    fs.release(lease)
+    assert fs.claim("r1", "me", LONG).epoch == 2
+
+
+def test_list_runs_reads_the_tail_of_big_logs(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.append(lease, b"".join(line(t="step", i=i, pad="p" * 100) for i in range(2000)))
+    fs.append(lease, line(t="done", big="x" * 20_000))
+    (info,) = fs.list_runs()
+    assert info.last["t"] == "done" and info.header["run_id"] == "r1" and info.held
+    fs.release(lease)
+
+
+def test_list_runs_ignores_strangers(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    (fs.dir / "runs" / "notes.txt").write_text("hi")
+    (fs.dir / "runs" / "..jsonl").write_text("{}\n")
+    assert [i.run_id for i in fs.list_runs()] == ["r1"]
+    assert FileStorage(fs.dir / "nowhere").list_runs() == []
+
+
+def test_read_is_fast(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.append(lease, b"".join(line(t="step", i=i, name="fetch", ok=True, v=[1, 2, 3]) for i in range(10_000)))
+    started_at = time.perf_counter()
+    assert len(fs.read("r1").records) == 10_002
+    assert time.perf_counter() - started_at < 0.25
+    fs.release(lease)
+
+
+CHILD = """
+import sys, time
+from durably_py.storage import FileStorage
+lease = FileStorage(sys.argv[1]).claim("r1", "child", 3600)
+print("claimed" if lease else "refused", lease and lease.epoch, flush=True)
+time.sleep(60)
+"""
+
+
+def test_cross_process_lease_dies_with_its_process(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(fs.dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == ["claimed", "1"]
+        assert fs.held("r1") is True
+        assert fs.claim("r1", "parent", LONG) is None
+        assert [i.held for i in fs.list_runs()] == [True]
+        assert fs.holder_info("r1")["pid"] == child.pid
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert fs.held("r1") is False
+    lease = fs.claim("r1", "parent", LONG)
+    assert lease is not None and lease.epoch == 2
+    assert [(r["owner"], r["epoch"]) for r in fs.read("r1").records[1:]] == [("child", 1), ("parent", 2)]
+    fs.release(lease)
