@@ -3,7 +3,7 @@
 from .advisories import Advisory
 from .clock import Clock, FakeClock
 from .context import AttemptContext, BudgetView, WorkflowContext, attempt
-from .engine import Engine, create_engine, engine_for, run, run_async
+from .engine import Engine, create_engine, durably, engine_for, run, run_async
 from .errors import (
     BudgetExceededError,
     CircuitOpenError,
@@ -25,6 +25,7 @@ from .errors import (
 from .events import StepEvent
 from .history import RunState, StepState
 from .policies import Retry
+from .resources import Breaker, RateLimit, Resource, resource
 from .result import Err, Ok, is_ok, partition
 from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
 from .workflow import Workflow, workflow
@@ -32,7 +33,7 @@ from .workflow import Workflow, workflow
 __version__ = "0.1.0"
 
 __all__ = [
-    "Advisory", "AttemptContext", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
+    "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
     "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
     "LeaseLostError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError",
     "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",

@@ -22,6 +22,7 @@ from .errors import DurablyError, KeyConflictError, RunNotFoundError, Validation
 from .events import StepEvent
 from .history import BUDGET_KINDS, History, RunState, describe
 from .kernel import RunKernel, Selector
+from .resources import Gates, Resource
 from .storage import FileStorage, LOG_VERSION, Storage, validate_key, validate_run_id
 from .workflow import Workflow, as_workflow
 
@@ -60,42 +61,14 @@ def new_run_id(workflow: str) -> str:
     return f"{slug}-{datetime.now(UTC):%Y%m%d}-{secrets.token_hex(4)}"
 
 
-class Limiter:
-    """Caps how many steps sharing a concurrency key run at once, across every run of an engine."""
-
-    def __init__(self, key: str, limit: int) -> None:
-        self.key = key
-        self.limit = limit
-        self.active = 0
-        self.waiters: list[asyncio.Future[None]] = []
-
-    async def acquire(self, kernel: RunKernel) -> None:
-        while self.active >= self.limit:
-            fut = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self.waiters:
-                    self.waiters.remove(fut)
-        self.active += 1
-
-    def release(self) -> None:
-        self.active -= 1
-        while self.waiters:
-            fut = self.waiters.pop(0)
-            if not fut.done():
-                fut.set_result(None)
-                break
-
-
 class Engine:
     """Runs workflows against one storage; operates its runs by id or key."""
 
     def __init__(self, storage: Storage | None = None, *, concurrency: int = 4, checkpoint_every: int | None = None,
                  budget: dict[str, float] | None = None,
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
-                 lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None) -> None:
+                 lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None,
+                 resources: list[Resource] | tuple[Resource, ...] = ()) -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.concurrency = concurrency
         self.checkpoint_every = check_checkpoint(checkpoint_every)
@@ -106,19 +79,7 @@ class Engine:
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="durably-step")
-        self.limiters: dict[str, Limiter] = {}
-
-    def limiter(self, opts: Any) -> Limiter | None:
-        """The shared limiter for a step's concurrency key."""
-        key = opts.concurrency_key
-        if key is None:
-            return None
-        limiter = self.limiters.get(key)
-        limit = opts.concurrency_limit or (limiter.limit if limiter else 1 << 30)
-        if limiter is None:
-            limiter = self.limiters[key] = Limiter(key, limit)
-        limiter.limit = limit
-        return limiter
+        self.gates = Gates(resources)
 
     # ---- finding runs -------------------------------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -175,8 +136,12 @@ class Engine:
                   budget: dict[str, float] | None = None, checkpoint_every: int | None = None,
                   advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
                   on_step: Callable[[StepEvent], Any] | None = None, run_id: str | None = None,
-                  crash_after: Selector | None = None, crash_in_step: Selector | None = None) -> Any:
-        """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error."""
+                  crash_after: Selector | None = None, crash_in_step: Selector | None = None,
+                  on_run: Callable[[str], Any] | None = None) -> Any:
+        """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
+
+        `on_run` is called with the run id as soon as the run is found or created (before any step runs).
+        """
         workflow = as_workflow(wf)
         budget = check_budget(budget) if budget is not None else self.budget
         checkpoint_every = check_checkpoint(checkpoint_every) or self.checkpoint_every
@@ -191,9 +156,13 @@ class Engine:
         while True:
             lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
             if lease is None:
+                if on_run is not None:
+                    on_run(history.header["run_id"])
                 return self._joined(workflow, history)
             fresh = False
             run_id = lease.run_id
+            if on_run is not None:
+                on_run(run_id)
             try:
                 return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
                                            advisories, on_advisory, on_step, torn, crash_after, crash_in_step)
@@ -308,6 +277,25 @@ class Engine:
         finally:
             heartbeat.cancel()
 
+    async def shadow(self, wf: Any, run_id: str, *, on_step: Callable[[StepEvent], Any] | None = None) -> RunKernel:
+        """Replay a finished run once more against its own log, writing nothing; the kernel tells what diverged."""
+        workflow = as_workflow(wf)
+        history, _ = self._read(run_id)
+        tracker = AdvisoryTracker(run_id, now=self.clock.now, silent=True,
+                                  restored=[Advisory.from_dict(a) for a in history.advisories.values()])
+        kernel = RunKernel(engine=self, storage=self.storage, lease=None, history=history,  # type: ignore[arg-type]
+                           workflow=workflow, input=None, clock=self.clock, executor=self.executor,
+                           checkpoint_every=None, on_step=on_step, advisories=tracker)
+        kernel.shadow = True
+        value = load_value(history.header.get("input"))
+        kernel.input = workflow.input_schema.convert(value, "input") if workflow.input_schema else value
+        try:
+            await kernel.run(WorkflowContext(kernel))
+        except Exception as exc:  # noqa: BLE001 - the caller reads kernel.divergence / the error
+            if kernel.divergence is None:
+                kernel.divergence = f"the replayed workflow raised {type(exc).__name__}: {exc}"
+        return kernel
+
     async def _heartbeat(self, lease: Any, kernel: RunKernel) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_every)
@@ -331,6 +319,19 @@ def engine_for(dir: str | os.PathLike[str] | None) -> Engine:
     if engine is None:
         engine = _engines[root] = Engine(FileStorage(root))
     return engine
+
+
+class DefaultEngine:
+    """`durably`: the engine rooted at `.durably/` (or $DURABLY_DIR), created on first use."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(engine_for(None), name)
+
+    def __repr__(self) -> str:
+        return "<durably default engine>"
+
+
+durably = DefaultEngine()
 
 
 async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,

@@ -166,6 +166,9 @@ class RunKernel:
         self.last_sync = time.monotonic()
         self.syncs = 0
         self.dead = False
+        self.shadow = False
+        self.divergence: str | None = None
+        self.result_wire: Any = None
         self.crash_after = crash_after
         self.crash_in_step = crash_in_step
         self.label_seen: dict[str, int] = {}
@@ -180,6 +183,8 @@ class RunKernel:
         """Append one record (thread-safe); in a crashed run nothing more is written."""
         if self.dead:
             raise Crash()
+        if self.shadow:
+            return
         data = encode_line(rec)
         with self.lock:
             self.storage.append(self.lease, data)
@@ -195,7 +200,7 @@ class RunKernel:
 
     def sync(self) -> None:
         """Make everything written so far survive a machine crash."""
-        if self.dead:
+        if self.dead or self.shadow:
             return
         with self.lock:
             self.storage.sync(self.lease)
@@ -239,6 +244,13 @@ class RunKernel:
         self.dead = True
         raise Crash()
 
+    def diverge(self, message: str) -> None:
+        """Shadow replay found work that was not recorded: remember the first divergence and stop."""
+        if self.divergence is None:
+            self.divergence = message
+        raise PurityError(message, hint="Move wall-clock reads, randomness and I/O out of the workflow body into "
+                                        "ctx.now()/ctx.random()/ctx.step().")
+
     # ---- steps ----------------------------------------------------------------------------------
     def scope(self) -> Scope:
         """The calling strand's scope; paths may only be allocated by the task that owns it."""
@@ -262,6 +274,8 @@ class RunKernel:
         if recorded == label:
             return
         where = f"step path {path_tuple(path)}: recorded as {recorded!r}, now called {label!r}"
+        if self.shadow:
+            self.diverge(f"the workflow took another branch on replay; at {where}")
         if self.code_changed:
             raise StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
@@ -319,6 +333,8 @@ class RunKernel:
                       opts: StepOptions) -> Any:
         from .context import AttemptContext
 
+        if self.shadow:
+            self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
         self.check_budget()
         nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
         prior = self.history.fails.get(path)
@@ -335,14 +351,7 @@ class RunKernel:
                             "ts": time.time()})
                 self.emit(path, label, "failed", number, error=error)
                 raise error
-        limiter = self.engine.limiter(opts) if opts.concurrency_key or opts.uses else None
-        if limiter is not None:
-            await limiter.acquire(self)
-        try:
-            return await self._attempts(path, label, fn, args, opts, number, nth, AttemptContext)
-        finally:
-            if limiter is not None:
-                limiter.release()
+        return await self._attempts(path, label, fn, args, opts, number, nth, AttemptContext)
 
     async def _attempts(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                         opts: StepOptions, number: int, nth: int, attempt_cls: type[AttemptContext]) -> Any:
@@ -357,9 +366,17 @@ class RunKernel:
             self.executions[path] = self.executions.get(path, 0) + 1
             if self.on_step is not None:
                 self.emit(path, label, "running", number)
+            gates = self.engine.gates.for_step(opts.concurrency_key, opts.concurrency_limit, opts.uses) \
+                if opts.concurrency_key is not None or opts.uses is not None else ()
+            passed = 0
+            outcome: bool | None = None
+            error: Exception | None = None
             self.clock.busy += 1
             started = time.perf_counter()
             try:
+                for gate in gates:
+                    await gate.acquire()
+                    passed += 1
                 if opts.timeout is None and is_async:
                     value = fn(*args)
                     if type(value) is CoroutineType or inspect.isawaitable(value):
@@ -374,6 +391,7 @@ class RunKernel:
                         raise StepTimeoutError(
                             f"step {label!r} timed out after {opts.timeout:g}s (attempt {number})",
                             path=list(path_tuple(path)), label=label, timeout=opts.timeout) from None
+                outcome = True
                 if self.crash_in_step is not None and self.matches(self.crash_in_step, path, label, nth):
                     self.crash()
                 wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
@@ -383,17 +401,21 @@ class RunKernel:
             except (Crash, asyncio.CancelledError):
                 raise
             except Exception as exc:
+                if outcome is None and passed == len(gates):
+                    outcome = False
+                error = exc
+            finally:
                 ms = (time.perf_counter() - started) * 1000
                 self.clock.busy -= 1
                 current_attempt.reset(token)
-                if isinstance(exc, SerializationError):
-                    exc.add_note(f"returned by step {label!r} at path {path_tuple(path)}")
-                await self._failed(path, label, opts, number, ms, exc, att)
+                for gate in gates[:passed]:
+                    gate.release(outcome)
+            if error is not None:
+                if isinstance(error, SerializationError):
+                    error.add_note(f"returned by step {label!r} at path {path_tuple(path)}")
+                await self._failed(path, label, opts, number, ms, error, att)
                 number += 1
                 continue
-            ms = (time.perf_counter() - started) * 1000
-            self.clock.busy -= 1
-            current_attempt.reset(token)
             self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": number, "ms": ms, "ts": time.time()})
             self.step_done()
             if opts.compensate is not None:
@@ -457,6 +479,8 @@ class RunKernel:
         if rec is not None:
             self.check_label(path, rec, label)
             return load_value(rec["v"])
+        if self.shadow:
+            self.diverge(f"{label}() at path {path_tuple(path)} ran again: the recorded run has no value there")
         wire = dump_value(make(), label)
         self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": 1, "ms": 0, "ts": time.time()})
         self.step_done()
@@ -601,6 +625,7 @@ class RunKernel:
             self.write({"t": "end", "status": "failed", "error": dump_error(exc), "ts": time.time()})
             self.sync()
             raise
+        self.result_wire = wire
         self.write({"t": "end", "status": "completed", "result": wire, "ts": time.time()})
         self.sync()
         return value

@@ -110,7 +110,16 @@ def test_duplicate_create_is_rejected(store: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [b"", b'{"t":"run"}', b'{"t":"step"}\n', b"[1]\n", b'{"t":"run","run_id":"other"}\n', "str\n", b'{"t":"run"}\n{}\n']
+    "bad",
+    [
+        b"",
+        b'{"t":"run"}',
+        b'{"t":"step"}\n',
+        b"[1]\n",
+        b'{"t":"run","run_id":"other"}\n',
+        "str\n",
+        b'{"t":"run"}\n{}\n',
+    ],
 )
 def test_create_rejects_bad_headers(store: Any, bad: Any) -> None:
     with pytest.raises(ValidationError):
@@ -135,7 +144,13 @@ def test_invalid_run_ids_are_rejected_everywhere(store: Any, bad: Any) -> None:
         validate_run_id(bad)
     with pytest.raises(ValidationError):
         store.create(bad, header("r1"))
-    for call in (store.read, store.held, store.size, lambda r: store.claim(r, "me", LONG), lambda r: store.bind("k", r)):
+    for call in (
+        store.read,
+        store.held,
+        store.size,
+        lambda r: store.claim(r, "me", LONG),
+        lambda r: store.bind("k", r),
+    ):
         with pytest.raises(ValidationError):
             call(bad)
     assert store.list_runs() == []
@@ -166,7 +181,9 @@ def test_second_claim_while_held(store: Any) -> None:
 
 def test_append_round_trip_in_order(store: Any) -> None:
     lease = started(store)
+    before = store.size("r1")
     store.append(lease, line(t="step", i=0))
+    assert store.size("r1") == before + len(line(t="step", i=0))
     store.append(lease, line(t="step", i=1) + line(t="step", i=2, v={"a": [1, "é", None]}))
     records = store.read("r1").records
     assert kinds(records) == ["run", "claim", "step", "step", "step"]
@@ -180,6 +197,27 @@ def test_append_needs_complete_lines(store: Any, bad: Any) -> None:
     with pytest.raises(ValidationError):
         store.append(lease, bad)
     assert kinds(store.read("r1").records) == ["run", "claim"]
+
+
+def test_damaged_appended_lines_are_torn_or_corrupt(store: Any) -> None:
+    lease = started(store)
+    store.append(lease, b"not json\n")
+    log = store.read("r1")
+    assert kinds(log.records) == ["run", "claim"]
+    assert log.torn is not None and "(9 bytes) at line 3 of" in log.torn
+    store.release(lease)
+    lease = store.claim("r1", "me", LONG)
+    assert lease is not None and lease.epoch == 2
+    log = store.read("r1")
+    assert kinds(log.records) == ["run", "claim", "claim"] and log.torn is None
+    store.append(lease, b"[1]\n" + line(t="step"))
+    with pytest.raises(CorruptLogError, match="line 4 of") as caught:
+        store.read("r1")
+    assert caught.value.line == 4
+    store.release(lease)
+    with pytest.raises(CorruptLogError):
+        store.claim("r1", "me", LONG)
+    assert store.held("r1") is False
 
 
 def test_stale_lease_cannot_write(store: Any) -> None:
@@ -203,7 +241,7 @@ def test_stale_lease_cannot_write(store: Any) -> None:
     assert kinds(store.read("r1").records) == ["run", "claim", "claim", "step"]
 
 
-def test_lease_from_another_adapter_is_not_current(store: Any, tmp_path: Path) -> None:
+def test_lease_from_another_adapter_is_not_current(store: Any) -> None:
     started(store)
     foreign = Lease("r1", "me", 1)
     with pytest.raises(LeaseLostError):

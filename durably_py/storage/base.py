@@ -225,7 +225,8 @@ class Storage(Protocol):
 
     def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
         """Take the run's lease (None while another live owner holds it). Appends a claim record
-        ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail."""
+        ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail.
+        `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log."""
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease; False when it was lost to another owner."""
@@ -240,13 +241,15 @@ class Storage(Protocol):
         """Append complete newline-terminated record lines; `LeaseLostError` if `lease` is no longer current."""
 
     def sync(self, lease: Lease) -> None:
-        """Make every appended record durable against a machine crash (fsync or equivalent)."""
+        """Make every appended record durable against a machine crash (fsync or equivalent, counted in
+        `fsyncs`); a no-op, not counted, when nothing changed since this lease's last sync."""
 
     def size(self, run_id: str) -> int:
-        """Bytes the run's log takes (what compaction is measured against)."""
+        """Bytes the run's log takes (what compaction is measured against); `RunNotFoundError` if unknown."""
 
     def rewrite(self, lease: Lease, data: bytes) -> None:
-        """Atomically replace the whole log with `data` (compaction); all-or-nothing."""
+        """Atomically and durably replace the whole log with `data` (compaction); all-or-nothing.
+        `data` must be whole records starting with the header; the lease stays valid for appends."""
 
     def bind(self, identity: str, run_id: str) -> None:
         """Point an identity (a key, or workflow + canonical input) at a run."""

@@ -176,8 +176,10 @@ def _lost(lease: Lease) -> LeaseLostError:
 class FileStorage:
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
-    def __init__(self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576) -> None:
-        self.dir = Path(dir)
+    def __init__(
+        self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576
+    ) -> None:
+        self.dir = Path(os.path.abspath(dir))
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
         self.compact_above_bytes = compact_above_bytes
@@ -288,8 +290,12 @@ class FileStorage:
 
     def _open_claimed(self, held: _Held, owner: str) -> int:
         """With the lock taken: check the log, cut a torn tail, append the claim record; return the epoch."""
-        fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
+        try:
+            fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
+        except FileNotFoundError:
+            raise RunNotFoundError(f"no run {held.run_id} in {self.dir}", run_id=held.run_id) from None
         held.fd = fd
+        held.log.with_name(held.log.name + ".tmp").unlink(missing_ok=True)
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
         records, good, _ = parse_log(data, str(held.log))
@@ -302,7 +308,9 @@ class FileStorage:
         _write_all(fd, line)
         held.size = good + len(line)
         held.live = True
-        self._write_sidecar(held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()})
+        self._write_sidecar(
+            held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
+        )
         return epoch
 
     def _sidecar_epoch(self, run_id: str) -> int:

@@ -196,8 +196,14 @@ class MemoryStorage:
         now = time.monotonic()
         with self._lock:
             rows = [
-                (run.order, run_id, bytes(run.data[: run.data.find(b"\n") + 1]), bytes(last_line(run.data)),
-                 run.owner is not None and run.expires >= now, run.updated)
+                (
+                    run.order,
+                    run_id,
+                    bytes(run.data[: run.data.find(b"\n") + 1]),
+                    bytes(last_line(run.data)),
+                    run.owner is not None and run.expires >= now,
+                    run.updated,
+                )
                 for run_id, run in self._runs.items()
             ]
         rows.sort(reverse=True)

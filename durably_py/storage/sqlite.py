@@ -189,7 +189,9 @@ class SqliteStorage:
         if lease.state.get("sqlite") is not self:
             return
         with self._lock, _transaction(self._db()) as db:
-            db.execute(f"UPDATE runs SET owner = NULL, lease_expires = NULL WHERE {_FENCE}", (lease.run_id, lease.epoch))
+            db.execute(
+                f"UPDATE runs SET owner = NULL, lease_expires = NULL WHERE {_FENCE}", (lease.run_id, lease.epoch)
+            )
             self._synced.pop((lease.run_id, lease.epoch), None)
 
     def held(self, run_id: str) -> bool:
@@ -243,11 +245,14 @@ class SqliteStorage:
         header = data[: data.index(b"\n") + 1]
         with self._lock, _durable(self, self._db()) as db:
             self._fenced(
-                db, lease, "header = ?, last = ?, size = ?, updated = ?", (header, last_line(data), len(data), time.time())
+                db,
+                lease,
+                "header = ?, last = ?, size = ?, updated = ?",
+                (header, last_line(data), len(data), time.time()),
             )
             db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
-            self._synced[(lease.run_id, lease.epoch)] = len(data)
+        self._synced[(lease.run_id, lease.epoch)] = len(data)
 
     def bind(self, identity: str, run_id: str) -> None:
         """Point `identity` at `run_id`."""
@@ -267,9 +272,13 @@ class SqliteStorage:
         """Every run, most recently updated first."""
         now = time.time()
         with self._lock:
-            rows = self._db().execute(
-                "SELECT run_id, header, last, owner, lease_expires, updated FROM runs ORDER BY updated DESC, rowid DESC"
-            ).fetchall()
+            rows = (
+                self._db()
+                .execute(
+                    "SELECT run_id, header, last, owner, lease_expires, updated FROM runs ORDER BY updated DESC, rowid DESC"
+                )
+                .fetchall()
+            )
         infos = []
         for run_id, header_line, last, owner, expires, updated in rows:
             header = decode_record(header_line) or {}
@@ -285,7 +294,8 @@ def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iter
     try:
         yield db
     except BaseException:
-        db.execute("ROLLBACK")
+        if db.in_transaction:
+            db.execute("ROLLBACK")
         raise
     db.execute("COMMIT")
 
