@@ -173,38 +173,35 @@ class Engine:
                        budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
         """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease."""
         if run_id is None:
-            if workflow.input_schema is not None:
-                input = workflow.input_schema.convert(
-                    dump_value(workflow.input_schema.to_builtins(input), "input"), "input")
-            wire_input = dump_value(workflow.input_schema.to_builtins(input) if workflow.input_schema else input,
-                                    "input")
+            schema = workflow.input_schema
+            wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
+            if schema is not None:
+                wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
             input_digest = digest(load_value(wire_input))
             identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
             run_id = None if fresh else self.storage.lookup(identity)
-            if run_id is not None:
-                history, _ = self._read(run_id)
-                if key is not None and history.header.get("input_digest") != input_digest:
+            info = self.storage.info(run_id) if run_id is not None else None
+            if info is not None:
+                header = info.header
+                if key is not None and header.get("input_digest") != input_digest:
+                    bound = load_value(header.get("input"))
                     raise KeyConflictError(
-                        f"key {key!r} is bound to run {run_id} with input {load_value(history.header.get('input'))!r}, "
-                        f"not {input!r}",
+                        f"key {key!r} is bound to run {run_id} with input {bound!r}, not {input!r}",
                         hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
                              "to rebind the key.",
-                        run_id=run_id, key=key, bound_input=load_value(history.header.get("input")), input=input)
-                if history.end is not None and history.end["status"] in ("completed", "cancelled"):
-                    run_id = None
-            if run_id is None:
-                run_id = self._create(workflow, wire_input, input_digest, key, identity, budget)
+                        run_id=run_id, key=key, bound_input=bound, input=input)
+                if info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
+                    info = None
+            run_id = info.run_id if info is not None else self._create(
+                workflow, wire_input, input_digest, key, identity, budget)
         while True:
-            history, torn = self._read(run_id)
-            if history.end is not None and history.end["status"] == "completed":
-                return None, history, None, torn
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
             if lease is not None:
-                history, torn = self._read(run_id)
+                history = History(lease.records)
                 if history.end is not None and history.end["status"] == "completed":
                     self.storage.release(lease)
-                    return None, history, None, torn
-                return lease, history, history.header.get("input"), torn
+                    return None, history, None, lease.torn
+                return lease, history, history.header.get("input"), lease.torn
             while self.storage.held(run_id):
                 await asyncio.sleep(JOIN_POLL)
             history, torn = self._read(run_id)

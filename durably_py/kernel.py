@@ -65,13 +65,14 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
 class Scope:
     """Allocates the child paths of one sequential strand (the workflow body, a branch, a loop turn)."""
 
-    __slots__ = ("prefix", "n", "owner", "labels")
+    __slots__ = ("prefix", "n", "owner", "labels", "pending")
 
     def __init__(self, prefix: str, owner: asyncio.Task[Any] | None) -> None:
         self.prefix = prefix
         self.n = 0
         self.owner = owner
         self.labels: dict[str, int] = {}
+        self.pending = 0
 
     def alloc(self) -> str:
         path = f"{self.prefix}{self.n}"
@@ -297,26 +298,31 @@ class RunKernel:
         scope = self.scope()
         path = scope.alloc()
         label = name or label_of(fn)
-        count = scope.labels[label] = scope.labels.get(label, 0) + 1
-        if count == 100 or count == 1000:
-            self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran in one strand")
+        if not scope.pending:
+            count = scope.labels[label] = scope.labels.get(label, 0) + 1
+            if count == 100 or count == 1000:
+                self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
+        scope.pending += 1
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, label)
-            return self.replay(path, rec, opts)
-        return self.execute(path, label, fn, args, opts)
+            return self.replay(scope, path, rec, opts)
+        return self.execute(scope, path, label, fn, args, opts)
 
-    async def replay(self, path: str, rec: dict[str, Any], opts: StepOptions) -> Any:
-        if self.on_step is not None:
-            self.emit(path, rec["l"], "replayed", rec.get("a", 1), rec.get("ms"))
-        if rec["t"] == "err":
-            raise load_error(rec["e"])
-        value = load_value(rec["v"])
-        if opts.schema is not None:
-            value = opts.schema.convert(value, "output")
-        if opts.compensate is not None:
-            self.compensations[path] = (opts.compensate, value, rec["l"])
-        return value
+    async def replay(self, scope: Scope, path: str, rec: dict[str, Any], opts: StepOptions) -> Any:
+        try:
+            if self.on_step is not None:
+                self.emit(path, rec["l"], "replayed", rec.get("a", 1), rec.get("ms"))
+            if rec["t"] == "err":
+                raise load_error(rec["e"])
+            value = load_value(rec["v"])
+            if opts.schema is not None:
+                value = opts.schema.convert(value, "output")
+            if opts.compensate is not None:
+                self.compensations[path] = (opts.compensate, value, rec["l"])
+            return value
+        finally:
+            scope.pending -= 1
 
     def check_budget(self) -> None:
         if self.budget is None:
@@ -329,8 +335,15 @@ class RunKernel:
                          % (kind, limit * 2),
                     kind=kind, spent=self.spent[kind], limit=limit)
 
-    async def execute(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+    async def execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                       opts: StepOptions) -> Any:
+        try:
+            return await self._execute(path, label, fn, args, opts)
+        finally:
+            scope.pending -= 1
+
+    async def _execute(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                       opts: StepOptions) -> Any:
         from .context import AttemptContext
 
         if self.shadow:

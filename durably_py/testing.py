@@ -6,6 +6,9 @@ milliseconds). `crash_after=` / `crash_in_step=` stop a run exactly as a killed 
 `resume()` continues it, and every completed run is replayed once more against its own log
 (shadow replay): a step path that moved or a step that ran again fails the test with
 `ShadowReplayError`. `engine.sync` offers the same calls for plain, non-async tests.
+
+`Crash` is the simulated process death itself: raising it from a step or a compensation stops
+the run right there, exactly like crash injection does.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .kernel import Crash, Selector
 from .storage import MemoryStorage, Storage
 from .workflow import Workflow, as_workflow
 
-__all__ = ["ShadowReplayError", "SyncTestEngine", "TestEngine", "TestRunResult", "TestStep"]
+__all__ = ["Crash", "ShadowReplayError", "SyncTestEngine", "TestEngine", "TestRunResult", "TestStep"]
 
 RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping"]
 StepListener = Callable[[StepEvent], Any]
@@ -167,7 +170,8 @@ class TestEngine:
         lines.append(f"  result recorded: {load_value(recorded)!r}")
         lines.append(f"  result replayed: {load_value(replayed)!r}" if kernel.divergence is None
                      else "  result replayed: (none: the replay stopped at the divergence)")
-        raise ShadowReplayError("\n".join(lines), run_id=run_id, divergence=kernel.divergence,
+        raise ShadowReplayError("\n".join(lines), docs="docs/testing.md#shadow-replay", run_id=run_id,
+                                divergence=kernel.divergence,
                                 recorded=load_value(recorded), replayed=load_value(replayed))
 
     def close(self) -> None:

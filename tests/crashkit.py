@@ -2,7 +2,7 @@
 
 As a script, ``python crashkit.py SCENARIO DIR EFFECTS [ARG_JSON]`` runs one workflow on FileStorage under
 DIR and prints one JSON line: ``{"ok": true, "result": ...}`` (exit 0) or ``{"ok": false, "type": ...,
-"message": ..., "details": ...}`` (exit 1). Every step appends ``<label> <pid> [fields...]`` to the EFFECTS
+"message": ..., "details": ...}`` (exit 1). With $CRASHKIT_ANNOUNCE set it first logs a ``joining`` effect. Every step appends ``<label> <pid> [fields...]`` to the EFFECTS
 file (append mode, flushed), so a test counts how often each step really ran and in which process.
 """
 
@@ -156,7 +156,7 @@ def child_main(argv: list[str]) -> int:
 
     scenario, directory, EFFECTS = argv[1], argv[2], argv[3]
     spec = json.loads(argv[4]) if len(argv) > 4 else {}
-    if spec.get("announce"):
+    if os.environ.get("CRASHKIT_ANNOUNCE"):
         effect("joining")
     wf, value = _child_workflows()[scenario](spec)
     try:
@@ -197,10 +197,14 @@ class Sandbox:
         self.procs: list[subprocess.Popen[str]] = []
 
     # -- processes
-    def spawn(self, scenario: str, spec: dict[str, Any] | None = None) -> subprocess.Popen[str]:
-        """Start a child running `scenario` with input `spec`."""
+    def spawn(self, scenario: str, spec: dict[str, Any] | None = None, announce: bool = False
+              ) -> subprocess.Popen[str]:
+        """Start a child running `scenario` with input `spec`; `announce` logs a `joining` effect before run()."""
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         env.pop("DURABLY_DIR", None)
+        env.pop("CRASHKIT_ANNOUNCE", None)
+        if announce:
+            env["CRASHKIT_ANNOUNCE"] = "1"
         proc = subprocess.Popen(
             [sys.executable, str(HERE), scenario, str(self.dir), str(self.effects_path), json.dumps(spec or {})],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=self.root)
@@ -304,7 +308,10 @@ class KillReport:
 
 def chaos(box: Sandbox, scenario: str, spec: dict[str, Any], steps: int, seed: int, max_kills: int = 4,
           deadline: float = 60.0) -> KillReport:
-    """Run `scenario`, SIGKILLing it at random moments and restarting it, until one process completes it."""
+    """Run `scenario`, SIGKILLing it at random moments and restarting it, until its run is completed.
+
+    A run killed after its `end` record is complete (running the command again would start a fresh run).
+    """
     rng = random.Random(seed)
     report = KillReport()
     end = time.monotonic() + deadline
@@ -313,14 +320,19 @@ def chaos(box: Sandbox, scenario: str, spec: dict[str, Any], steps: int, seed: i
         proc = box.spawn(scenario, spec)
         if len(report.kills) < max_kills:
             if rng.random() < 0.25:
-                reached = proc.poll() is None and not _sleep_unless_exit(proc, rng.uniform(0.02, 0.4))
+                reached = proc.poll() is None and not _sleep_unless_exit(proc, rng.uniform(0.02, 0.3))
             else:
-                target = len(box.effects()) + rng.randint(1, steps)
+                remaining = max(steps - len(box.done_labels()), 1)
+                target = len(box.effects()) + rng.randint(1, remaining + 2)
                 reached = box.wait_for(proc, lambda t=target: len(box.effects()) >= t)
                 time.sleep(rng.random() * 0.004)
             if reached and proc.poll() is None:
                 box.kill(proc)
                 report.kills.append((len(box.effects()), box.done_labels()))
+                last = box.records()[-1:]
+                if last and last[0]["t"] == "end" and last[0]["status"] == "completed":
+                    report.outcome = {"ok": True, "result": last[0]["result"]}
+                    return report
                 continue
         code, report.outcome, report.stderr = box.finish(proc)
         assert code == 0, f"seed {seed}: child failed: {report.outcome} {report.stderr}"

@@ -191,6 +191,8 @@ class Lease:
     owner: str
     epoch: int
     state: dict[str, Any] = field(default_factory=dict)  # adapter-private fencing data
+    records: list[dict[str, Any]] = field(default_factory=list)  # the log as claimed, its claim record last
+    torn: str | None = None  # a torn tail the claim trimmed, if any
 
 
 @dataclass
@@ -256,6 +258,9 @@ class Storage(Protocol):
 
     def lookup(self, identity: str) -> str | None:
         """The run an identity points at, if any."""
+
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's header, last record and held flag, without reading its whole log (None if unknown)."""
 
     def list_runs(self) -> list[RunInfo]:
         """Every run, newest first."""

@@ -281,15 +281,17 @@ class FileStorage:
             else:
                 self._unregister(held)
                 return None
-            epoch = self._open_claimed(held, owner)
+            epoch, records, torn = self._open_claimed(held, owner)
         except BaseException:
             self._drop(held)
             raise
         self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held})
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn)
 
-    def _open_claimed(self, held: _Held, owner: str) -> int:
-        """With the lock taken: check the log, cut a torn tail, append the claim record; return the epoch."""
+    def _open_claimed(self, held: _Held, owner: str) -> tuple[int, list[dict[str, Any]], str | None]:
+        """With the lock taken: check the log, cut a torn tail, append the claim record.
+
+        Returns the epoch, the records with the claim record last, and the torn-tail message."""
         try:
             fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
         except FileNotFoundError:
@@ -298,7 +300,7 @@ class FileStorage:
         held.log.with_name(held.log.name + ".tmp").unlink(missing_ok=True)
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
-        records, good, _ = parse_log(data, str(held.log))
+        records, good, torn = parse_log(data, str(held.log))
         if not records:
             raise CorruptLogError(f"{held.log} has no header line", path=str(held.log), line=1)
         if good < len(data):
@@ -311,7 +313,8 @@ class FileStorage:
         self._write_sidecar(
             held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
         )
-        return epoch
+        records.append(decode_record(line))
+        return epoch, records, torn
 
     def _sidecar_epoch(self, run_id: str) -> int:
         """The epoch of the last claim per the owner sidecar (survives compactions that drop claim records)."""
@@ -489,14 +492,15 @@ class FileStorage:
             run_id = name[:-6]
             if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
                 continue
-            info = self._info(run_id)
+            info = self.info(run_id)
             if info is not None:
                 infos.append(info)
         infos.sort(key=lambda info: info.updated_at, reverse=True)
         return infos
 
-    def _info(self, run_id: str) -> RunInfo | None:
-        """One run's `RunInfo` from its log's ends (None if the log vanished meanwhile)."""
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's `RunInfo` from its log's ends (None if unknown or the log vanished meanwhile)."""
+        validate_run_id(run_id)
         try:
             with open(self.runs_dir / f"{run_id}.jsonl", "rb") as f:
                 st = os.fstat(f.fileno())

@@ -89,15 +89,17 @@ class MemoryStorage:
             now = time.monotonic()
             if run.owner is not None and run.expires >= now:
                 return None
-            records, good, _ = parse_log(bytes(run.data), f"memory run {run_id}")
+            records, good, torn = parse_log(bytes(run.data), f"memory run {run_id}")
             if not records:
                 raise CorruptLogError(f"memory run {run_id} has no header line", path=f"memory run {run_id}", line=1)
             del run.data[good:]
             run.epoch += 1
             run.owner = owner
             run.expires = now + ttl
-            self._touch(run, claim_line(run.epoch, owner))
-            return Lease(run_id, owner, run.epoch, {"memory": self})
+            line = claim_line(run.epoch, owner)
+            self._touch(run, line)
+            records.append(decode_record(line))
+            return Lease(run_id, owner, run.epoch, {"memory": self}, records, torn)
 
     def _get(self, run_id: str) -> _Run:
         """The run, or `RunNotFoundError`."""
@@ -190,6 +192,12 @@ class MemoryStorage:
         validate_identity(identity)
         with self._lock:
             return self._index.get(identity)
+
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's header, last record and held flag (None if unknown)."""
+        validate_run_id(run_id)
+        return next((info for info in self.list_runs() if info.run_id == run_id), None) \
+            if run_id in self._runs else None
 
     def list_runs(self) -> list[RunInfo]:
         """Every run, most recently updated first."""

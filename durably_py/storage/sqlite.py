@@ -157,7 +157,7 @@ class SqliteStorage:
             if holder is not None and expires >= now:
                 return None
             data = self._log_bytes(db, run_id)
-            records, good, _ = parse_log(data, self._where(run_id))
+            records, good, torn = parse_log(data, self._where(run_id))
             if not records:
                 raise CorruptLogError(f"{self._where(run_id)} has no header line", path=self._where(run_id), line=1)
             if good < len(data):
@@ -171,7 +171,8 @@ class SqliteStorage:
                 " WHERE run_id = ?",
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
-        return Lease(run_id, owner, epoch, {"sqlite": self})
+        records.append(decode_record(line))
+        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn)
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now; False when it was lost."""
@@ -268,15 +269,22 @@ class SqliteStorage:
             row = self._db().execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
         return None if row is None else row[0]
 
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's header, last record and held flag (None if unknown)."""
+        validate_run_id(run_id)
+        found = self._infos("WHERE run_id = ?", (run_id,))
+        return found[0] if found else None
+
     def list_runs(self) -> list[RunInfo]:
         """Every run, most recently updated first."""
+        return self._infos("ORDER BY updated DESC, rowid DESC", ())
+
+    def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()
         with self._lock:
             rows = (
                 self._db()
-                .execute(
-                    "SELECT run_id, header, last, owner, lease_expires, updated FROM runs ORDER BY updated DESC, rowid DESC"
-                )
+                .execute(f"SELECT run_id, header, last, owner, lease_expires, updated FROM runs {clause}", params)
                 .fetchall()
             )
         infos = []

@@ -1,0 +1,680 @@
+"""The `durably` command line: run scripts under a live progress view, list runs and inspect them."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import runpy
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
+
+from .engine import RunHook, engine_for, set_run_hook
+from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
+from .events import StepEvent
+from .history import RunState, StepState
+from .workflow import REGISTRY, Workflow
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PARKED = 3
+EXIT_INTERRUPTED = 130
+
+STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused")
+COLOURS = {
+    "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
+    "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
+    "sleeping": "blue", "paused": "blue",
+}
+USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
+
+HELP = """Local-first durable execution: run scripts so they resume where they stopped, and look at their runs.
+
+\b
+Exit codes:
+  0    completed / ok
+  1    the workflow (or the script) failed
+  2    usage or validation error (bad arguments, unknown run)
+  3    the run is parked (waiting or sleeping)
+  130  interrupted by Ctrl-C
+"""
+
+app = typer.Typer(name="durably", help=HELP, no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+DirOption = Annotated[str | None, typer.Option("--dir", envvar="DURABLY_DIR", show_default=False, metavar="DIR",
+                                               help="State dir (default .durably, or $DURABLY_DIR).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")]
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration such as `30s`, `5m`, `2h`, `1d`, `1h30m` or a bare number of seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    spec = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", spec):
+        return float(spec)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", spec)
+    if not parts or "".join(n + u for n, u in parts) != spec:
+        raise ValidationError(f"invalid duration {text!r}", hint="Write durations like 30s, 5m, 2h or 1h30m.")
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return repr(value)
+
+
+def to_json(value: Any) -> str:
+    """JSON text of a CLI result (datetimes as ISO strings)."""
+    return json.dumps(value, indent=2, ensure_ascii=False, default=_json_default)
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(to_json(value) + "\n")
+    sys.stdout.flush()
+
+
+def _err_console() -> Console:
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def _out_console() -> Console:
+    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(file=sys.stdout, highlight=False, width=wide)
+
+
+def _preview(value: Any, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 1:
+        return f"{seconds * 1000:.1f}ms"
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def _when(value: datetime | None) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else ""
+
+
+def _path(path: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, path)) + ("," if len(path) == 1 else "") + ")"
+
+
+def _status(status: str) -> Text:
+    return Text(status, style=COLOURS.get(status, ""))
+
+
+def _exit_code(exc: BaseException, started: bool) -> int:
+    """The exit code for an error: usage errors before any step ran are 2, parked runs 3, the rest 1."""
+    if isinstance(exc, RunParkedError):
+        return EXIT_PARKED
+    if isinstance(exc, USAGE_ERRORS) and not started:
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def _report_durably_error(exc: DurablyError, debug: bool) -> None:
+    console = _err_console()
+    if debug:
+        console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
+    console.print(Text(exc.describe(), style="red"))
+    for note in getattr(exc, "__notes__", None) or []:
+        if debug or not note.startswith("recorded traceback:"):
+            console.print(Text(f"  note: {note}", style="red"))
+
+
+@contextmanager
+def _guard(debug: bool) -> Iterator[None]:
+    """Turn errors of the list/inspect commands into their message, hint and exit code."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except DurablyError as exc:
+        _report_durably_error(exc, debug)
+        raise typer.Exit(_exit_code(exc, started=False)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Exception as exc:  # noqa: BLE001 - shown as one red line, the traceback only with --debug
+        _report_exception(exc, debug, script=None)
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+# ---- user frames of a traceback ------------------------------------------------------------------
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_LIBRARY_DIRS = tuple({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                       if (p := sysconfig.get_paths().get(key))})
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return False
+    try:
+        resolved = str(Path(filename).resolve())
+    except OSError:
+        return False
+    if resolved.startswith(_PACKAGE_DIR):
+        return False
+    return not any(resolved.startswith(d + os.sep) for d in _LIBRARY_DIRS)
+
+
+def user_frame(exc: BaseException) -> tuple[str, int, str, str] | None:
+    """The last traceback frame of user code (file, line, function, source) that raised `exc`."""
+    frames = [(f.filename, f.lineno or 0, f.name, f.line or "")
+              for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    if frames:
+        return frames[-1]
+    recorded = getattr(exc, "remote_traceback", None)
+    if isinstance(recorded, str):
+        found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n(?: {4}(.*)\n)?', recorded)
+        found = [(f, int(n), fn, src.strip()) for f, n, fn, src in found if _is_user_file(f)]
+        if found:
+            return found[-1]
+    return None
+
+
+def _report_exception(exc: BaseException, debug: bool, script: str | None) -> None:
+    console = _err_console()
+    if debug:
+        console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
+    where = "the script raised" if script else "durably failed with"
+    console.print(Text(f"{where} {type(exc).__name__}: {exc}", style="red"))
+    frame = user_frame(exc)
+    if frame is not None:
+        filename, line, func, source = frame
+        console.print(Text(f"  at {filename}:{line} in {func}", style="red"))
+        if source:
+            console.print(Text(f"      {source}", style="bright_black"))
+    for note in getattr(exc, "__notes__", None) or []:
+        if not note.startswith("recorded traceback:"):
+            console.print(Text(f"  note: {note}", style="red"))
+    if not debug:
+        console.print(Text("  (--debug shows the full traceback)", style="bright_black"))
+
+
+# ---- watching runs -----------------------------------------------------------------------------
+
+
+@dataclass
+class RunTally:
+    """What one run's step events added up to."""
+
+    run_id: str
+    ran: int = 0
+    replayed: int = 0
+    failed: int = 0
+    retries: int = 0
+    running: dict[tuple[int, ...], str] = field(default_factory=dict)
+    retrying: dict[tuple[int, ...], str] = field(default_factory=dict)
+    status: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for `durably run --json`."""
+        return {"run_id": self.run_id, "status": self.status, "ran": self.ran, "replayed": self.replayed,
+                "failed": self.failed, "retries": self.retries}
+
+
+class Watcher:
+    """Receives every step event of the process and renders the live view from them."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, RunTally] = {}
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+        self.spinner = Spinner("dots", style="cyan")
+
+    def __call__(self, event: StepEvent) -> None:
+        with self.lock:
+            tally = self.runs.get(event.run_id)
+            if tally is None:
+                tally = self.runs[event.run_id] = RunTally(event.run_id)
+            path = event.path
+            if event.status == "running":
+                tally.retrying.pop(path, None)
+                tally.running[path] = event.label
+            elif event.status == "ok":
+                tally.running.pop(path, None)
+                tally.ran += 1
+            elif event.status == "replayed":
+                tally.replayed += 1
+            elif event.status == "retrying":
+                tally.running.pop(path, None)
+                tally.retrying[path] = event.label
+                tally.retries += 1
+            elif event.status == "failed":
+                tally.running.pop(path, None)
+                tally.retrying.pop(path, None)
+                tally.failed += 1
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the command started."""
+        return time.monotonic() - self.started
+
+    def __rich__(self) -> RenderableType:
+        with self.lock:
+            tallies = list(self.runs.values())
+            rows = []
+            for t in tallies[-8:]:
+                line = Text.assemble((t.run_id, "bold"), "  ", (f"{t.ran} done", "green"))
+                if t.replayed:
+                    line.append(f" · {t.replayed} replayed", "green")
+                if t.running:
+                    line.append(f" · {len(t.running)} running", "cyan")
+                if t.retrying:
+                    line.append(f" · {len(t.retrying)} retrying", "yellow")
+                if t.failed:
+                    line.append(f" · {t.failed} failed", "red")
+                labels = list(dict.fromkeys([*t.running.values(), *t.retrying.values()]))
+                if labels:
+                    shown = ", ".join(labels[:3]) + (f" +{len(labels) - 3}" if len(labels) > 3 else "")
+                    line.append(f"  {shown}", "bright_black")
+                rows.append(line)
+        if len(tallies) > 8:
+            rows.insert(0, Text(f"… {len(tallies) - 8} earlier runs", "bright_black"))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column()
+        grid.add_column()
+        grid.add_row(self.spinner, Text(f"durably  {_duration(self.elapsed)}", "bold"))
+        for row in rows:
+            grid.add_row("", row)
+        return grid
+
+
+def _settle(watcher: Watcher, dir: str | None) -> None:
+    """Read back the final status of every run the watcher saw."""
+    engine = engine_for(dir)
+    for tally in watcher.runs.values():
+        try:
+            tally.status = asyncio.run(engine.inspect(tally.run_id)).status
+        except Exception:  # noqa: BLE001 - a run recorded elsewhere (another dir=) keeps status None
+            tally.status = None
+
+
+def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
+    if as_json:
+        sys.stderr.write(json.dumps({"runs": [t.to_dict() for t in watcher.runs.values()],
+                                     "elapsed": round(watcher.elapsed, 3), "exit_code": code}) + "\n")
+        return
+    console = _err_console()
+    if not watcher.runs:
+        console.print(Text(f"durably: no durable step ran ({_duration(watcher.elapsed)})", "bright_black"))
+        return
+    for t in watcher.runs.values():
+        mark, style = {"completed": ("✓", "green"), "failed": ("✗", "red")}.get(t.status or "", ("•", "yellow"))
+        steps = t.ran + t.replayed + t.failed
+        line = Text.assemble((mark, style), " ", (t.run_id, "bold"), "  ", _status(t.status or "unknown"),
+                             f"  {steps} step{'s' * (steps != 1)}: {t.ran} ran · {t.replayed} replayed")
+        if t.failed:
+            line.append(f" · {t.failed} failed", "red")
+        if t.retries:
+            line.append(f" · {t.retries} retr{'ies' if t.retries != 1 else 'y'}", "yellow")
+        console.print(line)
+        if t.status not in ("completed", None):
+            console.print(Text(f"  see: durably inspect {t.run_id}", "bright_black"))
+    console.print(Text(f"done in {_duration(watcher.elapsed)}", "bright_black"))
+
+
+@contextmanager
+def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
+    """Show the live view on stderr while the body runs (stdout is redirected above it only on a terminal)."""
+    if not enabled:
+        yield
+        return
+    console = Console(file=sys.stderr)
+    both_tty = sys.stdout.isatty()
+    live = Live(watcher, console=console, refresh_per_second=8, transient=True,
+                redirect_stdout=both_tty, redirect_stderr=True)
+    live.start()
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream does not stop the summary
+                pass
+        live.stop()
+
+
+@contextmanager
+def _environment(script: Path, dir: str | None, argv: list[str]) -> Iterator[None]:
+    """Set DURABLY_SCRIPT, DURABLY_DIR, sys.argv and sys.path as `python script.py` would see them."""
+    saved_env = {k: os.environ.get(k) for k in ("DURABLY_SCRIPT", "DURABLY_DIR")}
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    os.environ["DURABLY_SCRIPT"] = str(script)
+    if dir is not None:
+        os.environ["DURABLY_DIR"] = os.path.abspath(dir)
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.parent))
+    try:
+        yield
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _load_script(script: Path) -> None:
+    """Import the script as a module (so its `__main__` block does not run) to register its workflows."""
+    name = re.sub(r"\W", "_", script.stem) or "script"
+    if name in sys.modules or not name.isidentifier():
+        name = f"_durably_script_{name}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise ValidationError(f"cannot import {script}", hint="Pass a Python file (.py).")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def _parse_input(text: str | None) -> Any:
+    if text is None:
+        return None
+    source = "--input"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise ValidationError(f"cannot read --input file {source!r}: {exc.strerror or exc}",
+                                  hint="Pass --input @path/to/input.json with a file that exists.") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{source} is not valid JSON: {exc}",
+                              hint="Pass JSON, e.g. --input '{\"n\": 3}', or --input @input.json.") from None
+
+
+def _find_workflow(name: str, script: Path) -> Workflow:
+    wf = REGISTRY.get(name)
+    if wf is not None:
+        return wf
+    known = ", ".join(sorted(REGISTRY)) or "none"
+    raise ValidationError(f"{script.name} defines no workflow named {name!r} (it defines: {known})",
+                          hint="Pass --workflow with the name @workflow gave it (the function's name by default).")
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The Python script to run.", show_default=False)],
+    args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", show_default=False,
+                                                     help="Arguments for the script, after `--`.")] = None,
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+                                                 help="Run this workflow of the script (its __main__ block "
+                                                      "does not run) and print its result as JSON.")] = None,
+    input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
+                                              help="Workflow input: JSON text or @file.json.")] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Run key (with --workflow).")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start the run over (with --workflow).")] = False,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Run SCRIPT as __main__ under durably, with a live progress view on stderr; or one of its workflows."""
+    args = list(args or [])
+    if not script.is_file():
+        _report_durably_error(ValidationError(f"no script file {str(script)!r}",
+                                              hint="Pass the path of a Python file, e.g. durably run job.py."), debug)
+        raise typer.Exit(EXIT_USAGE)
+    if workflow is None and (input is not None or key is not None or fresh):
+        _report_durably_error(ValidationError("--input, --key and --fresh need --workflow NAME",
+                                              hint="Without --workflow the script's own run(...) calls decide "
+                                                   "input and key; pass them as script arguments after `--`."),
+                              debug)
+        raise typer.Exit(EXIT_USAGE)
+    script = script.resolve()
+    watcher = Watcher()
+    live = not as_json and sys.stderr.isatty()
+    set_run_hook(RunHook(watcher))
+    code = EXIT_OK
+    result: Any = None
+    try:
+        with _environment(script, dir, args):
+            try:
+                with _live(watcher, live):
+                    if workflow is None:
+                        runpy.run_path(str(script), run_name="__main__")
+                    else:
+                        value = _parse_input(input)
+                        _load_script(script)
+                        wf = _find_workflow(workflow, script)
+                        result = asyncio.run(engine_for(dir).run(wf, value, key=key, fresh=fresh))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_FAILED)
+                if exc.code is not None and not isinstance(exc.code, int):
+                    _err_console().print(Text(str(exc.code), "red"))
+            except KeyboardInterrupt:
+                code = EXIT_INTERRUPTED
+                _err_console().print(Text("interrupted; run the same command again to resume where it stopped",
+                                          "yellow"))
+            except DurablyError as exc:
+                code = _exit_code(exc, started=bool(watcher.runs))
+                _report_durably_error(exc, debug)
+            except Exception as exc:  # noqa: BLE001 - the script's own error, reported without a traceback
+                code = EXIT_FAILED
+                _report_exception(exc, debug, script=str(script))
+    finally:
+        set_run_hook(None)
+    _settle(watcher, dir)
+    if workflow is not None and code == EXIT_OK:
+        _print_json(result)
+    if not (as_json and workflow is not None) and (watcher.runs or code != EXIT_USAGE):
+        _summary(watcher, code, as_json)
+    raise typer.Exit(code)
+
+
+@app.command("list")
+def list_runs(
+    status: Annotated[str | None, typer.Option("--status", "-s", metavar="STATUS",
+                                               help=f"Only runs with this status ({', '.join(STATUSES)}).")] = None,
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+                                                 help="Only runs of this workflow.")] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Only the run with this key.")] = None,
+    since: Annotated[str | None, typer.Option("--since", metavar="DURATION",
+                                              help="Only runs updated within this long: 30s, 5m, 2h, 1d.")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, metavar="N",
+                                              help="At most N runs (newest first).")] = None,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """List runs, newest first."""
+    with _guard(debug):
+        if status is not None and status not in STATUSES:
+            raise ValidationError(f"unknown status {status!r}", hint=f"Use one of: {', '.join(STATUSES)}.")
+        cutoff = datetime.now(UTC) - timedelta(seconds=parse_duration(since)) if since is not None else None
+        engine = engine_for(dir)
+        states = asyncio.run(engine.list(status=status, workflow=workflow, key=key,
+                                         limit=None if cutoff else limit))
+        if cutoff is not None:
+            states = [s for s in states if (s.updated_at or s.created_at) >= cutoff][:limit]
+        if as_json:
+            _print_json([s.to_dict() for s in states])
+            return
+        console = _out_console()
+        if not states:
+            console.print(Text(f"no runs in {engine._where()}", "bright_black"))
+            return
+        table = Table(show_edge=False, header_style="bold")
+        table.add_column("run id", no_wrap=True)
+        table.add_column("workflow")
+        table.add_column("key")
+        table.add_column("status", no_wrap=True)
+        table.add_column("attempt", justify="right")
+        table.add_column("created", no_wrap=True)
+        table.add_column("updated", no_wrap=True)
+        for s in states:
+            table.add_row(s.run_id, s.workflow, s.key or "", _status(s.status), str(s.attempt or "-"),
+                          _when(s.created_at), _when(s.updated_at))
+        console.print(table)
+
+
+def _step_line(step: StepState) -> Text:
+    line = Text.assemble((_path(step.path), "bright_black"), " ", (step.label, "bold"), "  ", _status(step.status))
+    if step.attempts != 1:
+        line.append(f"  {step.attempts} attempts", "yellow" if step.attempts > 1 else "")
+    if step.ms is not None:
+        line.append(f"  {_duration(step.ms / 1000)}", "bright_black")
+    preview = step.preview()
+    if preview:
+        line.append(f"  → {preview}", "red" if step.error else "")
+    if step.stashed is not None:
+        line.append(f"  stashed: {_preview(step.stashed, 60)}", "yellow")
+    if step.compensation is not None:
+        ok = step.compensation == "ok"
+        line.append("  compensated" if ok else "  compensation failed", "yellow" if ok else "red")
+    return line
+
+
+def step_tree(steps: list[StepState], title: str = "steps") -> Tree:
+    """The steps as a tree: branches of a fan-out nest under the position of their `ctx.parallel`."""
+    root = Tree(Text(title, "bold"))
+    nodes: dict[tuple[int, ...], Tree] = {(): root}
+    per_branch: dict[tuple[int, ...], int] = {}
+    for step in steps:
+        for end in range(2, len(step.path), 2):
+            per_branch[step.path[:end]] = per_branch.get(step.path[:end], 0) + 1
+
+    def node(prefix: tuple[int, ...]) -> Tree:
+        found = nodes.get(prefix)
+        if found is not None:
+            return found
+        if len(prefix) % 2 == 0 and per_branch.get(prefix, 0) <= 1:
+            return node(prefix[:-1])
+        parent = node(prefix[:-1])
+        if len(prefix) % 2:
+            label = Text.assemble((_path(prefix), "bright_black"), " ", ("parallel", "bold"))
+        else:
+            label = Text(f"branch {prefix[-1]}", "bright_black")
+        made = nodes[prefix] = parent.add(label)
+        return made
+
+    for step in sorted(steps, key=lambda s: s.path):
+        existing = nodes.get(step.path)
+        if existing is not None:
+            existing.label = _step_line(step)
+        else:
+            nodes[step.path] = node(step.path[:-1]).add(_step_line(step))
+    return root
+
+
+def _money(kind: str, value: float) -> str:
+    return f"${value:,.4g}" if kind == "usd" else f"{value:,.6g} {kind}"
+
+
+def _header(state: RunState) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("run", Text(state.run_id, "bold"))
+    grid.add_row("workflow", state.workflow)
+    grid.add_row("status", _status(state.status))
+    if state.key is not None:
+        grid.add_row("key", state.key)
+    grid.add_row("input", _preview(state.input, 200))
+    grid.add_row("created", _when(state.created_at))
+    grid.add_row("updated", _when(state.updated_at))
+    grid.add_row("attempt", str(state.attempt))
+    if state.script:
+        grid.add_row("script", state.script)
+    spent = {k: v for k, v in state.spent.items() if v}
+    if state.budget:
+        grid.add_row("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
+                                         for k, limit in state.budget.items()))
+    elif spent:
+        grid.add_row("spent", ", ".join(_money(k, v) for k, v in spent.items()))
+    for name, value in state.annotations.items():
+        grid.add_row(f"· {name}", _preview(value, 200))
+    for adv in state.advisories:
+        level = str(adv.get("level", "")).upper()
+        text = Text.assemble((f"[{level}] {adv.get('code')}", "yellow" if level == "WARN" else "blue"),
+                             f": {adv.get('msg', '')}")
+        if adv.get("count", 1) and adv.get("count", 1) > 1:
+            text.append(f" (×{adv['count']})", "bright_black")
+        if adv.get("hint"):
+            text.append(f"\nhint: {adv['hint']}", "bright_black")
+        if adv.get("docs"):
+            text.append(f"\ndocs: {adv['docs']}", "bright_black")
+        grid.add_row("advisory", text)
+    if state.error:
+        grid.add_row("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
+                                   f"{state.error.get('message', '')}", "red"))
+    elif state.status == "completed":
+        grid.add_row("result", _preview(state.result, 200))
+    for warning in state.warnings:
+        grid.add_row("warning", Text(warning, "yellow"))
+    return grid
+
+
+@app.command()
+def inspect(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Show a run: its header, advisories, result or error, and the tree of its steps."""
+    with _guard(debug):
+        state = asyncio.run(engine_for(dir).inspect(run))
+        if as_json:
+            _print_json(state.to_dict())
+            return
+        _out_console().print(Group(_header(state), Text(""),
+                                   step_tree(state.steps, f"steps ({len(state.steps)})")))
+
+
+def main() -> None:
+    """Entry point of the `durably` console script."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+
+
+__all__ = ["app", "main", "parse_duration", "step_tree", "to_json", "user_frame"]
+
+if __name__ == "__main__":
+    main()
