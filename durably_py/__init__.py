@@ -11,6 +11,7 @@ from .errors import (
     DurablyError,
     KeyConflictError,
     LeaseLostError,
+    LoopLimitError,
     PurityError,
     RunCancelledError,
     RunNotFoundError,
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
     "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
-    "LeaseLostError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError",
+    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError",
     "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
     "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "Workflow",
     "WorkflowContext", "WorkflowFailedError", "attempt", "create_engine", "engine_for", "is_ok", "partition",

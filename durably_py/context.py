@@ -88,6 +88,33 @@ class BudgetView:
         return float("inf") if limit is None else limit - self._kernel.spent[kind]
 
 
+class LoopDone:
+    """What a loop reducer returns to end the loop with `value`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class LoopIteration:
+    """`it` in a loop reducer: the iteration number, its steps, and `done()`."""
+
+    __slots__ = ("_ctx", "number")
+
+    def __init__(self, ctx: WorkflowContext, number: int) -> None:
+        self._ctx = ctx
+        self.number = number
+
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
+        """A step of this iteration (same options as `ctx.step`)."""
+        return self._ctx.step(fn, *args, **options)
+
+    def done(self, value: Any = None) -> LoopDone:
+        """End the loop; `ctx.loop` returns `value`."""
+        return LoopDone(value)
+
+
 class WorkflowContext:
     """`ctx`: steps, fan-out, recorded time and randomness, logging, budgets."""
 
@@ -121,6 +148,11 @@ class WorkflowContext:
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""
         return self._kernel.parallel(list(items), concurrency)
+
+    def loop(self, initial: Any, reducer: Callable[..., Any], *, snapshot_every: int | None = None,
+             max_iterations: int | None = None) -> Awaitable[Any]:
+        """Iterate `reducer(state, it)` until it returns `it.done(value)`; resumes from the latest snapshot."""
+        return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)
 
     def now(self) -> datetime:
         """The current time, recorded (replay returns the same instant)."""

@@ -23,7 +23,7 @@ from .events import StepEvent
 from .history import BUDGET_KINDS, History, RunState, describe
 from .kernel import RunKernel, Selector
 from .resources import Gates, Resource
-from .storage import FileStorage, LOG_VERSION, Storage, validate_key, validate_run_id
+from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_run_id
 from .workflow import Workflow, as_workflow
 
 JOIN_POLL = 0.05

@@ -147,6 +147,13 @@ class WorkflowFailedError(DurablyError):
     anchor = "workflowfailederror"
 
 
+class LoopLimitError(DurablyError):
+    """A `ctx.loop` ran `max_iterations` times without its reducer returning `it.done(value)`."""
+
+    default_hint = "Return it.done(value) when the work is finished, or raise max_iterations=."
+    anchor = "looplimiterror"
+
+
 class RunParkedError(DurablyError):
     """The run is parked (waiting for a signal or a wake time) and `run()` was asked not to wait."""
 

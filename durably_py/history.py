@@ -6,7 +6,8 @@ is the workflow attempt) · ``code`` the workflow's fingerprint changed ·
 ``budget`` the budget changed · ``ok`` / ``err`` a step finished (``p`` path, ``l``
 label, ``v`` value or ``e`` error, ``a`` attempt, ``ms``, ``ts``) · ``fail`` an attempt
 failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
-``stash`` partial progress · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
+``stash`` partial progress · ``snap`` a ``ctx.loop`` snapshot (state ``s``
+after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
 ``end`` the run finished (``status``, ``result`` or ``error``).
 """
@@ -32,6 +33,7 @@ class History:
         self.starts: dict[str, dict[str, Any]] = {}
         self.stashes: dict[str, dict[str, Any]] = {}
         self.comps: dict[str, dict[str, Any]] = {}
+        self.snaps: dict[str, dict[str, Any]] = {}
         self.charges: dict[str, dict[str, Any]] = {}
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
@@ -68,6 +70,8 @@ class History:
             self.end = rec
         elif t == "reopen":
             self.reopen()
+        elif t == "snap":
+            self.snaps[rec["p"]] = rec
         elif t == "code":
             self.fingerprint = rec["fingerprint"]
         elif t == "budget":
@@ -97,6 +101,15 @@ class History:
                 totals[kind] += amount
         return totals
 
+    def snapshotted(self, path: str) -> bool:
+        """True for a step inside a loop iteration that a later snapshot already covers."""
+        for loop, snap in self.snaps.items():
+            if path.startswith(loop + "."):
+                iteration = path[len(loop) + 1:].partition(".")[0]
+                if iteration.isdigit() and int(iteration) <= snap["i"]:
+                    return True
+        return False
+
     def compacted(self) -> list[dict[str, Any]]:
         """The fewest records that rebuild this same history (for log compaction)."""
         out: list[dict[str, Any]] = [self.header]
@@ -106,7 +119,8 @@ class History:
             out.append({"t": "budget", "b": self.budget})
         if self.claim:
             out.append(self.claim)
-        out.extend(self.done.values())
+        out.extend(r for p, r in self.done.items() if not self.snapshotted(p))
+        out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes):
             out.extend(r for p, r in table.items() if p not in self.done)
         out.extend(self.charges.values())

@@ -26,6 +26,7 @@ from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from .errors import (
     BudgetExceededError,
+    LoopLimitError,
     PurityError,
     SerializationError,
     StaleRunError,
@@ -96,7 +97,7 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     code = getattr(fn, "__code__", None)
     if code is not None:
         return bool(code.co_flags & CO_COROUTINE)
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class StepOptions:
@@ -331,8 +332,8 @@ class RunKernel:
             if self.spent[kind] > limit:
                 raise BudgetExceededError(
                     f"run {self.run_id} spent {self.spent[kind]:g} {kind}, over its budget of {limit:g}",
-                    hint="Resume with a larger budget=, e.g. run(..., budget={'%s': %g}); the spend so far is kept."
-                         % (kind, limit * 2),
+                    hint=f"Resume with a larger budget=, e.g. run(..., budget={{{kind!r}: {limit * 2:g}}}); "
+                         "the spend so far is kept.",
                     kind=kind, spent=self.spent[kind], limit=limit)
 
     async def execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -546,6 +547,67 @@ class RunKernel:
         wire = dump_value(values, "annotations")
         if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
             self.write({"t": "note", "n": wire})
+
+    def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
+             max_iterations: int | None) -> Awaitable[Any]:
+        """Allocate the loop's path now; each iteration's steps live under ``<path>.<iteration>.``."""
+        if not callable(reducer):
+            raise ValidationError(f"ctx.loop needs a reducer function, got {reducer!r}",
+                                  hint="Pass `async def reducer(state, it)` returning the next state or it.done(value).",
+                                  docs="docs/authoring.md#loops")
+        for name, value in (("snapshot_every", snapshot_every), ("max_iterations", max_iterations)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValidationError(f"ctx.loop {name}= must be an int >= 1, got {value!r}",
+                                      hint=f"Omit {name}= for the default.", docs="docs/authoring.md#loops")
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, "ctx.loop")
+            scope.pending += 1
+            return self.replay(scope, path, rec, PLAIN)
+        return self._loop(path, initial, reducer, snapshot_every or 1, max_iterations)
+
+    async def _loop(self, path: str, initial: Any, reducer: Callable[..., Any], every: int,
+                    max_iterations: int | None) -> Any:
+        from .context import LoopDone, LoopIteration
+
+        snap = self.history.snaps.get(path)
+        if snap is not None:
+            state, start = load_value(snap["s"]), snap["i"] + 1
+        else:
+            state, start = load_value(dump_value(initial, "loop state")), 0
+        i = start
+        while True:
+            if max_iterations is not None and i >= max_iterations:
+                raise LoopLimitError(
+                    f"ctx.loop at path {path_tuple(path)} reached max_iterations={max_iterations} without it.done()",
+                    hint="Return it.done(value) from the reducer when the work is finished, or raise max_iterations=.",
+                    path=list(path_tuple(path)), iterations=i)
+            token = current_scope.set(Scope(f"{path}.{i}.", asyncio.current_task()))
+            try:
+                out = reducer(state, LoopIteration(self.ctx, i))
+                if inspect.isawaitable(out):
+                    out = await out
+            finally:
+                current_scope.reset(token)
+            if isinstance(out, LoopDone):
+                wire = dump_value(out.value, "loop result")
+                if self.shadow and path not in self.done:
+                    self.diverge(f"ctx.loop at path {path_tuple(path)} finished again: the recorded run has no result")
+                self.write({"t": "ok", "p": path, "l": "ctx.loop", "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+                self.step_done()
+                return load_value(wire)
+            wire = dump_value(out, f"loop state after iteration {i}")
+            state = load_value(wire)
+            if (i + 1) % every == 0:
+                data = encode_line(wire)
+                if len(data) >= 256 * 1024:
+                    self.advise("SNAPSHOT_HEAVY", len(data),
+                                f"ctx.loop at path {path_tuple(path)} snapshots {len(data) // 1024} KiB of state")
+                self.write({"t": "snap", "p": path, "i": i, "s": wire, "ts": time.time()})
+                self.step_done()
+            i += 1
 
     def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]:
         """Allocate a path for the fan-out now; each branch runs under its own prefix."""

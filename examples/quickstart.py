@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from durably_py import Retry, attempt, run, workflow
+from durably_py import Retry, attempt, is_ok, run, workflow
 
 
 def load_orders(count: int) -> list[dict[str, Any]]:
@@ -56,7 +56,7 @@ async def checkout(ctx: Any, input: dict[str, Any]) -> dict[str, Any]:
     ctx.log(f"loaded {len(orders)} orders")
     priced = await ctx.parallel([ctx.step(price_order, order, name="price_order") for order in orders],
                                 concurrency=4)
-    totals = [result.value for result in priced if result.ok]
+    totals = [result.value for result in priced if is_ok(result)]
     total = round(sum(t["total"] for t in totals), 2)
     ctx.log(f"priced {len(totals)} orders, total {total:.2f}")
     payment = await ctx.step(charge_card, total, retry=Retry(3, backoff="exponential", base=0.1))

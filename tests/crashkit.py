@@ -193,6 +193,7 @@ class Sandbox:
         self.root = root
         self.dir = root / "state"
         self.effects_path = root / "effects.txt"
+        root.mkdir(parents=True, exist_ok=True)
         self.effects_path.touch()
         self.procs: list[subprocess.Popen[str]] = []
 

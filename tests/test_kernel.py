@@ -190,6 +190,8 @@ def test_gather_of_steps_gets_paths_in_call_order_and_replays() -> None:
 
 def test_parallel_mixes_awaitables_and_callables_and_returns_results_in_order() -> None:
     calls: list[str] = []
+    seen: list[list[Any]] = []
+    stop = [True]
 
     async def ok(x: int) -> int:
         calls.append(f"ok{x}")
@@ -201,22 +203,35 @@ def test_parallel_mixes_awaitables_and_callables_and_returns_results_in_order() 
 
     @workflow
     async def wf(ctx: Any) -> list[Any]:
-        results = await ctx.parallel([ctx.step(ok, 1), lambda: ctx.step(bad), lambda: ctx.step(ok, 3)])
-        assert [type(r) for r in results] == [Ok, Err, Ok]
-        assert [is_ok(r) for r in results] == [True, False, True]
+        async def two_steps() -> int:
+            return await ctx.step(ok, 4) + await ctx.step(ok, 5)
+
+        results = await ctx.parallel([ctx.step(ok, 1), lambda: ctx.step(bad), lambda: ctx.step(ok, 3), two_steps])
+        seen.append(results)
+        if stop[0]:
+            raise Stop()
         values, errors = partition(results)
-        assert [type(e) for e in errors] == [Boom]
-        assert str(errors[0]) == "branch failed"
-        return values
+        return [values, [str(e) for e in errors]]
 
     async def main() -> None:
         engine = new_engine()
-        assert await engine.run(wf) == [10, 30]
+        await interrupted(engine, wf)
+        assert sorted(calls) == ["bad", "ok1", "ok3", "ok4", "ok5"]
+        stop[0] = False
+        assert await engine.run(wf) == [[10, 30, 90], ["branch failed"]]
         steps = (await engine.inspect((await engine.list())[0].run_id)).steps
-        assert [(s.path, s.status) for s in steps] == [((0,), "ok"), ((1, 1, 0), "failed"), ((1, 2, 0), "ok")]
+        assert [(s.path, s.status) for s in steps] == [
+            ((0,), "ok"), ((1, 1, 0), "failed"), ((1, 2, 0), "ok"), ((1, 3, 0), "ok"), ((1, 3, 1), "ok"),
+        ]
 
     go(main)
-    assert sorted(calls) == ["bad", "ok1", "ok3"]
+    assert sorted(calls) == ["bad", "ok1", "ok3", "ok4", "ok5"]
+    for results in seen:
+        assert [type(r) for r in results] == [Ok, Err, Ok, Ok]
+        assert [is_ok(r) for r in results] == [True, False, True, True]
+        values, errors = partition(results)
+        assert values == [10, 30, 90]
+        assert [type(e) for e in errors] == [Boom] and str(errors[0]) == "branch failed"
 
 
 @pytest.mark.parametrize("concurrency, expected", [(2, 2), (1, 1), (None, 6)])

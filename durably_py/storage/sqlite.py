@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (

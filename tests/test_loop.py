@@ -1,0 +1,159 @@
+"""ctx.loop: reducer iterations with snapshots, so a resumed loop starts from its latest snapshot."""
+
+import asyncio
+
+import pytest
+
+from durably_py import (
+    FileStorage,
+    LoopLimitError,
+    MemoryStorage,
+    SerializationError,
+    ValidationError,
+    create_engine,
+    workflow,
+)
+
+
+class Stop(BaseException):
+    """Escapes run() like a killed process: nothing more is recorded."""
+
+
+def make(stop_at=None, snapshot_every=None, max_iterations=None, log=None):
+    calls = {"reducer": [], "step": []}
+    state = {"stop_at": stop_at}
+
+    def work(i):
+        calls["step"].append(i)
+        return i * 10
+
+    @workflow
+    async def summing(ctx, n):
+        async def reducer(total, it):
+            calls["reducer"].append(it.number)
+            if it.number == state["stop_at"]:
+                state["stop_at"] = None
+                raise Stop()
+            if it.number == n:
+                return it.done(total)
+            return total + await it.step(work, it.number, name="work")
+
+        return await ctx.loop(0, reducer, snapshot_every=snapshot_every, max_iterations=max_iterations)
+
+    return summing, calls
+
+
+def run(engine, wf, *args, **kwargs):
+    return asyncio.run(engine.run(wf, *args, **kwargs))
+
+
+def test_loop_runs_to_done() -> None:
+    wf, calls = make()
+    assert run(create_engine(MemoryStorage()), wf, 5) == sum(i * 10 for i in range(5))
+    assert calls["reducer"] == [0, 1, 2, 3, 4, 5]
+    assert calls["step"] == [0, 1, 2, 3, 4]
+
+
+def test_resume_starts_after_the_latest_snapshot() -> None:
+    wf, calls = make(stop_at=6)
+    engine = create_engine(MemoryStorage())
+    with pytest.raises(Stop):
+        run(engine, wf, 8)
+    calls["reducer"].clear()
+    assert run(engine, wf, 8) == sum(i * 10 for i in range(8))
+    assert calls["reducer"] == [6, 7, 8]
+    assert calls["step"] == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_iterations_after_a_sparse_snapshot_replay_their_steps() -> None:
+    wf, calls = make(stop_at=5, snapshot_every=3)
+    engine = create_engine(MemoryStorage())
+    with pytest.raises(Stop):
+        run(engine, wf, 7)
+    calls["reducer"].clear()
+    assert run(engine, wf, 7) == sum(i * 10 for i in range(7))
+    assert calls["reducer"] == [3, 4, 5, 6, 7]
+    assert calls["step"] == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_finished_loop_replays_its_result_without_iterating() -> None:
+    calls = {"n": 0}
+    stop = {"on": True}
+
+    @workflow
+    async def wf(ctx):
+        async def reducer(i, it):
+            calls["n"] += 1
+            return it.done(i) if i == 3 else i + 1
+
+        value = await ctx.loop(0, reducer)
+        if stop["on"]:
+            stop["on"] = False
+            raise Stop()
+        return value
+
+    engine = create_engine(MemoryStorage())
+    with pytest.raises(Stop):
+        run(engine, wf)
+    assert calls["n"] == 4
+    assert run(engine, wf) == 3
+    assert calls["n"] == 4
+
+
+def test_max_iterations_and_bad_options() -> None:
+    wf, _ = make(max_iterations=3)
+    with pytest.raises(LoopLimitError) as info:
+        run(create_engine(MemoryStorage()), wf, 10)
+    assert info.value.hint and "max_iterations=3" in str(info.value)
+
+    @workflow
+    async def bad(ctx):
+        return await ctx.loop(0, lambda s, it: it.done(s), snapshot_every=0)
+
+    with pytest.raises(ValidationError):
+        run(create_engine(MemoryStorage()), bad)
+
+
+def test_complete_from_a_reducer_ends_the_workflow() -> None:
+    @workflow
+    async def wf(ctx):
+        await ctx.loop(0, lambda s, it: ctx.complete("early") if s == 2 else s + 1)
+        return "late"
+
+    assert run(create_engine(MemoryStorage()), wf) == "early"
+
+
+def test_state_must_serialize() -> None:
+    @workflow
+    async def wf(ctx):
+        return await ctx.loop(0, lambda s, it: {1, 2} if s == 2 else s + 1)
+
+    with pytest.raises(SerializationError) as info:
+        run(create_engine(MemoryStorage()), wf)
+    assert "iteration 2" in info.value.path
+
+
+def test_compaction_drops_iterations_a_snapshot_covers(tmp_path) -> None:
+    wf, calls = make(stop_at=150)
+    storage = FileStorage(tmp_path, compact_above_bytes=4096)
+    engine = create_engine(storage)
+    with pytest.raises(Stop):
+        run(engine, wf, 160, advisories="silent")
+    (log,) = tmp_path.glob("runs/*.jsonl")
+    before = log.stat().st_size
+    calls["reducer"].clear()
+    assert run(engine, wf, 160, advisories="silent") == sum(i * 10 for i in range(160))
+    assert calls["reducer"] == list(range(150, 161))
+    assert len(calls["step"]) == 160
+    assert log.stat().st_size < before
+
+
+def test_heavy_snapshots_are_advised() -> None:
+    seen = []
+
+    @workflow
+    async def wf(ctx):
+        return await ctx.loop("", lambda s, it: it.done(len(s)) if it.number == 2 else "x" * 300_000)
+
+    assert run(create_engine(MemoryStorage()), wf, advisories="silent", on_advisory=seen.append) == 300_000
+    assert [a.code for a in seen] == ["SNAPSHOT_HEAVY"]
