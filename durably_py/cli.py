@@ -171,7 +171,7 @@ def _guard(debug: bool) -> Iterator[None]:
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 - shown as one red line, the traceback only with --debug
-        _report_exception(exc, debug, script=None)
+        _report_exception(exc, debug)
         raise typer.Exit(EXIT_FAILED) from None
 
 
@@ -209,12 +209,11 @@ def user_frame(exc: BaseException) -> tuple[str, int, str, str] | None:
     return None
 
 
-def _report_exception(exc: BaseException, debug: bool, script: str | None) -> None:
+def _report_exception(exc: BaseException, debug: bool, source: str = "durably") -> None:
     console = _err_console()
     if debug:
         console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
-    where = "the script raised" if script else "durably failed with"
-    console.print(Text(f"{where} {type(exc).__name__}: {exc}", style="red"))
+    console.print(Text(f"{source} raised {type(exc).__name__}: {exc}", style="red"))
     frame = user_frame(exc)
     if frame is not None:
         filename, line, func, source = frame
@@ -495,7 +494,7 @@ def run(
                 _report_durably_error(exc, debug)
             except Exception as exc:  # noqa: BLE001 - the script's own error, reported without a traceback
                 code = EXIT_FAILED
-                _report_exception(exc, debug, script=str(script))
+                _report_exception(exc, debug, "the script" if workflow is None else f"workflow {workflow!r}")
     finally:
         set_run_hook(None)
     _settle(watcher, dir)
@@ -605,48 +604,54 @@ def _money(kind: str, value: float) -> str:
     return f"${value:,.4g}" if kind == "usd" else f"{value:,.6g} {kind}"
 
 
-def _header(state: RunState) -> Table:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
-    grid.add_row("run", Text(state.run_id, "bold"))
-    grid.add_row("workflow", state.workflow)
-    grid.add_row("status", _status(state.status))
+def _header(state: RunState) -> Text:
+    rows: list[tuple[str, Text | str]] = [("run", Text(state.run_id, "bold")), ("workflow", state.workflow),
+                                          ("status", _status(state.status))]
     if state.key is not None:
-        grid.add_row("key", state.key)
-    grid.add_row("input", _preview(state.input, 200))
-    grid.add_row("created", _when(state.created_at))
-    grid.add_row("updated", _when(state.updated_at))
-    grid.add_row("attempt", str(state.attempt))
+        rows.append(("key", state.key))
+    if state.input is not None:
+        rows.append(("input", _preview(state.input, 200)))
+    rows += [("created", _when(state.created_at)), ("updated", _when(state.updated_at)),
+             ("attempt", str(state.attempt))]
     if state.script:
-        grid.add_row("script", state.script)
+        rows.append(("script", state.script))
     spent = {k: v for k, v in state.spent.items() if v}
     if state.budget:
-        grid.add_row("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
-                                         for k, limit in state.budget.items()))
+        rows.append(("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
+                                         for k, limit in state.budget.items())))
     elif spent:
-        grid.add_row("spent", ", ".join(_money(k, v) for k, v in spent.items()))
+        rows.append(("spent", ", ".join(_money(k, v) for k, v in spent.items())))
     for name, value in state.annotations.items():
-        grid.add_row(f"· {name}", _preview(value, 200))
+        rows.append((f"· {name}", _preview(value, 200)))
     for adv in state.advisories:
         level = str(adv.get("level", "")).upper()
         text = Text.assemble((f"[{level}] {adv.get('code')}", "yellow" if level == "WARN" else "blue"),
                              f": {adv.get('msg', '')}")
-        if adv.get("count", 1) and adv.get("count", 1) > 1:
-            text.append(f" (×{adv['count']})", "bright_black")
+        count = adv.get("count") or 1
+        if count > 1:
+            text.append(f" (×{count})", "bright_black")
         if adv.get("hint"):
             text.append(f"\nhint: {adv['hint']}", "bright_black")
         if adv.get("docs"):
             text.append(f"\ndocs: {adv['docs']}", "bright_black")
-        grid.add_row("advisory", text)
+        rows.append(("advisory", text))
     if state.error:
-        grid.add_row("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
-                                   f"{state.error.get('message', '')}", "red"))
+        rows.append(("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
+                                   f"{state.error.get('message', '')}", "red")))
     elif state.status == "completed":
-        grid.add_row("result", _preview(state.result, 200))
+        rows.append(("result", _preview(state.result, 200)))
     for warning in state.warnings:
-        grid.add_row("warning", Text(warning, "yellow"))
-    return grid
+        rows.append(("warning", Text(warning, "yellow")))
+    width = max(len(name) for name, _ in rows) + 2
+    out = Text()
+    for name, value in rows:
+        value = value if isinstance(value, Text) else Text(value)
+        for i, line in enumerate(value.split("\n")):
+            out.append((name if i == 0 else "").ljust(width), "bold")
+            out.append_text(line)
+            out.append("\n")
+    out.rstrip()
+    return out
 
 
 @app.command()

@@ -399,7 +399,8 @@ class RunKernel:
                     value = await self._invoke(fn, args, is_async)
                 else:
                     try:
-                        value = await asyncio.wait_for(self._invoke(fn, args, is_async), opts.timeout)
+                        async with asyncio.timeout(opts.timeout):
+                            value = await self._invoke(fn, args, is_async)
                     except TimeoutError:
                         att.cancel()
                         raise StepTimeoutError(

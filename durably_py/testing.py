@@ -178,6 +178,12 @@ class TestEngine:
         """Release the engine's worker threads (the pytest fixture does this after each test)."""
         self.engine.executor.shutdown(wait=False, cancel_futures=True)
 
+    def __enter__(self) -> TestEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ---- internals ------------------------------------------------------------------------------
     def _listener(self, user: StepListener | None) -> StepListener:
         """Count executions per run and path (each `running` event is one), then pass the event on."""

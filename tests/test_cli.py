@@ -266,3 +266,18 @@ def test_run_resumes_after_sigkill(tmp_path: Path, script: Path) -> None:
     assert "2 ran" in second.stderr and "2 replayed" in second.stderr
     rows = json.loads(durably(tmp_path, "list", "--json").stdout)
     assert len(rows) == 1 and rows[0]["status"] == "completed"
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize(("example", "args", "expected"), [
+    ("quickstart.py", ["2"], '"receipt": "receipt for pay-'),
+    ("slow_steps.py", ["3", "0.01"], "{'steps': 3,"),
+])
+def test_examples_run_under_durably(tmp_path: Path, example: str, args: list[str], expected: str) -> None:
+    proc = durably(tmp_path, "run", str(EXAMPLES / example), "--", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert expected in proc.stdout and "completed" in proc.stderr
+    rows = json.loads(durably(tmp_path, "list", "--json").stdout)
+    assert [r["script"] for r in rows] == [str(EXAMPLES / example)]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from crashkit import Sandbox, chaos, read_records, sandbox
+from crashkit import Sandbox, chaos, sandbox
 
 import durably_py
 
@@ -90,7 +91,7 @@ def test_kill_during_retry_backoff_resumes_at_next_attempt(box: Sandbox) -> None
     box.kill(proc)
     killed_at = time.time()
     fail = [r for r in box.records() if r["t"] == "fail"][-1]
-    wake = durably_py.codec.from_iso(fail["next"]).timestamp()
+    wake = datetime.fromisoformat(fail["next"]).timestamp()
     full_wait = 2.0
     assert wake - killed_at > 0.8
 
@@ -130,8 +131,7 @@ def test_kill_inside_stashing_step_resumes_from_stash(box: Sandbox) -> None:
     assert resumes == [None, last]
     counts = box.counts(effects)
     for i in range(20):
-        expected = 1 if i <= last["i"] or i > last["i"] + 1 else (1, 2)
-        assert counts[f"item{i}"] in (expected if isinstance(expected, tuple) else (expected,)), i
+        assert counts[f"item{i}"] in ({1, 2} if i == last["i"] + 1 else {1}), i
     second = effects[[e.label for e in effects].index("resume", 1):]
     assert [e.label for e in second[1:]] == [f"item{i}" for i in range(last["i"] + 1, 20)]
 
@@ -271,4 +271,3 @@ def test_corrupt_middle_line_fails_without_touching_the_log(box: Sandbox) -> Non
     assert outcome["details"]["line"] == 3 and outcome["details"]["path"] == str(log)
     assert log.read_bytes() == before
     assert len(box.effects()) == executed
-    assert read_records is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -43,10 +44,9 @@ async def arithmetic(ctx, n):
 
 
 @pytest.fixture
-def engine() -> TestEngine:
-    eng = TestEngine()
-    yield eng
-    eng.close()
+def engine() -> Iterator[TestEngine]:
+    with TestEngine() as eng:
+        yield eng
 
 
 # ---- statuses ------------------------------------------------------------------------------------
@@ -307,20 +307,17 @@ def test_an_hour_of_backoff_takes_milliseconds(engine: TestEngine) -> None:
 
 
 def test_clock_advance_moves_virtual_time() -> None:
-    clock = FakeClock()
-    eng = TestEngine(clock=clock)
-    try:
-        @workflow
-        async def when(ctx):
-            return ctx.now()
+    @workflow
+    async def when(ctx):
+        return ctx.now()
 
+    clock = FakeClock()
+    with TestEngine(clock=clock) as eng:
         t0 = eng.clock.now()
         eng.clock.advance(90)
         res = eng.sync.run(when)
         assert res.result == t0 + timedelta(seconds=90)
         assert eng.sync.clock is clock
-    finally:
-        eng.close()
 
 
 # ---- shadow replay -------------------------------------------------------------------------------
@@ -390,11 +387,8 @@ def test_shadow_replay_catches_a_step_that_would_run_again(engine: TestEngine) -
 
 def test_shadow_replay_can_be_turned_off() -> None:
     _flips["n"] = 0
-    eng = TestEngine(shadow=False)
-    try:
+    with TestEngine(shadow=False) as eng:
         assert eng.sync.run(impure).result == "cheap"
-    finally:
-        eng.close()
 
 
 def test_deterministic_workflows_pass_shadow_replay_after_crashes(engine: TestEngine) -> None:
@@ -417,16 +411,13 @@ def test_deterministic_workflows_pass_shadow_replay_after_crashes(engine: TestEn
 
 def test_async_api_runs_inside_an_event_loop() -> None:
     async def scenario() -> tuple[str, str]:
-        eng = TestEngine()
-        try:
+        with TestEngine() as eng:
             crashed = await eng.run(arithmetic, 2, crash_after="double")
             with pytest.raises(ValidationError):
                 eng.sync.run(arithmetic, 2)
             done = await eng.resume(crashed.run_id)
             await eng.verify(done.run_id)
             return crashed.status, done.status
-        finally:
-            eng.close()
 
     assert asyncio.run(scenario()) == ("crashed", "completed")
 

@@ -208,9 +208,9 @@ def test_bad_engine_option_fails_at_create_engine(options: dict[str, Any]) -> No
     check_error(info.value)
 
 
-def test_not_a_workflow_is_rejected() -> None:
+def test_not_a_workflow_is_rejected(state_dir: Path) -> None:
     with pytest.raises(ValidationError) as info:
-        run(noop)
+        run(noop, dir=state_dir)
     check_error(info.value)
     assert "is not a workflow" in str(info.value)
 

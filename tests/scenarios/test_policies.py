@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -29,10 +30,9 @@ class OrderRejected(Exception):
 
 
 @pytest.fixture
-def engine() -> TestEngine:
-    eng = TestEngine()
-    yield eng
-    eng.close()
+def engine() -> Iterator[TestEngine]:
+    with TestEngine() as eng:
+        yield eng
 
 
 # ---- retries -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,10 +16,9 @@ class PaymentDeclined(Exception):
 
 
 @pytest.fixture
-def engine() -> TestEngine:
-    eng = TestEngine()
-    yield eng
-    eng.close()
+def engine() -> Iterator[TestEngine]:
+    with TestEngine() as eng:
+        yield eng
 
 
 def test_completed_steps_never_run_again_on_resume(engine: TestEngine) -> None:
