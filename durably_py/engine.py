@@ -124,6 +124,7 @@ class Engine:
                 history.add(info.last)
             state = describe(history, held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
+            state.attempt = info.epoch
             if status is not None and state.status != status:
                 continue
             out.append(state)

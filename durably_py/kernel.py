@@ -88,9 +88,10 @@ Selector = tuple[int, ...] | str | tuple[str, int]
 
 
 def label_of(fn: Callable[..., Any]) -> str:
-    """The default step label: the callable's qualified name."""
+    """The default step label: the callable's qualified name, without the enclosing function's."""
     target = getattr(fn, "func", fn)
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return name.rpartition("<locals>.")[2]
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

@@ -104,7 +104,7 @@ def test_sync_and_async_steps_with_args_and_name() -> None:
         state = (await engine.list())[0]
         steps = (await engine.inspect(state.run_id)).steps
         assert [(s.path, s.label, s.output) for s in steps] == [
-            ((0,), "test_sync_and_async_steps_with_args_and_name.<locals>.add", 3),
+            ((0,), "add", 3),
             ((1,), "times ten", 30),
         ]
 
@@ -181,7 +181,7 @@ def test_gather_of_steps_gets_paths_in_call_order_and_replays() -> None:
         run_id = (await engine.list())[0].run_id
         steps = (await engine.inspect(run_id)).steps
         assert [(s.path, s.label) for s in steps] == [
-            ((0,), slow.__qualname__), ((1,), fast.__qualname__), ((2,), "after"),
+            ((0,), "slow"), ((1,), "fast"), ((2,), "after"),
         ]
 
     go(main)

@@ -212,6 +212,7 @@ class RunInfo:
     last: dict[str, Any]
     held: bool
     updated_at: float
+    epoch: int = 0  # how many times the run was claimed (its workflow attempt)
 
 
 @runtime_checkable

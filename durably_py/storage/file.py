@@ -508,7 +508,8 @@ class FileStorage:
                 last = _last_record(f, st.st_size) or header
         except FileNotFoundError:
             return None
-        return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime)
+        return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime,
+                       self._sidecar_epoch(run_id))
 
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""

@@ -211,14 +211,15 @@ class MemoryStorage:
                     bytes(last_line(run.data)),
                     run.owner is not None and run.expires >= now,
                     run.updated,
+                    run.epoch,
                 )
                 for run_id, run in self._runs.items()
             ]
         rows.sort(reverse=True)
         infos = []
-        for _, run_id, first, last, held, updated in rows:
+        for _, run_id, first, last, held, updated, epoch in rows:
             header = decode_record(first) or {}
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated))
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
         return infos
 
     def close(self) -> None:

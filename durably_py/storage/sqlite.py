@@ -285,14 +285,14 @@ class SqliteStorage:
         with self._lock:
             rows = (
                 self._db()
-                .execute(f"SELECT run_id, header, last, owner, lease_expires, updated FROM runs {clause}", params)
+                .execute(f"SELECT run_id, header, last, owner, lease_expires, updated, epoch FROM runs {clause}", params)
                 .fetchall()
             )
         infos = []
-        for run_id, header_line, last, owner, expires, updated in rows:
+        for run_id, header_line, last, owner, expires, updated, epoch in rows:
             header = decode_record(header_line) or {}
             held = owner is not None and expires is not None and expires >= now
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated))
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
         return infos
 
 
