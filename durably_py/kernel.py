@@ -624,16 +624,20 @@ class RunKernel:
                 raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
                                       hint="Pass ctx.step(...) awaitables or zero-argument callables.",
                                       docs="docs/authoring.md#parallel")
-        prefix = self.scope().alloc()
+        scope = self.scope()
+        prefix = None if all(type(item) is CoroutineType and item.cr_code in STEP_CODES for item in items) \
+            else scope.alloc()
         if len(items) >= 1000:
             self.advise("FANOUT_CEILING", len(items), f"ctx.parallel with {len(items)} branches")
         return self._parallel(prefix, items, concurrency)
 
-    async def _parallel(self, prefix: str, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
+    async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
+        """Run the branches; steps already allocated keep their paths, anything else gets ``<prefix>.<i>.``."""
         gate = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def branch(i: int, item: Any) -> Ok[Any] | Err:
-            current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
+            if prefix is not None:
+                current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
             if gate is not None:
                 await gate.acquire()
             try:
@@ -706,3 +710,6 @@ class RunKernel:
         self.write({"t": "end", "status": "completed", "result": wire, "ts": time.time()})
         self.sync()
         return value
+
+
+STEP_CODES = frozenset({RunKernel.execute.__code__, RunKernel.replay.__code__})
