@@ -15,12 +15,14 @@ from .errors import (
     PurityError,
     RunCancelledError,
     RunNotFoundError,
+    RunParkedError,
     SerializationError,
     StaleRunError,
     StepFailedError,
     StepInterruptedError,
     StepTimeoutError,
     ValidationError,
+    WaitTimeoutError,
     WorkflowFailedError,
 )
 from .events import StepEvent
@@ -36,9 +38,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
     "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
-    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError",
+    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError", "RunParkedError",
     "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
-    "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "Workflow",
+    "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "WaitTimeoutError", "Workflow",
     "WorkflowContext", "WorkflowFailedError", "attempt", "create_engine", "engine_for", "is_ok", "partition",
     "run", "run_async", "workflow",
 ]

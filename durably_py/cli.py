@@ -406,22 +406,23 @@ def _load_script(script: Path) -> None:
     spec.loader.exec_module(module)
 
 
-def _parse_input(text: str | None) -> Any:
+def _parse_input(text: str | None, option: str = "--input") -> Any:
     if text is None:
         return None
-    source = "--input"
+    source = option
     if text.startswith("@"):
         source = text[1:]
         try:
             text = Path(source).read_text()
         except OSError as exc:
-            raise ValidationError(f"cannot read --input file {source!r}: {exc.strerror or exc}",
-                                  hint="Pass --input @path/to/input.json with a file that exists.") from None
+            raise ValidationError(f"cannot read {option} file {source!r}: {exc.strerror or exc}",
+                                  hint=f"Pass {option} as @path/to/file.json with a file that exists.") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValidationError(f"{source} is not valid JSON: {exc}",
-                              hint="Pass JSON, e.g. --input '{\"n\": 3}', or --input @input.json.") from None
+                              hint=f"Pass JSON, e.g. {option} '{{\"n\": 3}}', or {option} @file.json (strings "
+                                   "need quotes: '\"yes\"').") from None
 
 
 def _find_workflow(name: str, script: Path) -> Workflow:
@@ -448,6 +449,8 @@ def run(
                                               help="Workflow input: JSON text or @file.json.")] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Run key (with --workflow).")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start the run over (with --workflow).")] = False,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or "
+                                                             "a signal, instead of waiting (with --workflow).")] = False,
     dir: DirOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
@@ -458,8 +461,8 @@ def run(
         _report_durably_error(ValidationError(f"no script file {str(script)!r}",
                                               hint="Pass the path of a Python file, e.g. durably run job.py."), debug)
         raise typer.Exit(EXIT_USAGE)
-    if workflow is None and (input is not None or key is not None or fresh):
-        _report_durably_error(ValidationError("--input, --key and --fresh need --workflow NAME",
+    if workflow is None and (input is not None or key is not None or fresh or no_wait):
+        _report_durably_error(ValidationError("--input, --key, --fresh and --no-wait need --workflow NAME",
                                               hint="Without --workflow the script's own run(...) calls decide "
                                                    "input and key; pass them as script arguments after `--`."),
                               debug)
@@ -480,7 +483,7 @@ def run(
                         value = _parse_input(input)
                         _load_script(script)
                         wf = _find_workflow(workflow, script)
-                        result = asyncio.run(engine_for(dir).run(wf, value, key=key, fresh=fresh))
+                        result = asyncio.run(engine_for(dir).run(wf, value, key=key, fresh=fresh, wait=not no_wait))
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_FAILED)
                 if exc.code is not None and not isinstance(exc.code, int):
@@ -669,6 +672,27 @@ def inspect(
             return
         _out_console().print(Group(_header(state), Text(""),
                                    step_tree(state.steps, f"steps ({len(state.steps)})")))
+
+
+@app.command()
+def signal(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The signal the workflow waits for.",
+                                        show_default=False)],
+    payload: Annotated[str | None, typer.Argument(metavar="PAYLOAD", show_default=False,
+                                                  help="JSON payload, or @file.json (default: null).")] = None,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
+    with _guard(debug):
+        value = _parse_input(payload, "PAYLOAD")
+        asyncio.run(engine_for(dir).signal(run, name, value))
+        if as_json:
+            _print_json({"run": run, "signal": name, "payload": value, "sent": True})
+        else:
+            _err_console().print(Text(f"sent {name!r} to {run}", "green"))
 
 
 def main() -> None:

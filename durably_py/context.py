@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .codec import dump_value, load_value
 from .errors import ValidationError
 from .history import BUDGET_KINDS
 from .kernel import PLAIN, Complete, StepOptions, current_attempt, label_of
+from .policies import check_timeout
 from .result import Err, Ok
 
 if TYPE_CHECKING:
@@ -153,6 +154,21 @@ class WorkflowContext:
              max_iterations: int | None = None) -> Awaitable[Any]:
         """Iterate `reducer(state, it)` until it returns `it.done(value)`; resumes from the latest snapshot."""
         return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)
+
+    def sleep(self, seconds: float) -> Awaitable[None]:
+        """Wait `seconds` durably: the wake time is recorded, so a resumed run waits only what is left."""
+        if seconds != 0:
+            check_timeout(seconds, "ctx.sleep seconds")
+        return self._kernel.sleep_until(self._kernel.clock.now() + timedelta(seconds=seconds))
+
+    def sleep_until(self, when: datetime) -> Awaitable[None]:
+        """Wait durably until `when` (timezone-aware)."""
+        return self._kernel.sleep_until(when)
+
+    def wait_for(self, name: str, schema: Any = None, *, timeout: float | None = None) -> Awaitable[Any]:
+        """Park until signal `name` arrives (from any process) and return its payload; `WaitTimeoutError` after
+        `timeout` seconds."""
+        return self._kernel.wait_for(name, schema, timeout)
 
     def now(self) -> datetime:
         """The current time, recorded (replay returns the same instant)."""

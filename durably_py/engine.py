@@ -18,10 +18,17 @@ from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
 from .codec import digest, dump_value, encode_line, load_error, load_value, to_iso
 from .context import WorkflowContext
-from .errors import DurablyError, KeyConflictError, RunNotFoundError, ValidationError, WorkflowFailedError
+from .errors import (
+    DurablyError,
+    KeyConflictError,
+    RunNotFoundError,
+    RunParkedError,
+    ValidationError,
+    WorkflowFailedError,
+)
 from .events import StepEvent
 from .history import BUDGET_KINDS, History, RunState, describe
-from .kernel import RunKernel, Selector
+from .kernel import Parked, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_run_id
 from .workflow import Workflow, as_workflow
@@ -120,7 +127,7 @@ class Engine:
             if key is not None and header.get("key") != key:
                 continue
             history = History([header])
-            if info.last.get("t") == "end":
+            if info.last.get("t") in ("end", "wait", "wake"):
                 history.add(info.last)
             state = describe(history, held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
@@ -132,11 +139,30 @@ class Engine:
                 break
         return out
 
+    async def signal(self, run: str, name: str, payload: Any = None) -> None:
+        """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
+
+        The run need not be live: the signal waits in the run's inbox until the run reads it."""
+        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
+            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
+                                  hint="Use the name the workflow waits for: ctx.wait_for('approval').",
+                                  docs="docs/authoring.md#parking")
+        run_id = self.resolve(run)
+        wire = dump_value(payload, "payload")
+        info = self.storage.info(run_id)
+        if info is not None and info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
+            raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
+                                  hint="Signal a run that is still waiting (`durably list --status waiting`).",
+                                  docs="docs/authoring.md#parking", run_id=run_id)
+        self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8), "name": name,
+                                               "payload": wire, "at": to_iso(datetime.now(UTC))}))
+
     # ---- running --------------------------------------------------------------------------------
     async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
                   budget: dict[str, float] | None = None, checkpoint_every: int | None = None,
                   advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
-                  on_step: Callable[[StepEvent], Any] | None = None, run_id: str | None = None,
+                  on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                  run_id: str | None = None,
                   crash_after: Selector | None = None, crash_in_step: Selector | None = None,
                   on_run: Callable[[str], Any] | None = None) -> Any:
         """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
@@ -166,7 +192,11 @@ class Engine:
                 on_run(run_id)
             try:
                 return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                           advisories, on_advisory, on_step, torn, crash_after, crash_in_step)
+                                           advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+            except Parked as parked:
+                raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
+                                     hint=f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, or run it "
+                                          "again after its wake time; nothing is lost meanwhile.") from None
             finally:
                 self.storage.release(lease)
 
@@ -237,7 +267,8 @@ class Engine:
     async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                        on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                       torn: str | None, crash_after: Selector | None, crash_in_step: Selector | None) -> Any:
+                       torn: str | None, crash_after: Selector | None, crash_in_step: Selector | None,
+                       wait: bool = True) -> Any:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
@@ -248,7 +279,8 @@ class Engine:
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])
         kernel = RunKernel(engine=self, storage=self.storage, lease=lease, history=history, workflow=workflow,
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
-                           on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step)
+                           on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
+                           wait=wait)
         if history.end is not None and history.end["status"] == "failed":
             kernel.write({"t": "reopen", "ts": time.time()})
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
@@ -336,19 +368,22 @@ async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh
                     budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, advisories: str | None = None,
                     on_advisory: Callable[[Advisory], Any] | None = None,
-                    on_step: Callable[[StepEvent], Any] | None = None) -> Any:
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
     """`run()` for code already inside an event loop."""
     return await engine_for(dir).run(wf, input, key=key, fresh=fresh, budget=budget,
                                      checkpoint_every=checkpoint_every, advisories=advisories,
-                                     on_advisory=on_advisory, on_step=on_step)
+                                     on_advisory=on_advisory, on_step=on_step, wait=wait)
 
 
 def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
         budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, advisories: str | None = None,
         on_advisory: Callable[[Advisory], Any] | None = None,
-        on_step: Callable[[StepEvent], Any] | None = None) -> Any:
-    """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off."""
+        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+    """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off.
+
+    A run that parks (`ctx.sleep`, `ctx.wait_for`) keeps this call waiting; with `wait=False` it raises
+    `RunParkedError` instead, and a later call resumes it."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -358,7 +393,7 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
                               hint="Use `await run_async(...)` inside async code.", docs="docs/running.md")
     return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
                                  checkpoint_every=checkpoint_every, advisories=advisories,
-                                 on_advisory=on_advisory, on_step=on_step))
+                                 on_advisory=on_advisory, on_step=on_step, wait=wait))
 
 
 class RunHook:

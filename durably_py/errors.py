@@ -54,6 +54,13 @@ class StepTimeoutError(DurablyError, TimeoutError):
     anchor = "steptimeouterror"
 
 
+class WaitTimeoutError(DurablyError, TimeoutError):
+    """No signal arrived before a `ctx.wait_for(..., timeout=)` deadline."""
+
+    default_hint = "Catch it in the workflow to take the no-answer path, or wait again with a longer timeout."
+    anchor = "waittimeouterror"
+
+
 class StepFailedError(DurablyError):
     """A recorded step failure whose exception class could not be rebuilt on replay."""
 
@@ -155,7 +162,7 @@ class LoopLimitError(DurablyError):
 
 
 class RunParkedError(DurablyError):
-    """The run is parked (waiting for a signal or a wake time) and `run()` was asked not to wait."""
+    """The run parked (waiting for a signal or a wake time) and `run(..., wait=False)` asked not to wait."""
 
     default_hint = "Send the signal with `durably signal`, or run again after the wake time."
     anchor = "runparkederror"

@@ -6,7 +6,9 @@ is the workflow attempt) · ``code`` the workflow's fingerprint changed ·
 ``budget`` the budget changed · ``ok`` / ``err`` a step finished (``p`` path, ``l``
 label, ``v`` value or ``e`` error, ``a`` attempt, ``ms``, ``ts``) · ``fail`` an attempt
 failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
-``stash`` partial progress · ``snap`` a ``ctx.loop`` snapshot (state ``s``
+``stash`` partial progress · ``wake`` a durable sleep's wake time (``at``) ·
+``wait`` a wait for signal ``name`` (``deadline``); the ``ok`` that ends it names the signal
+(``sig``) · ``snap`` a ``ctx.loop`` snapshot (state ``s``
 after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
 ``end`` the run finished (``status``, ``result`` or ``error``).
@@ -34,6 +36,9 @@ class History:
         self.stashes: dict[str, dict[str, Any]] = {}
         self.comps: dict[str, dict[str, Any]] = {}
         self.snaps: dict[str, dict[str, Any]] = {}
+        self.wakes: dict[str, dict[str, Any]] = {}
+        self.waits: dict[str, dict[str, Any]] = {}
+        self.signals: set[str] = set()
         self.charges: dict[str, dict[str, Any]] = {}
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
@@ -50,6 +55,8 @@ class History:
         t = rec["t"]
         if t == "ok" or t == "err":
             self.done[rec["p"]] = rec
+            if "sig" in rec:
+                self.signals.add(rec["sig"])
         elif t == "fail":
             self.fails[rec["p"]] = rec
         elif t == "start":
@@ -70,6 +77,10 @@ class History:
             self.end = rec
         elif t == "reopen":
             self.reopen()
+        elif t == "wait":
+            self.waits[rec["p"]] = rec
+        elif t == "wake":
+            self.wakes[rec["p"]] = rec
         elif t == "snap":
             self.snaps[rec["p"]] = rec
         elif t == "code":
@@ -85,6 +96,7 @@ class History:
             del self.done[path]
             self.fails.pop(path, None)
             self.starts.pop(path, None)
+            self.waits.pop(path, None)
         self.comps.clear()
         self.end = None
 
@@ -92,6 +104,14 @@ class History:
     def attempt(self) -> int:
         """The workflow attempt: how many times a process has claimed the run."""
         return self.claim["epoch"] if self.claim else 0
+
+    def parked(self) -> str | None:
+        """"waiting" or "sleeping" while a wait or sleep has no result yet, else None."""
+        if any(p not in self.done for p in self.waits):
+            return "waiting"
+        if any(p not in self.done for p in self.wakes):
+            return "sleeping"
+        return None
 
     def spent(self) -> dict[str, float]:
         """Total charges per budget kind."""
@@ -121,7 +141,7 @@ class History:
             out.append(self.claim)
         out.extend(r for p, r in self.done.items() if not self.snapshotted(p))
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
-        for table in (self.fails, self.starts, self.stashes):
+        for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
             out.extend(r for p, r in table.items() if p not in self.done)
         out.extend(self.charges.values())
         out.extend(self.comps.values())
@@ -206,7 +226,7 @@ def run_status(history: History, held: bool) -> str:
     """completed / failed / cancelled from the end record; running while held; interrupted otherwise."""
     if history.end:
         return history.end["status"]
-    return "running" if held else "interrupted"
+    return history.parked() or ("running" if held else "interrupted")
 
 
 def describe(history: History, *, held: bool, warnings: list[str] | None = None, steps: bool = True) -> RunState:
@@ -224,7 +244,8 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         state.error = history.end.get("error")
     if not steps:
         return state
-    paths = list(history.done) + [p for p in (*history.fails, *history.starts) if p not in history.done]
+    paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes)
+                                  if p not in history.done]
     for path in dict.fromkeys(paths):
         rec = history.done.get(path)
         fail = history.fails.get(path)
@@ -232,6 +253,12 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
             status = rec["t"]
             step = StepState(path_tuple(path), rec["l"], "ok" if status == "ok" else "failed", rec.get("a", 1),
                              rec.get("ms"), load_value(rec.get("v")), rec.get("e"), finished_at=_ts(rec.get("ts")))
+        elif path in history.waits:
+            wait = history.waits[path]
+            step = StepState(path_tuple(path), "ctx.wait_for", "waiting", 1,
+                             output={"signal": wait["name"], "deadline": wait["deadline"]})
+        elif path in history.wakes:
+            step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path]["at"]})
         elif fail is not None:
             step = StepState(path_tuple(path), fail["l"], "retrying", fail["a"], fail.get("ms"), error=fail["e"],
                              finished_at=_ts(fail.get("ts")))

@@ -17,7 +17,7 @@ import time
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from .errors import (
     StepInterruptedError,
     StepTimeoutError,
     ValidationError,
+    WaitTimeoutError,
 )
 from .events import StepEvent
 from .history import BUDGET_KINDS, History, path_tuple
@@ -46,6 +47,16 @@ if TYPE_CHECKING:
     from .workflow import Workflow
 
 CO_COROUTINE = inspect.CO_COROUTINE
+
+
+class _Schema:
+    """Step options carrying only a schema (a replayed wait_for converts its payload like a live one)."""
+
+    __slots__ = ("schema", "compensate")
+
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+        self.compensate = None
 NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
@@ -61,6 +72,15 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
     def __init__(self, value: Any) -> None:
         super().__init__()
         self.value = value
+
+
+class Parked(BaseException):  # noqa: N818 - control flow, not an error
+    """The run parked (`status` "waiting" or "sleeping") and its engine was asked not to wait."""
+
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
 
 
 class Scope:
@@ -146,8 +166,11 @@ class RunKernel:
     def __init__(self, *, engine: Any, storage: Storage, lease: Lease, history: History, workflow: Workflow,
                  input: Any, clock: Clock, executor: Executor, checkpoint_every: int | None,
                  on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
-                 crash_after: Selector | None = None, crash_in_step: Selector | None = None) -> None:
+                 crash_after: Selector | None = None, crash_in_step: Selector | None = None,
+                 wait: bool = True, poll: float = 0.2) -> None:
         self.engine = engine
+        self.wait = wait
+        self.poll = poll
         self.storage = storage
         self.lease = lease
         self.history = history
@@ -311,7 +334,8 @@ class RunKernel:
             return self.replay(scope, path, rec, opts)
         return self.execute(scope, path, label, fn, args, opts)
 
-    async def replay(self, scope: Scope, path: str, rec: dict[str, Any], opts: StepOptions) -> Any:
+    async def replay(self, scope: Scope, path: str, rec: dict[str, Any], opts: StepOptions | _Schema,
+                     where: str = "output") -> Any:
         try:
             if self.on_step is not None:
                 self.emit(path, rec["l"], "replayed", rec.get("a", 1), rec.get("ms"))
@@ -319,7 +343,7 @@ class RunKernel:
                 raise load_error(rec["e"])
             value = load_value(rec["v"])
             if opts.schema is not None:
-                value = opts.schema.convert(value, "output")
+                value = opts.schema.convert(value, where)
             if opts.compensate is not None:
                 self.compensations[path] = (opts.compensate, value, rec["l"])
             return value
@@ -485,6 +509,100 @@ class RunKernel:
             self.advise("RETRY_STORM", self.retries, f"{self.retries} retries in this run; "
                         f"{failing:.0%} of recent attempts failed")
         await self.clock.sleep_until(wake)
+
+    # ---- parking: durable sleeps and waits for signals -----------------------------------------
+    def sleep_until(self, when: datetime) -> Awaitable[None]:
+        """Allocate the sleep's path now; its wake time is recorded the first time it runs."""
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
+                                  hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
+                                  docs="docs/authoring.md#parking")
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, "ctx.sleep")
+            scope.pending += 1
+            return self.replay(scope, path, rec, PLAIN)
+        return self._sleep(path, when)
+
+    async def _sleep(self, path: str, when: datetime) -> None:
+        wake = self.history.wakes.get(path)
+        if wake is None:
+            if self.shadow:
+                self.diverge(f"ctx.sleep at path {path_tuple(path)} ran again: the recorded run has no sleep there")
+            self.write({"t": "wake", "p": path, "at": to_iso(when), "ts": time.time()})
+            self.sync()
+        else:
+            when = from_iso(wake["at"])
+        if self.clock.now() < when:
+            if not self.wait:
+                raise Parked("sleeping", f"sleeping until {to_iso(when)}")
+            await self.clock.sleep_until(when)
+        self.write({"t": "ok", "p": path, "l": "ctx.sleep", "v": None, "a": 1, "ms": 0, "ts": time.time()})
+        self.step_done()
+
+    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]:
+        """Allocate the wait's path now; it returns the payload of the next signal `name` sent to the run."""
+        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
+            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
+                                  hint="Name what you wait for, e.g. ctx.wait_for('approval').",
+                                  docs="docs/authoring.md#parking")
+        timeout = check_timeout(timeout, "wait_for timeout=")
+        compiled = compile_schema(schema, f"schema of wait_for({name!r})")
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, "ctx.wait_for")
+            scope.pending += 1
+            return self.replay(scope, path, rec, PLAIN if compiled is None else _Schema(compiled), f"signal {name!r}")
+        return self._wait(path, name, compiled, timeout)
+
+    async def _wait(self, path: str, name: str, schema: Any, timeout: float | None) -> Any:
+        opened = self.history.waits.get(path)
+        if opened is None:
+            if self.shadow:
+                self.diverge(f"ctx.wait_for({name!r}) at path {path_tuple(path)} ran again: "
+                             "the recorded run has no wait there")
+            deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
+            self.write({"t": "wait", "p": path, "name": name, "deadline": to_iso(deadline) if deadline else None,
+                        "ts": time.time()})
+            self.sync()
+            if timeout is None:
+                self.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")
+        else:
+            deadline = from_iso(opened["deadline"]) if opened["deadline"] else None
+        while True:
+            signal = self.next_signal(name)
+            if signal is not None:
+                self.write({"t": "ok", "p": path, "l": "ctx.wait_for", "v": signal.get("payload"), "a": 1, "ms": 0,
+                            "sig": signal["id"], "ts": time.time()})
+                self.step_done()
+                self.storage.ack(self.run_id, signal["id"])
+                value = load_value(signal.get("payload"))
+                return schema.convert(value, f"signal {name!r}") if schema is not None else value
+            now = self.clock.now()
+            if deadline is not None and now >= deadline:
+                error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
+                                         f"(deadline {to_iso(deadline)})", name=name, path=list(path_tuple(path)))
+                self.write({"t": "err", "p": path, "l": "ctx.wait_for", "a": 1, "e": dump_error(error),
+                            "ts": time.time()})
+                self.step_done()
+                raise error
+            if not self.wait:
+                raise Parked("waiting", f"waiting for signal {name!r}")
+            pause = self.poll if deadline is None else min(self.poll, (deadline - now).total_seconds())
+            await self.clock.sleep_until(now + timedelta(seconds=max(pause, 0)))
+
+    def next_signal(self, name: str) -> dict[str, Any] | None:
+        """The oldest unread signal `name` in the run's inbox (acknowledging ones already recorded)."""
+        for signal in self.storage.inbox(self.run_id):
+            if signal["id"] in self.history.signals:
+                self.storage.ack(self.run_id, signal["id"])
+            elif signal.get("name") == name:
+                return signal
+        return None
 
     # ---- recorded values and the rest of the context --------------------------------------------
     def recorded(self, label: str, make: Callable[[], Any]) -> Any:

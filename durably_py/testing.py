@@ -22,7 +22,7 @@ from .advisories import Advisory
 from .clock import FakeClock
 from .codec import encode, load_error, load_value
 from .engine import Engine
-from .errors import PurityError, RunNotFoundError, ValidationError
+from .errors import PurityError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
 from .history import History, RunState
 from .kernel import Crash, Selector
@@ -128,7 +128,7 @@ class TestEngine:
         def start(found: Callable[[str], None]) -> Awaitable[Any]:
             return self.engine.run(workflow, input, key=key, budget=budget, advisories=advisories,
                                    on_step=self._listener(on_step), on_run=found, crash_after=crash_after,
-                                   crash_in_step=crash_in_step)
+                                   crash_in_step=crash_in_step, wait=False)
 
         return await self._drive(workflow, start, advisories)
 
@@ -144,9 +144,13 @@ class TestEngine:
 
         def start(found: Callable[[str], None]) -> Awaitable[Any]:
             return self.engine.run(workflow, run_id=run_id, advisories=advisories, on_step=self._listener(on_step),
-                                   on_run=found, crash_after=crash_after, crash_in_step=crash_in_step)
+                                   on_run=found, crash_after=crash_after, crash_in_step=crash_in_step, wait=False)
 
         return await self._drive(workflow, start, advisories)
+
+    async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
+        """Send signal `name` to a run; the next `resume` hands `payload` to its `ctx.wait_for(name)`."""
+        await self.engine.signal(run_id, name, payload)
 
     async def inspect(self, run_id: str) -> RunState:
         """The run's state as `durably inspect` shows it."""
@@ -217,6 +221,8 @@ class TestEngine:
             if not found:
                 raise
             status = "crashed"
+        except RunParkedError as parked:
+            status = parked.status
         except Exception as exc:
             if not found:
                 raise
@@ -276,6 +282,10 @@ class SyncTestEngine:
         """`TestEngine.resume` from synchronous code."""
         return _block(self._engine.resume(run_id, on_step=on_step, crash_after=crash_after,
                                           crash_in_step=crash_in_step))
+
+    def signal(self, run_id: str, name: str, payload: Any = None) -> None:
+        """`TestEngine.signal` from synchronous code."""
+        _block(self._engine.signal(run_id, name, payload))
 
     def inspect(self, run_id: str) -> RunState:
         """`TestEngine.inspect` from synchronous code."""

@@ -397,6 +397,156 @@ def test_sqlite_is_shared_between_instances(tmp_path: Path) -> None:
     two.close()
 
 
+def sig(id: str, **fields: Any) -> bytes:
+    """One signal line as `durably signal` sends it."""
+    return msgspec.json.encode({"id": id, **fields}) + b"\n"
+
+
+def ids(store: Any, run_id: str = "r1") -> list[str]:
+    return [s["id"] for s in store.inbox(run_id)]
+
+
+def test_signals_arrive_in_send_order_until_acked(store: Any) -> None:
+    store.create("r1", header("r1"))
+    store.create("r2", header("r2"))
+    assert store.inbox("r1") == []
+    store.send("r1", sig("a", name="approve", payload={"ok": True, "é": [1, None]}))
+    store.send("r1", bytearray(sig("b", name="nudge")))
+    store.send("r2", sig("other"))
+    for i in range(20):
+        store.send("r1", sig(f"n{i:02d}"))
+    assert store.inbox("r1")[:2] == [
+        {"id": "a", "name": "approve", "payload": {"ok": True, "é": [1, None]}},
+        {"id": "b", "name": "nudge"},
+    ]
+    assert ids(store) == ["a", "b"] + [f"n{i:02d}" for i in range(20)]
+    assert ids(store, "r2") == ["other"]
+    store.ack("r1", "b")
+    assert ids(store)[:3] == ["a", "n00", "n01"] and len(ids(store)) == 21
+    store.ack("r1", "b")
+    store.ack("r1", "never-sent")
+    store.ack("r1", "other")
+    assert len(ids(store)) == 21 and ids(store, "r2") == ["other"]
+    for signal_id in ids(store):
+        store.ack("r1", signal_id)
+    assert store.inbox("r1") == [] and ids(store, "r2") == ["other"]
+    assert kinds(store.read("r1").records) == ["run"]
+
+
+def test_ack_removes_every_copy_of_a_resent_signal(store: Any) -> None:
+    store.create("r1", header("r1"))
+    store.send("r1", sig("x", n=1))
+    store.send("r1", sig("y"))
+    store.send("r1", sig("x", n=2))
+    assert [(s["id"], s.get("n")) for s in store.inbox("r1")] == [("x", 1), ("y", None), ("x", 2)]
+    store.ack("r1", "x")
+    assert ids(store) == ["y"]
+
+
+def test_signals_to_unknown_runs(store: Any) -> None:
+    for call in (lambda: store.send("nope", sig("a")), lambda: store.inbox("nope"), lambda: store.ack("nope", "a")):
+        with pytest.raises(RunNotFoundError):
+            call()
+    assert store.list_runs() == []
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_signal_calls_reject_invalid_run_ids(store: Any, bad: Any) -> None:
+    for call in (lambda: store.send(bad, sig("a")), lambda: store.inbox(bad), lambda: store.ack(bad, "a")):
+        with pytest.raises(ValidationError):
+            call()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        sig("a") + sig("b"),
+        sig("a") + b"\n",
+        b'{"id":"a"}',
+        b"",
+        b"\n",
+        b"[1]\n",
+        b'"a"\n',
+        b"not json\n",
+        b'{"name":"approve"}\n',
+        b'{"id":""}\n',
+        b'{"id":7}\n',
+        b'{"id":null}\n',
+        sig("a").decode(),
+        None,
+    ],
+    ids=repr,
+)
+def test_send_rejects_anything_but_one_signal_line(store: Any, bad: Any) -> None:
+    store.create("r1", header("r1"))
+    with pytest.raises(ValidationError):
+        store.send("r1", bad)
+    assert store.inbox("r1") == []
+
+
+@pytest.mark.parametrize("bad", ["", None, 7, b"a"], ids=repr)
+def test_ack_rejects_invalid_signal_ids(store: Any, bad: Any) -> None:
+    store.create("r1", header("r1"))
+    store.send("r1", sig("a"))
+    with pytest.raises(ValidationError):
+        store.ack("r1", bad)
+    assert ids(store) == ["a"]
+
+
+def test_signals_need_no_lease_and_leave_it_alone(store: Any) -> None:
+    lease = started(store)
+    store.send("r1", sig("a"))
+    store.append(lease, line(t="step"))
+    store.send("r1", sig("b"))
+    assert ids(store) == ["a", "b"]
+    store.ack("r1", "a")
+    store.append(lease, line(t="step"))
+    store.sync(lease)
+    assert store.heartbeat(lease, LONG) is True
+    assert kinds(store.read("r1").records) == ["run", "claim", "step", "step"]
+    store.release(lease)
+    store.send("r1", sig("c"))
+    assert ids(store) == ["b", "c"]
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_signals_are_shared_between_instances(kind: str, tmp_path: Path) -> None:
+    owner, sender = make(kind, tmp_path), make(kind, tmp_path)
+    lease = started(owner)
+    sender.send("r1", sig("a", payload=1))
+    assert owner.inbox("r1") == [{"id": "a", "payload": 1}]
+    sender.send("r1", sig("b"))
+    owner.ack("r1", "b")
+    owner.ack("r1", "a")
+    assert owner.inbox("r1") == [] and sender.inbox("r1") == []
+    sender.send("r1", sig("c"))
+    assert ids(owner) == ["c"]
+    sender.ack("r1", "c")
+    assert owner.inbox("r1") == []
+    owner.append(lease, line(t="step"))
+    assert kinds(sender.read("r1").records) == ["run", "claim", "step"]
+    owner.close()
+    sender.close()
+
+
+def test_sqlite_upgrades_an_older_database_to_hold_signals(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    first = SqliteStorage(path)
+    first.create("r1", header("r1"))
+    first.close()
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE signals")
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+    store = SqliteStorage(path)
+    store.send("r1", sig("a"))
+    assert ids(store) == ["a"] and kinds(store.read("r1").records) == ["run"]
+    store.close()
+
+
 # -- file adapter ---------------------------------------------------------------------------------------------
 
 
@@ -583,4 +733,63 @@ def test_cross_process_lease_dies_with_its_process(fs: FileStorage) -> None:
     lease = fs.claim("r1", "parent", LONG)
     assert lease is not None and lease.epoch == 2
     assert [(r["owner"], r["epoch"]) for r in fs.read("r1").records[1:]] == [("child", 1), ("parent", 2)]
+    fs.release(lease)
+
+
+def inbox_dir(fs: FileStorage, run_id: str = "r1") -> Path:
+    return fs.dir / "runs" / f"{run_id}.inbox"
+
+
+def test_file_inbox_layout(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    assert fs.inbox("r1") == [] and not inbox_dir(fs).exists()
+    before = fs.fsyncs
+    fs.send("r1", sig("a"))
+    fs.send("r1", sig("b"))
+    assert fs.fsyncs > before
+    names = sorted(p.name for p in inbox_dir(fs).iterdir())
+    assert len(names) == 2 and all(len(n) == 20 + 1 + 16 + 5 and n.endswith(".json") for n in names)
+    assert [(inbox_dir(fs) / n).read_bytes() for n in names] == [sig("a"), sig("b")]
+    assert sorted(p.name for p in (fs.dir / "runs").iterdir()) == ["r1.inbox", "r1.jsonl"]
+    assert [i.run_id for i in fs.list_runs()] == ["r1"]
+    fs.ack("r1", "a")
+    assert [p.name for p in inbox_dir(fs).iterdir()] == names[1:]
+
+
+def test_file_inbox_skips_garbage_and_sends_in_flight(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    fs.send("r1", sig("real"))
+    box = inbox_dir(fs)
+    (box / "00000000000000000001-aa.json").write_bytes(b"not json\n")
+    (box / "00000000000000000002-bb.json").write_bytes(b"[1]\n")
+    (box / "00000000000000000003-cc.json").write_bytes(b'{"name":"no id"}\n')
+    (box / "00000000000000000004-dd.json").write_bytes(b"")
+    (box / "00000000000000000005-ee.json").mkdir()
+    (box / ".signal.1.ff.tmp").write_bytes(sig("half-sent"))
+    (box / "notes.txt").write_bytes(sig("stranger"))
+    assert fs.inbox("r1") == [{"id": "real"}]
+    fs.ack("r1", "half-sent")
+    fs.ack("r1", "real")
+    assert fs.inbox("r1") == [] and FileStorage(fs.dir).inbox("r1") == []
+    assert len(list(box.iterdir())) == 7
+
+
+SENDER = """
+import sys
+from durably_py.storage import FileStorage
+FileStorage(sys.argv[1]).send("r1", b'{"id": "from-child", "pid": 1}\\n')
+"""
+
+
+def test_another_process_sends_while_the_lease_is_held(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.send("r1", sig("mine"))
+    done = subprocess.run([sys.executable, "-c", SENDER, str(fs.dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert fs.held("r1") is True
+    assert fs.inbox("r1") == [{"id": "mine"}, {"id": "from-child", "pid": 1}]
+    fs.ack("r1", "from-child")
+    assert ids(fs) == ["mine"]
+    fs.append(lease, line(t="step"))
+    assert kinds(fs.read("r1").records) == ["run", "claim", "step"]
     fs.release(lease)

@@ -5,6 +5,9 @@ file adapter). The first record is the run header ``{"t": "run", "v": 1, ...}``.
 Adapters store and return records; they never interpret them beyond the header
 and the last record (for `list_runs`). The kernel encodes records to bytes once
 (``msgspec``) and hands the adapter complete newline-terminated lines.
+
+Signals (`send`/`inbox`/`ack`) live in a per-run inbox beside the log, not in it: any process may send
+one while another holds the lease, or while no process runs the run at all.
 """
 
 from __future__ import annotations
@@ -91,6 +94,33 @@ def decode_record(line: bytes) -> dict[str, Any] | None:
         return _RECORD_DECODER.decode(line)
     except msgspec.DecodeError:
         return None
+
+
+def decode_signal(line: bytes) -> dict[str, Any] | None:
+    """One stored signal line as a dict, or None unless it is a JSON object with a non-empty string "id"."""
+    record = decode_record(line)
+    if record is None or not isinstance(record.get("id"), str) or not record["id"]:
+        return None
+    return record
+
+
+def validate_signal(data: object) -> tuple[bytes, str]:
+    """The line and id if `data` is one newline-terminated JSON-object line with a non-empty string "id"."""
+    data = validate_lines(data)
+    signal = decode_signal(data) if data.count(b"\n") == 1 else None
+    if signal is None:
+        raise ValidationError(
+            "a signal must be one newline-terminated line holding a JSON object with a non-empty string \"id\"",
+            hint="Encode a dict with a unique \"id\" key with msgspec and end it with b'\\n'.",
+        )
+    return bytes(data), signal["id"]
+
+
+def validate_signal_id(signal_id: object) -> str:
+    """Return `signal_id` if it is a non-empty str, so `ack` can never match a malformed id."""
+    if not isinstance(signal_id, str) or not signal_id:
+        raise ValidationError(f"invalid signal id {signal_id!r}: a signal id is a non-empty string")
+    return signal_id
 
 
 def validate_header(run_id: str, header: object) -> dict[str, Any]:
@@ -265,3 +295,12 @@ class Storage(Protocol):
 
     def list_runs(self) -> list[RunInfo]:
         """Every run, newest first."""
+
+    def send(self, run_id: str, data: bytes) -> None:
+        """Durably and atomically store one signal line for the run, whoever holds its lease (or none does)."""
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's signals not yet acknowledged, oldest first; `RunNotFoundError` if unknown."""
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Remove the stored signal(s) with `signal_id`; a no-op when none is stored (acks are idempotent)."""

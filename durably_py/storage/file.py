@@ -5,6 +5,9 @@ Layout under ``dir``::
     runs/<run_id>.jsonl   the log, one record per line, only ever appended to (or atomically replaced)
     runs/<run_id>.lock    locked by the process holding the lease; the OS drops the lock if it dies
     runs/<run_id>.owner   JSON about the last claimant (owner, pid, host, epoch, at) so others can say who holds it
+    runs/<run_id>.inbox/  signals not yet acknowledged, one file each, <time_ns:020d>-<random hex>.json holding
+                          the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
+                          may send, lease or not), so a reader sees a whole signal or none
     index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
 
 Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
@@ -39,6 +42,7 @@ from .base import (
     RunInfo,
     claim_line,
     decode_record,
+    decode_signal,
     iso_now,
     max_epoch,
     parse_log,
@@ -48,6 +52,8 @@ from .base import (
     validate_owner,
     validate_rewrite,
     validate_run_id,
+    validate_signal,
+    validate_signal_id,
     validate_ttl,
 )
 
@@ -185,6 +191,8 @@ class FileStorage:
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
         self._mine: set[_Held] = set()
+        self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
+        self._last_signal_ns = 0
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -511,6 +519,62 @@ class FileStorage:
         return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime,
                        self._sidecar_epoch(run_id))
 
+    def _inbox_dir(self, run_id: str) -> Path:
+        """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown."""
+        if not self._log(run_id).exists():
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        return self.runs_dir / f"{run_id}.inbox"
+
+    def send(self, run_id: str, data: bytes) -> None:
+        """Store one signal as its own file, fsynced then renamed into the run's inbox (no lease needed)."""
+        validate_run_id(run_id)
+        line, _ = validate_signal(data)
+        directory = self._inbox_dir(run_id)
+        try:
+            directory.mkdir()
+            created = True
+        except FileExistsError:
+            created = False
+        ns = self._last_signal_ns = max(time.time_ns(), self._last_signal_ns + 1)
+        tmp = self._write_tmp(directory, "signal", line, durable=True)
+        try:
+            os.replace(tmp, directory / f"{ns:020d}-{os.urandom(8).hex()}.json")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(directory)
+        self.fsyncs += 1
+        if created:
+            _fsync_dir(self.runs_dir)
+            self.fsyncs += 1
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's unacknowledged signals, oldest first, from one listing of its inbox (garbled files skipped)."""
+        directory = self._inbox_dir(run_id)
+        ids: dict[str, str] = {}
+        signals = []
+        for name in _signal_files(directory):
+            signal = _read_signal(directory / name)
+            if signal is not None:
+                ids[name] = signal["id"]
+                signals.append(signal)
+        self._signal_ids[run_id] = ids
+        return signals
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Delete every inbox file holding signal `signal_id`, reading only files `inbox` has not seen."""
+        validate_signal_id(signal_id)
+        directory = self._inbox_dir(run_id)
+        known = self._signal_ids.get(run_id, {})
+        for name in _signal_files(directory):
+            found = known.get(name)
+            if found is None:
+                signal = _read_signal(directory / name)
+                found = None if signal is None else signal["id"]
+            if found == signal_id:
+                (directory / name).unlink(missing_ok=True)
+                known.pop(name, None)
+
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
@@ -524,6 +588,23 @@ def _is_run_id(name: str) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def _signal_files(directory: Path) -> list[str]:
+    """The signal file names in an inbox directory, oldest first (temp files of sends in flight left out)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(name for name in names if name.endswith(".json") and not name.startswith("."))
+
+
+def _read_signal(path: Path) -> dict[str, Any] | None:
+    """The signal stored at `path`, or None if it vanished (acked meanwhile) or is not a signal."""
+    try:
+        return decode_signal(path.read_bytes())
+    except (FileNotFoundError, IsADirectoryError):
+        return None
 
 
 def _last_record(f: Any, size: int) -> dict[str, Any] | None:

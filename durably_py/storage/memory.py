@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Any
 
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
@@ -18,6 +19,7 @@ from .base import (
     RunInfo,
     claim_line,
     decode_record,
+    decode_signal,
     last_line,
     parse_log,
     validate_header,
@@ -26,14 +28,16 @@ from .base import (
     validate_owner,
     validate_rewrite,
     validate_run_id,
+    validate_signal,
+    validate_signal_id,
     validate_ttl,
 )
 
 
 class _Run:
-    """One run's log bytes and lease state."""
+    """One run's log bytes, lease state and signal inbox."""
 
-    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced")
+    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals")
 
     def __init__(self, data: bytes, order: int) -> None:
         self.data = bytearray(data)
@@ -43,6 +47,7 @@ class _Run:
         self.updated = time.time()
         self.order = order
         self.synced = 0
+        self.signals: list[tuple[str, bytes]] = []  # (signal id, line), in send order
 
 
 class MemoryStorage:
@@ -221,6 +226,28 @@ class MemoryStorage:
             header = decode_record(first) or {}
             infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
         return infos
+
+    def send(self, run_id: str, data: bytes) -> None:
+        """Store one signal line in the run's inbox; `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        line, signal_id = validate_signal(data)
+        with self._lock:
+            self._get(run_id).signals.append((signal_id, line))
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        with self._lock:
+            lines = [line for _, line in self._get(run_id).signals]
+        return [signal for signal in map(decode_signal, lines) if signal is not None]
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Drop every stored copy of signal `signal_id` (none stored: nothing happens)."""
+        validate_run_id(run_id)
+        validate_signal_id(signal_id)
+        with self._lock:
+            run = self._get(run_id)
+            run.signals = [entry for entry in run.signals if entry[0] != signal_id]
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

@@ -2,7 +2,8 @@
 
 Tables: ``runs`` (one row per run: header line, times, lease epoch/owner/expiry, last line, log size, and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
-``records`` (the log as appended chunks of lines, in ``seq`` order) and ``identities`` (identity -> run id).
+``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
+``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably).
 Each append is one committed transaction, so it survives a crash of the process; with ``synchronous=NORMAL``
 it may not survive a machine crash until `sync`, which commits once with ``synchronous=FULL`` (the WAL is
 fsynced, carrying every earlier commit with it) and counts that as one fsync.
@@ -31,6 +32,7 @@ from .base import (
     RunInfo,
     claim_line,
     decode_record,
+    decode_signal,
     last_line,
     parse_log,
     validate_header,
@@ -39,10 +41,12 @@ from .base import (
     validate_owner,
     validate_rewrite,
     validate_run_id,
+    validate_signal,
+    validate_signal_id,
     validate_ttl,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added the signals table; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -66,6 +70,13 @@ CREATE TABLE IF NOT EXISTS identities (
     identity TEXT PRIMARY KEY,
     run_id TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS signals (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS signals_by_run ON signals (run_id, seq);
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 
@@ -94,7 +105,7 @@ class SqliteStorage:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _transaction(conn):
-                if conn.execute("PRAGMA user_version").fetchone()[0] == 0:
+                if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
                             conn.execute(statement)
@@ -279,6 +290,35 @@ class SqliteStorage:
     def list_runs(self) -> list[RunInfo]:
         """Every run, most recently updated first."""
         return self._infos("ORDER BY updated DESC, rowid DESC", ())
+
+    def _require(self, db: sqlite3.Connection, run_id: str) -> None:
+        """Raise `RunNotFoundError` unless the run exists."""
+        if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+
+    def send(self, run_id: str, data: bytes) -> None:
+        """Insert one signal line in a durable transaction (no lease needed); `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        line, signal_id = validate_signal(data)
+        with self._lock, _durable(self, self._db()) as db:
+            self._require(db, run_id)
+            db.execute("INSERT INTO signals (run_id, id, data) VALUES (?, ?, ?)", (run_id, signal_id, line))
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db(), "BEGIN") as db:
+            self._require(db, run_id)
+            rows = db.execute("SELECT data FROM signals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
+        return [signal for signal in (decode_signal(row[0]) for row in rows) if signal is not None]
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
+        validate_run_id(run_id)
+        validate_signal_id(signal_id)
+        with self._lock, _transaction(self._db()) as db:
+            self._require(db, run_id)
+            db.execute("DELETE FROM signals WHERE run_id = ? AND id = ?", (run_id, signal_id))
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()
