@@ -18,10 +18,13 @@ if TYPE_CHECKING:
     from .kernel import RunKernel
 
 
+_EVENT_LOCK = threading.Lock()
+
+
 class AttemptContext:
     """The running attempt of one step: its number, stash, idempotency key and cancellation flag."""
 
-    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "cancelled_event")
+    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event")
 
     def __init__(self, kernel: RunKernel, path: str, number: int, stashed: Any) -> None:
         self.kernel = kernel
@@ -29,7 +32,8 @@ class AttemptContext:
         self.number = number
         self._stashed = stashed
         self.did_stash = False
-        self.cancelled_event = threading.Event()
+        self._cancelled = False
+        self._event: threading.Event | None = None
 
     @property
     def stashed(self) -> Any:
@@ -51,10 +55,24 @@ class AttemptContext:
     @property
     def cancelled(self) -> bool:
         """True once the attempt timed out; sync code should check it and stop."""
-        return self.cancelled_event.is_set()
+        return self._cancelled
+
+    @property
+    def cancelled_event(self) -> threading.Event:
+        """A `threading.Event` set when the attempt times out, for sync code that waits on something."""
+        with _EVENT_LOCK:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._cancelled:
+                    self._event.set()
+            return self._event
 
     def cancel(self) -> None:
-        self.cancelled_event.set()
+        """Mark the attempt abandoned (its timeout passed)."""
+        with _EVENT_LOCK:
+            self._cancelled = True
+            if self._event is not None:
+                self._event.set()
 
 
 def attempt() -> AttemptContext:

@@ -281,3 +281,60 @@ def test_examples_run_under_durably(tmp_path: Path, example: str, args: list[str
     assert expected in proc.stdout and "completed" in proc.stderr
     rows = json.loads(durably(tmp_path, "list", "--json").stdout)
     assert [r["script"] for r in rows] == [str(EXAMPLES / example)]
+
+
+# ---- signal and parking -----------------------------------------------------------------------------
+
+
+@workflow
+async def cli_gate(ctx: Any) -> str:
+    answer = await ctx.wait_for("open", timeout=600)
+    return f"opened by {answer['by']}"
+
+
+def test_signal_delivers_to_a_parked_run(state_dir: Path) -> None:
+    from durably_py import RunParkedError
+
+    with pytest.raises(RunParkedError):
+        run(cli_gate, key="gate", dir=state_dir, wait=False)
+    listed = json.loads(invoke("list", "--dir", str(state_dir), "--json", "--status", "waiting").stdout)
+    assert [r["key"] for r in listed] == ["gate"]
+    sent = invoke("signal", "gate", "open", '{"by": "ops"}', "--dir", str(state_dir))
+    assert sent.exit_code == 0, sent.output
+    assert run(cli_gate, key="gate", dir=state_dir) == "opened by ops"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["gate", "open", "{not json"], "not valid JSON"),
+        (["gate", "", "1"], "signal name"),
+        (["gate", "$cancel", "1"], "signal name"),
+        (["nope", "open", "1"], "no run"),
+        (["../etc", "open", "1"], "invalid run id"),
+    ],
+)
+def test_bad_signals_exit_2_with_a_hint(state_dir: Path, args: list[str], needle: str) -> None:
+    from durably_py import RunParkedError
+
+    with pytest.raises(RunParkedError):
+        run(cli_gate, key="gate", dir=state_dir, wait=False)
+    result = invoke("signal", *args, "--dir", str(state_dir))
+    assert result.exit_code == 2
+    assert needle in result.output and "hint" in result.output
+
+
+def test_run_no_wait_exits_3_when_parked(tmp_path: Path) -> None:
+    script = tmp_path / "gate.py"
+    script.write_text(textwrap.dedent("""
+        from durably_py import workflow
+
+        @workflow
+        async def gate(ctx):
+            return await ctx.wait_for("open", timeout=60)
+    """))
+    cmd = [sys.executable, "-m", "durably_py.cli", "run", str(script), "--workflow", "gate", "--no-wait",
+           "--dir", str(tmp_path / "state")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "waiting" in done.stderr
