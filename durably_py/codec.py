@@ -6,6 +6,8 @@ Wire form: plain JSON values where a `datetime` is ``{"$dt": "<isoformat>"}`` an
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import datetime as _dt
 import enum
@@ -15,6 +17,7 @@ import json
 import math
 import os
 import traceback
+from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -384,10 +387,25 @@ def _exc_text(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}>"
 
 
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(asyncio.__file__) + os.sep,
+    os.path.dirname(concurrent.futures.__file__) + os.sep,
+)
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without its leading library frames (the kernel, asyncio, the thread pool), if any remain."""
+    start = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_INTERNAL):
+        tb = tb.tb_next
+    return tb if tb is not None else start
+
+
 def dump_error(exc: BaseException) -> dict[str, Any]:
     """Wire form of a failure: class path, message, formatted traceback, JSON-able args and public attributes."""
     try:
-        tb = "".join(traceback.format_exception(exc))
+        tb = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     except Exception:
         tb = f"{type(exc).__name__}: {_exc_text(exc)}\n"
     attrs: dict[str, Any] = {}

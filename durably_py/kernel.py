@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
-from .advisories import AdvisoryTracker, level_for
+from .advisories import AdvisoryTracker, RetryStormWindow, level_for
 from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from .errors import (
@@ -200,8 +200,7 @@ class RunKernel:
         self.label_seen: dict[str, int] = {}
         self.executions: dict[str, int] = {}
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
-        self.retries = 0
-        self.recent: list[bool] = []
+        self.storm = RetryStormWindow()
         self.ctx: WorkflowContext | None = None
 
     # ---- writing -------------------------------------------------------------------------------
@@ -246,9 +245,9 @@ class RunKernel:
         except Exception:  # noqa: BLE001 - listeners must never fail the run
             pass
 
-    def advise(self, code: str, measure: float, msg: str) -> None:
-        """Report an advisory when `measure` crosses one of the code's thresholds; store emissions."""
-        level = level_for(code, measure)
+    def advise(self, code: str, measure: float, msg: str, level: str | None = None) -> None:
+        """Report an advisory when `measure` crosses one of the code's thresholds (or at `level`); store emissions."""
+        level = level or level_for(code, measure)
         if level is None:
             return
         emitted = self.advisories.report(code, level, msg)
@@ -464,7 +463,7 @@ class RunKernel:
                 self.emit(path, label, "ok", number, ms)
             if ms >= 60_000 and opts.timeout is None:
                 self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
-            self._outcome(True)
+            self.storm.record(failed=False, retry=number > 1)
             if self.crash_after is not None and self.matches(self.crash_after, path, label, nth):
                 self.crash()
             return value
@@ -479,16 +478,14 @@ class RunKernel:
             value = await value
         return value
 
-    def _outcome(self, ok: bool) -> None:
-        if self.retries:
-            self.recent.append(ok)
-            del self.recent[:-20]
-
     async def _failed(self, path: str, label: str, opts: StepOptions, number: int, ms: float,
                       exc: Exception, att: AttemptContext) -> None:
         """Record a failed attempt; wait out the backoff and return to retry, or raise to fail the step."""
         retry: Retry | None = opts.retry
-        self._outcome(False)
+        storm = self.storm.record(failed=True, retry=number > 1)
+        if storm is not None:
+            self.advise("RETRY_STORM", 0, f"{self.storm.retries} retries in this run; "
+                        f"{self.storm.failure_ratio:.0%} of recent attempts failed", storm)
         if ms >= 30_000 and not att.did_stash:
             self.advise("STASH_SUGGESTED", ms / 1000,
                         f"step {label!r} ran {ms / 1000:.0f}s and failed without stashing progress")
@@ -502,12 +499,7 @@ class RunKernel:
         wake = self.clock.now() + timedelta(seconds=delay)
         self.write({"t": "fail", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
                     "next": to_iso(wake), "ts": time.time()})
-        self.retries += 1
         self.emit(path, label, "retrying", number, ms, exc)
-        failing = self.recent.count(False) / max(len(self.recent), 1)
-        if failing >= 0.5:
-            self.advise("RETRY_STORM", self.retries, f"{self.retries} retries in this run; "
-                        f"{failing:.0%} of recent attempts failed")
         await self.clock.sleep_until(wake)
 
     # ---- parking: durable sleeps and waits for signals -----------------------------------------

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import inspect
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
 from collections.abc import Awaitable, Callable
 from typing import Any, overload
 
@@ -85,3 +90,22 @@ def as_workflow(wf: Any) -> Workflow:
         hint="Decorate an `async def f(ctx, input)` with @workflow, or pass the async function itself.",
         docs="docs/authoring.md#workflows",
     )
+
+
+def load_script(path: str | Path) -> ModuleType:
+    """Import a script file as a module (not as `__main__`, so its main block does not run), registering its workflows."""
+    script = Path(path)
+    name = re.sub(r"\W", "_", script.stem) or "script"
+    if name in sys.modules or not name.isidentifier():
+        name = f"_durably_script_{name}"
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise ValidationError(f"cannot import {script}", hint="Pass a Python file (.py).")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
