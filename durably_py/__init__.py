@@ -27,6 +27,7 @@ from .errors import (
 )
 from .events import StepEvent
 from .history import RunState, StepState
+from .kernel import RunHandle
 from .policies import Retry
 from .resources import Breaker, RateLimit, Resource, resource
 from .result import Err, Ok, is_ok, partition
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
     "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
-    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunNotFoundError", "RunParkedError",
+    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunHandle", "RunNotFoundError", "RunParkedError",
     "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
     "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "WaitTimeoutError", "Workflow",
     "WorkflowContext", "WorkflowFailedError", "attempt", "create_engine", "engine_for", "is_ok", "partition",

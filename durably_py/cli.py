@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -13,7 +12,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -28,11 +27,11 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from .engine import RunHook, engine_for, set_run_hook
+from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
 from .history import RunState, StepState
-from .workflow import REGISTRY, Workflow
+from .workflow import REGISTRY, Workflow, load_script
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -393,19 +392,6 @@ def _environment(script: Path, dir: str | None, argv: list[str]) -> Iterator[Non
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _load_script(script: Path) -> None:
-    """Import the script as a module (so its `__main__` block does not run) to register its workflows."""
-    name = re.sub(r"\W", "_", script.stem) or "script"
-    if name in sys.modules or not name.isidentifier():
-        name = f"_durably_script_{name}"
-    spec = importlib.util.spec_from_file_location(name, script)
-    if spec is None or spec.loader is None:
-        raise ValidationError(f"cannot import {script}", hint="Pass a Python file (.py).")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-
-
 def _parse_input(text: str | None, option: str = "--input") -> Any:
     if text is None:
         return None
@@ -481,7 +467,7 @@ def run(
                         runpy.run_path(str(script), run_name="__main__")
                     else:
                         value = _parse_input(input)
-                        _load_script(script)
+                        load_script(script)
                         wf = _find_workflow(workflow, script)
                         result = asyncio.run(engine_for(dir).run(wf, value, key=key, fresh=fresh, wait=not no_wait))
             except SystemExit as exc:
@@ -618,6 +604,10 @@ def _header(state: RunState) -> Text:
              ("attempt", str(state.attempt))]
     if state.script:
         rows.append(("script", state.script))
+    if state.parent:
+        rows.append(("parent", state.parent))
+    if state.children:
+        rows.append(("children", "\n".join(state.children)))
     spent = {k: v for k, v in state.spent.items() if v}
     if state.budget:
         rows.append(("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
@@ -695,6 +685,108 @@ def signal(
             _err_console().print(Text(f"sent {name!r} to {run}", "green"))
 
 
+RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)]
+NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or a "
+                                                               "signal, instead of waiting.")]
+
+
+def parse_step(text: str) -> tuple[int, ...] | str:
+    """A `--from-step` value: a path written `2` or `3.1.0` becomes a tuple, anything else is a step label."""
+    spec = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)*", spec):
+        return tuple(int(part) for part in spec.split("."))
+    if not spec:
+        raise ValidationError("--from-step is empty", hint="Pass a step path such as 2 or 3.1.0, or a step label.")
+    return spec
+
+
+def _operate(dir: str | None, as_json: bool, debug: bool,
+             start: Callable[[Engine, Watcher, Callable[[str], Any]], Awaitable[Any]]) -> None:
+    """Run an operation that executes a run (retry, restart) under the live view; print its result and summary."""
+    watcher = Watcher()
+    seen: list[str] = []
+    code = EXIT_OK
+    result: Any = None
+    try:
+        with _live(watcher, not as_json and sys.stderr.isatty()):
+            result = asyncio.run(start(engine_for(dir), watcher, seen.append))
+    except KeyboardInterrupt:
+        code = EXIT_INTERRUPTED
+        _err_console().print(Text("interrupted; run the same command again to resume where it stopped", "yellow"))
+    except DurablyError as exc:
+        code = _exit_code(exc, started=bool(seen))
+        _report_durably_error(exc, debug)
+    except Exception as exc:  # noqa: BLE001 - the workflow's own error, reported without a traceback
+        code = EXIT_FAILED
+        _report_exception(exc, debug, "the workflow")
+    for run_id in seen:
+        watcher.runs.setdefault(run_id, RunTally(run_id))
+    _settle(watcher, dir)
+    if code == EXIT_OK:
+        _print_json(result)
+    if watcher.runs or code != EXIT_USAGE:
+        _summary(watcher, code, as_json)
+    raise typer.Exit(code)
+
+
+@app.command()
+def cancel(
+    run: RunArgument,
+    timeout: Annotated[str, typer.Option("--timeout", metavar="DURATION",
+                                         help="How long to wait for a running process to stop: 30s, 2m.")] = "30s",
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
+    with _guard(debug):
+        state = asyncio.run(engine_for(dir).cancel(run, timeout=parse_duration(timeout)))
+        stopped = state.status == "cancelled"
+        if as_json:
+            _print_json({"run_id": state.run_id, "status": state.status, "cancelled": stopped})
+        elif stopped:
+            _err_console().print(Text(f"cancelled {state.run_id}", "green"))
+        else:
+            _err_console().print(Text(f"asked {state.run_id} to stop, but it is still {state.status} after "
+                                      f"{timeout}; it stops at its next step boundary", "yellow"))
+        if not stopped:
+            raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def retry(
+    run: RunArgument,
+    from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL",
+                                                  help="Run this step (a path like 2 or 3.1.0, or a label) and "
+                                                       "every step completed after it again.")] = None,
+    no_wait: NoWaitOption = False,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON."""
+    try:
+        selector = parse_step(from_step) if from_step is not None else None
+    except ValidationError as exc:
+        _report_durably_error(exc, debug)
+        raise typer.Exit(EXIT_USAGE) from None
+    _operate(dir, as_json, debug, lambda engine, watcher, found: engine.retry(
+        run, from_step=selector, on_step=watcher, wait=not no_wait, on_run=found))
+
+
+@app.command()
+def restart(
+    run: RunArgument,
+    no_wait: NoWaitOption = False,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
+    _operate(dir, as_json, debug, lambda engine, watcher, found: engine.restart(
+        run, on_step=watcher, wait=not no_wait, on_run=found))
+
+
 def main() -> None:
     """Entry point of the `durably` console script."""
     try:
@@ -703,7 +795,7 @@ def main() -> None:
         sys.exit(EXIT_INTERRUPTED)
 
 
-__all__ = ["app", "main", "parse_duration", "step_tree", "to_json", "user_frame"]
+__all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json", "user_frame"]
 
 if __name__ == "__main__":
     main()

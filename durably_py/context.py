@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from .codec import dump_value, load_value
 from .errors import ValidationError
 from .history import BUDGET_KINDS
-from .kernel import PLAIN, Complete, StepOptions, current_attempt, label_of
+from .kernel import PLAIN, Complete, RunHandle, StepOptions, current_attempt, label_of
 from .policies import check_timeout
 from .result import Err, Ok
 
@@ -172,6 +172,22 @@ class WorkflowContext:
              max_iterations: int | None = None) -> Awaitable[Any]:
         """Iterate `reducer(state, it)` until it returns `it.done(value)`; resumes from the latest snapshot."""
         return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)
+
+    def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Awaitable[RunHandle]:
+        """Start a child run of `wf` (its own durable run, retries and budget); join it with `ctx.join`."""
+        return self._kernel.spawn(wf, input, detached)
+
+    def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Awaitable[list[RunHandle]]:
+        """Start one child run per `(workflow, input)` pair."""
+        return self._kernel.spawn_all(list(definitions), detached)
+
+    def join(self, handle: RunHandle) -> Awaitable[Any]:
+        """Wait for a child run to end; return its result or raise its error."""
+        return self._kernel.join(handle)
+
+    def join_all(self, handles: Iterable[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
+        """Wait for every child run; one `Ok`/`Err` per handle, in order."""
+        return self._kernel.join_all(list(handles))
 
     def sleep(self, seconds: float) -> Awaitable[None]:
         """Wait `seconds` durably: the wake time is recorded, so a resumed run waits only what is left."""

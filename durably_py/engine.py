@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect as pyinspect
 import os
 import re
 import secrets
@@ -16,22 +18,23 @@ from typing import Any
 
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
-from .codec import digest, dump_value, encode_line, load_error, load_value, to_iso
+from .codec import digest, dump_error, dump_value, encode_line, load_error, load_value, to_iso
 from .context import WorkflowContext
 from .errors import (
     DurablyError,
     KeyConflictError,
+    RunCancelledError,
     RunNotFoundError,
     RunParkedError,
     ValidationError,
     WorkflowFailedError,
 )
 from .events import StepEvent
-from .history import BUDGET_KINDS, History, RunState, describe
+from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
 from .kernel import Parked, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_run_id
-from .workflow import Workflow, as_workflow
+from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
 
@@ -62,6 +65,18 @@ def check_checkpoint(value: Any) -> int | None:
     return value
 
 
+def script_of(workflow: Workflow) -> str | None:
+    """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
+    script = os.environ.get("DURABLY_SCRIPT")
+    if script:
+        return script
+    try:
+        source = pyinspect.getsourcefile(workflow.fn)
+    except TypeError:
+        return None
+    return os.path.abspath(source) if source else None
+
+
 def new_run_id(workflow: str) -> str:
     """A readable unique id: the workflow's name, the date, and random hex."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
@@ -87,6 +102,9 @@ class Engine:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="durably-step")
         self.gates = Gates(resources)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots = asyncio.Semaphore(concurrency)
+        self._children: dict[str, asyncio.Future[Any]] = {}
 
     # ---- finding runs -------------------------------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -240,24 +258,64 @@ class Engine:
                 return None, history, None, torn
 
     def _create(self, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None, identity: str,
-                budget: dict[str, float] | None) -> str:
+                budget: dict[str, float] | None, **extra: Any) -> str:
         run_id = new_run_id(workflow.name)
         header = {"t": "run", "v": LOG_VERSION, "run_id": run_id, "workflow": workflow.name,
                   "fingerprint": workflow.fingerprint, "key": key, "input": wire_input,
                   "input_digest": input_digest, "identity": identity, "budget": budget,
-                  "created_at": to_iso(datetime.now(UTC)), "script": os.environ.get("DURABLY_SCRIPT"),
-                  "ts": time.time()}
+                  "created_at": to_iso(datetime.now(UTC)), "script": script_of(workflow),
+                  "module": workflow.fn.__module__, "ts": time.time(), **extra}
         self.storage.create(run_id, encode_line(header))
         self.storage.bind(identity, run_id)
         return run_id
 
-    def _joined(self, workflow: Workflow, history: History) -> Any:
+    # ---- child runs -----------------------------------------------------------------------------
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+        """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
+        identity = f"child:{parent}:{path}"
+        run_id = self.storage.lookup(identity)
+        if run_id is not None:
+            return run_id
+        schema = workflow.input_schema
+        wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
+        if schema is not None:
+            wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
+        return self._create(workflow, wire, digest(load_value(wire)), None, identity, None,
+                            parent=parent, detached=detached)
+
+    def start_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any]:
+        """Run a child in this process (at most `concurrency` children at once); one task per child and loop."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._slots, self._children = loop, asyncio.Semaphore(self.concurrency), {}
+        task = self._children.get(run_id)
+        if task is None:
+            task = self._children[run_id] = loop.create_task(self._run_child(run_id, workflow))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _run_child(self, run_id: str, workflow: Workflow | None) -> Any:
+        info = self.storage.info(run_id)
+        if info is not None and info.last.get("t") == "end" and info.last.get("status") != "failed":
+            return self._joined(workflow, History([info.header, info.last]))
+        async with self._slots:
+            return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
+
+    async def join_child(self, run_id: str, workflow: Workflow | None) -> Any:
+        """Wait for a child to end (running it here if no process does) and return its result or raise."""
+        return await asyncio.shield(self.start_child(run_id, workflow))
+
+    def _joined(self, workflow: Workflow | None, history: History) -> Any:
         """The result of a run another process finished (or that had finished already)."""
         end = history.end
         assert end is not None
+        run_id = history.header["run_id"]
         if end["status"] == "completed":
             value = load_value(end["result"])
-            return workflow.output_schema.convert(value, "result") if workflow.output_schema else value
+            schema = workflow.output_schema if workflow is not None else None
+            return schema.convert(value, "result") if schema is not None else value
+        if not end.get("error"):
+            raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
         error = load_error(end["error"])
         if isinstance(error, DurablyError) or not isinstance(error, Exception):
             raise error
@@ -296,7 +354,7 @@ class Engine:
         try:
             return await kernel.run(WorkflowContext(kernel))
         except Exception as exc:
-            if self.on_run_failed is not None:
+            if self.on_run_failed is not None and not isinstance(exc, RunCancelledError):
                 try:
                     result = self.on_run_failed({"run_id": lease.run_id, "error": exc})
                     if asyncio.iscoroutine(result):
@@ -325,6 +383,163 @@ class Engine:
             if kernel.divergence is None:
                 kernel.divergence = f"the replayed workflow raised {type(exc).__name__}: {exc}"
         return kernel
+
+    # ---- operating runs by id ---------------------------------------------------------------------
+    def workflow_for(self, run: str) -> Workflow:
+        """The workflow code that runs an existing run (by id or key): registered by name, else imported."""
+        run_id = self.resolve(run)
+        header = self._read(run_id)[0].header
+        name, module, script = header.get("workflow"), header.get("module"), header.get("script")
+        found = REGISTRY.get(name)
+        if found is None and module and module != "__main__" and module not in sys.modules:
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError:
+                pass
+            found = REGISTRY.get(name)
+        if found is None and script and os.path.isfile(script):
+            folder = os.path.dirname(script)
+            sys.path.insert(0, folder)
+            try:
+                load_script(script)
+            finally:
+                if folder in sys.path:
+                    sys.path.remove(folder)
+            found = REGISTRY.get(name)
+        if found is not None:
+            return found
+        where = f"its script {script} defines no workflow of that name" if script and os.path.isfile(script) \
+            else f"its script {script} does not exist" if script else "no script was recorded for it"
+        raise ValidationError(
+            f"cannot find the code of workflow {name!r} for run {run_id}: it is not registered and {where}",
+            hint="Import the module that defines the workflow first (its @workflow registers it by name), or "
+                 "restore the script at the recorded path.",
+            docs="docs/operations.md#which-code-runs-an-old-run", run_id=run_id, workflow=name, script=script)
+
+    async def cancel(self, run: str, *, timeout: float = 30.0) -> RunState:
+        """Cancel a run (by id or key): end it as cancelled, asking the process running it to stop first."""
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise ValidationError(f"timeout= must be a number of seconds >= 0, got {timeout!r}",
+                                  hint="cancel(run, timeout=30) waits up to 30 s for the running process to stop.",
+                                  docs="docs/operations.md#cancel")
+        run_id = self.resolve(run)
+        deadline = time.monotonic() + timeout
+        asked = False
+        while True:
+            history, _ = self._read(run_id)
+            status = history.end["status"] if history.end is not None else None
+            if status == "completed":
+                late = " before the cancel request took effect" if asked else ""
+                raise ValidationError(f"run {run_id} already completed{late}; there is nothing to cancel",
+                                      hint=f"`durably restart {run_id}` runs it again from the start.",
+                                      docs="docs/operations.md#cancel", run_id=run_id)
+            if status == "cancelled":
+                break
+            if self.storage.held(run_id):
+                if not asked:
+                    self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8),
+                                                           "name": "$cancel", "payload": None,
+                                                           "at": to_iso(datetime.now(UTC))}))
+                    asked = True
+                while self.storage.held(run_id):
+                    if time.monotonic() >= deadline:
+                        return await self.inspect(run_id)
+                    await asyncio.sleep(JOIN_POLL)
+                continue
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            if lease is None:
+                continue
+            try:
+                end = History(lease.records).end
+                if end is None or end["status"] == "failed":
+                    error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
+                    self.storage.append(lease, encode_line({"t": "end", "status": "cancelled",
+                                                            "error": dump_error(error), "ts": time.time()}))
+                    self.storage.sync(lease)
+            finally:
+                self.storage.release(lease)
+        for message in self.storage.inbox(run_id):
+            if message.get("name") == "$cancel":
+                self.storage.ack(run_id, message["id"])
+        return await self.inspect(run_id)
+
+    async def retry(self, run: str, *, from_step: Selector | None = None,
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                    on_run: Callable[[str], Any] | None = None) -> Any:
+        """Resume a failed or interrupted run (by id or key); `from_step=` also runs that step and all later ones again."""
+        run_id = self.resolve(run)
+        history, _ = self._read(run_id)
+        status = run_status(history, self.storage.held(run_id))
+        if status == "running":
+            raise ValidationError(f"run {run_id} is running in another process",
+                                  hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
+                                  docs="docs/operations.md#retry", run_id=run_id)
+        if status == "cancelled":
+            raise ValidationError(f"run {run_id} was cancelled; a cancelled run is not resumed",
+                                  hint=f"Start it over with `durably restart {run_id}`.",
+                                  docs="docs/operations.md#retry", run_id=run_id)
+        if status == "completed" and from_step is None:
+            raise ValidationError(f"run {run_id} already completed; there is nothing to retry",
+                                  hint=f"Run steps again with `durably retry {run_id} --from-step PATH|LABEL`, or "
+                                       f"start over with `durably restart {run_id}`.",
+                                  docs="docs/operations.md#retry", run_id=run_id)
+        if from_step is not None:
+            self._reset_paths(history, from_step)
+        workflow = self.workflow_for(run_id)
+        if from_step is not None:
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            if lease is None:
+                raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
+                                      hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
+                                      docs="docs/operations.md#retry")
+            try:
+                paths = self._reset_paths(History(lease.records), from_step)
+                self.storage.append(lease, encode_line({"t": "reset", "paths": paths, "ts": time.time()}))
+                self.storage.sync(lease)
+            finally:
+                self.storage.release(lease)
+        return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+
+    def _reset_paths(self, history: History, selector: Any) -> list[str]:
+        """The recorded step `selector` picks and every step completed after it, in completion order."""
+        if isinstance(selector, list):
+            selector = tuple(selector)
+        shape_ok = isinstance(selector, str) or (
+            isinstance(selector, tuple) and bool(selector) and (
+                all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in selector)
+                or (len(selector) == 2 and isinstance(selector[0], str) and isinstance(selector[1], int)
+                    and not isinstance(selector[1], bool) and selector[1] >= 1)))
+        order = list(history.done)
+        seen: dict[str, int] = {}
+        for index, path in enumerate(order if shape_ok else ()):
+            label = history.done[path]["l"]
+            nth = seen[label] = seen.get(label, 0) + 1
+            if RunKernel.matches(selector, path, label, nth):
+                return order[index:]
+        steps = [f"{path_tuple(p)} {history.done[p]['l']}" for p in sorted(order, key=path_tuple)]
+        listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")
+        what = "matches no recorded step" if shape_ok else "is not a step selector"
+        raise ValidationError(
+            f"from_step={selector!r} {what} of run {history.header['run_id']}; its steps: {listed or 'none'}",
+            hint="Select a step by its path (2,) or (3, 1, 0), by its label 'fetch', or by (label, nth) for the "
+                 "nth step with that label; `durably inspect RUN` shows paths and labels.",
+            docs="docs/operations.md#retry-from-a-step", run_id=history.header["run_id"])
+
+    async def restart(self, run: str, *, on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                      on_run: Callable[[str], Any] | None = None) -> Any:
+        """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
+        run_id = self.resolve(run)
+        if self.storage.held(run_id):
+            raise ValidationError(f"run {run_id} is running in another process",
+                                  hint=f"Stop it first with `durably cancel {run_id}`, then restart it.",
+                                  docs="docs/operations.md#restart", run_id=run_id)
+        history, _ = self._read(run_id)
+        workflow = self.workflow_for(run_id)
+        value = load_value(history.header.get("input"))
+        if workflow.input_schema is not None:
+            value = workflow.input_schema.convert(value, "input")
+        return await self.run(workflow, value, key=history.header.get("key"), fresh=True, budget=history.budget,
+                              on_step=on_step, wait=wait, on_run=on_run)
 
     async def _heartbeat(self, lease: Any, kernel: RunKernel) -> None:
         while True:

@@ -11,6 +11,7 @@ failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
 (``sig``) · ``snap`` a ``ctx.loop`` snapshot (state ``s``
 after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
+``reset`` `retry --from-step` invalidated the steps at ``paths`` (and the steps nested under them) ·
 ``end`` the run finished (``status``, ``result`` or ``error``).
 """
 
@@ -77,6 +78,8 @@ class History:
             self.end = rec
         elif t == "reopen":
             self.reopen()
+        elif t == "reset":
+            self.reset(rec["paths"])
         elif t == "wait":
             self.waits[rec["p"]] = rec
         elif t == "wake":
@@ -98,6 +101,20 @@ class History:
             self.starts.pop(path, None)
             self.waits.pop(path, None)
         self.comps.clear()
+        self.end = None
+
+    def reset(self, paths: list[str]) -> None:
+        """`retry --from-step`: the given steps (and what nests under them) run again; the run is open again."""
+        if self.end is not None and self.end.get("status") == "failed":
+            self.reopen()
+        prefixes = tuple(f"{p}." for p in paths)
+        drop = set(paths)
+        for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.snaps,
+                      self.comps):
+            for path in [p for p in table if p in drop or p.startswith(prefixes)]:
+                del table[path]
+        for loop in [p for p in self.snaps if any(q.startswith(f"{p}.") for q in paths)]:
+            del self.snaps[loop]
         self.end = None
 
     @property
@@ -203,6 +220,8 @@ class RunState:
     result: Any = None
     error: dict[str, Any] | None = None
     script: str | None = None
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
     budget: dict[str, float] | None = None
     spent: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -237,11 +256,12 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         key=header.get("key"), input=load_value(header.get("input")),
         created_at=datetime.fromisoformat(header["created_at"]), updated_at=_ts(history.updated),
         attempt=history.attempt, advisories=list(history.advisories.values()), annotations=dict(history.notes),
-        script=header.get("script"), budget=history.budget, spent=history.spent(), warnings=warnings or [],
+        script=header.get("script"), parent=header.get("parent"), budget=history.budget, spent=history.spent(), warnings=warnings or [],
     )
     if history.end:
         state.result = load_value(history.end.get("result"))
         state.error = history.end.get("error")
+    state.children = [r["v"]["run_id"] for r in history.done.values() if r["l"] == "ctx.spawn" and r["t"] == "ok"]
     if not steps:
         return state
     paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes)

@@ -17,6 +17,7 @@ import time
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from .errors import (
     BudgetExceededError,
     LoopLimitError,
     PurityError,
+    RunCancelledError,
     SerializationError,
     StaleRunError,
     StepInterruptedError,
@@ -40,11 +42,11 @@ from .history import BUDGET_KINDS, History, path_tuple
 from .policies import Retry, check_timeout
 from .result import Err, Ok
 from .schema import compile_schema
+from .workflow import Workflow, as_workflow
 
 if TYPE_CHECKING:
     from .context import AttemptContext, WorkflowContext
     from .storage.base import Lease, Storage
-    from .workflow import Workflow
 
 CO_COROUTINE = inspect.CO_COROUTINE
 
@@ -60,6 +62,7 @@ class _Schema:
 NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
+CONTROL_EVERY = 0.5
 
 
 class Crash(BaseException):  # noqa: N818 - it is not an error but a simulated process death
@@ -119,6 +122,14 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     if code is not None:
         return bool(code.co_flags & CO_COROUTINE)
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """A child run: its id, and the workflow that runs it (so a resumed parent can restart it)."""
+
+    run_id: str
+    workflow: Workflow | None = field(default=None, compare=False, repr=False)
 
 
 class StepOptions:
@@ -202,6 +213,9 @@ class RunKernel:
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
         self.ctx: WorkflowContext | None = None
+        self.children: list[asyncio.Future[Any]] = []
+        self.next_control = 0.0
+        self.cancel_error: RunCancelledError | None = None
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: dict[str, Any]) -> None:
@@ -373,12 +387,14 @@ class RunKernel:
 
         if self.shadow:
             self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
+        if time.monotonic() >= self.next_control:
+            self.control()
         self.check_budget()
         nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
         prior = self.history.fails.get(path)
         number = prior["a"] + 1 if prior else 1
         if prior is not None:
-            await self.clock.sleep_until(from_iso(prior["next"]))
+            await self.nap(from_iso(prior["next"]))
         if opts.unsafe:
             started = self.history.starts.get(path)
             if started is not None:
@@ -500,7 +516,48 @@ class RunKernel:
         self.write({"t": "fail", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
                     "next": to_iso(wake), "ts": time.time()})
         self.emit(path, label, "retrying", number, ms, exc)
-        await self.clock.sleep_until(wake)
+        await self.nap(wake)
+
+    # ---- control: cancel requests -------------------------------------------------------------
+    def control(self, force: bool = False) -> None:
+        """Raise `RunCancelledError` once a `$cancel` request is in the inbox (listed at most every 0.5 s unless forced)."""
+        if self.cancel_error is not None:
+            raise self.cancel_error
+        now = time.monotonic()
+        if self.shadow or (not force and now < self.next_control):
+            return
+        self.next_control = now + CONTROL_EVERY
+        for message in self.storage.inbox(self.run_id):
+            if message.get("name") == "$cancel":
+                self.storage.ack(self.run_id, message["id"])
+                self.cancel_error = RunCancelledError(
+                    f"run {self.run_id} was cancelled", run_id=self.run_id,
+                    hint=f"Start it over with `durably restart {self.run_id}` (or run(..., fresh=True)).",
+                    docs="docs/operations.md#cancel")
+                self.next_control = float("-inf")
+                raise self.cancel_error
+
+    async def nap(self, when: datetime, force: bool = False) -> None:
+        """Wait until `when` on the run's clock, looking for a cancel request every `poll` seconds meanwhile."""
+        if force or time.monotonic() >= self.next_control:
+            self.control(force)
+        if self.clock.now() >= when:
+            await self.clock.sleep_until(when)
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep_until(when))
+        try:
+            while not sleeper.done():
+                await asyncio.wait((sleeper,), timeout=self.poll)
+                if not sleeper.done():
+                    self.control(force=True)
+        finally:
+            sleeper.cancel()
+        sleeper.result()
+
+    def finish_cancelled(self, error: BaseException) -> None:
+        """Record that the run ended cancelled (no compensation runs) and sync the log."""
+        self.write({"t": "end", "status": "cancelled", "error": dump_error(error), "ts": time.time()})
+        self.sync()
 
     # ---- parking: durable sleeps and waits for signals -----------------------------------------
     def sleep_until(self, when: datetime) -> Awaitable[None]:
@@ -530,7 +587,7 @@ class RunKernel:
         if self.clock.now() < when:
             if not self.wait:
                 raise Parked("sleeping", f"sleeping until {to_iso(when)}")
-            await self.clock.sleep_until(when)
+            await self.nap(when, force=True)
         self.write({"t": "ok", "p": path, "l": "ctx.sleep", "v": None, "a": 1, "ms": 0, "ts": time.time()})
         self.step_done()
 
@@ -566,6 +623,7 @@ class RunKernel:
         else:
             deadline = from_iso(opened["deadline"]) if opened["deadline"] else None
         while True:
+            self.control(force=True)
             signal = self.next_signal(name)
             if signal is not None:
                 self.write({"t": "ok", "p": path, "l": "ctx.wait_for", "v": signal.get("payload"), "a": 1, "ms": 0,
@@ -595,6 +653,84 @@ class RunKernel:
             elif signal.get("name") == name:
                 return signal
         return None
+
+    # ---- child runs ---------------------------------------------------------------------------
+    def spawn(self, wf: Any, input: Any, detached: bool) -> Awaitable[RunHandle]:
+        """Allocate the spawn's path now; the child gets its own durable run, started in this process."""
+        workflow = as_workflow(wf)
+        path = self.scope().alloc()
+        return self._spawn(path, workflow, input, detached)
+
+    def spawn_all(self, definitions: list[Any], detached: bool) -> Awaitable[list[RunHandle]]:
+        """Spawn one child per `(workflow, input)` pair, under one path."""
+        pairs = []
+        for i, item in enumerate(definitions):
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
+                                      hint="ctx.spawn_all([(summarize, url) for url in urls])",
+                                      docs="docs/authoring.md#child-runs")
+            pairs.append((as_workflow(item[0]), item[1]))
+        prefix = self.scope().alloc()
+        if len(pairs) > self.engine.concurrency:
+            self.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
+                        f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once")
+        return self._spawn_all(prefix, pairs, detached)
+
+    async def _spawn_all(self, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> list[RunHandle]:
+        return [await self._spawn(f"{prefix}.{i}", wf, value, detached) for i, (wf, value) in enumerate(pairs)]
+
+    async def _spawn(self, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, "ctx.spawn")
+            run_id = rec["v"]["run_id"]
+        else:
+            if self.shadow:
+                self.diverge(f"ctx.spawn at path {path_tuple(path)} ran again: the recorded run has no child there")
+            run_id = self.engine.create_child(self.run_id, path, workflow, input, detached)
+            self.write({"t": "ok", "p": path, "l": "ctx.spawn", "v": {"run_id": run_id, "detached": detached},
+                        "a": 1, "ms": 0, "ts": time.time()})
+            self.step_done()
+        if not self.shadow:
+            task = self.engine.start_child(run_id, workflow)
+            if not detached:
+                self.children.append(task)
+        return RunHandle(run_id, workflow)
+
+    def join(self, handle: RunHandle) -> Awaitable[Any]:
+        """Allocate the join's path now; it returns the child's result (or raises its error) once it ends."""
+        if not isinstance(handle, RunHandle):
+            raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
+                                  hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
+                                  docs="docs/authoring.md#child-runs")
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is not None:
+            self.check_label(path, rec, "ctx.join")
+            scope.pending += 1
+            return self.replay(scope, path, rec, PLAIN)
+        return self._join(path, handle)
+
+    async def _join(self, path: str, handle: RunHandle) -> Any:
+        if self.shadow:
+            self.diverge(f"ctx.join at path {path_tuple(path)} ran again: the recorded run has no result there")
+        try:
+            value = await self.engine.join_child(handle.run_id, handle.workflow)
+            wire = dump_value(value, "child result")
+        except (Crash, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            self.write({"t": "err", "p": path, "l": "ctx.join", "a": 1, "e": dump_error(exc), "ts": time.time()})
+            self.step_done()
+            raise
+        self.write({"t": "ok", "p": path, "l": "ctx.join", "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+        self.step_done()
+        return load_value(wire)
+
+    def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
+        """Join every child concurrently; one `Ok`/`Err` per handle, in order."""
+        return self.parallel([lambda h=h: self.join(h) for h in handles], None)
 
     # ---- recorded values and the rest of the context --------------------------------------------
     def recorded(self, label: str, make: Callable[[], Any]) -> Any:
@@ -802,6 +938,8 @@ class RunKernel:
                 result = await self.workflow(ctx, self.input)
             except Complete as done:
                 result = done.value
+            if self.children:
+                await asyncio.gather(*self.children, return_exceptions=True)
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)
@@ -812,10 +950,19 @@ class RunKernel:
         except Exception as exc:
             if self.dead:
                 raise Crash() from exc
+            cancelled = self.cancel_error or (exc if isinstance(exc, RunCancelledError) else None)
+            if cancelled is not None:
+                self.finish_cancelled(cancelled)
+                if cancelled is exc:
+                    raise
+                raise cancelled from exc
             await self.compensate(exc)
             self.write({"t": "end", "status": "failed", "error": dump_error(exc), "ts": time.time()})
             self.sync()
             raise
+        if self.cancel_error is not None:
+            self.finish_cancelled(self.cancel_error)
+            raise self.cancel_error
         self.result_wire = wire
         self.write({"t": "end", "status": "completed", "result": wire, "ts": time.time()})
         self.sync()

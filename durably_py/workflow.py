@@ -7,9 +7,9 @@ import importlib.util
 import inspect
 import re
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
-from collections.abc import Awaitable, Callable
 from typing import Any, overload
 
 from .errors import ValidationError

@@ -1,0 +1,250 @@
+"""Child runs: spawn, spawn_all, join, join_all, each child its own durable run."""
+
+import asyncio
+import time
+
+import pytest
+
+from durably_py import FileStorage, MemoryStorage, RunHandle, ValidationError, create_engine, is_ok, workflow
+from durably_py.testing import TestEngine
+
+executed: list[str] = []
+
+
+def work(item: str) -> str:
+    executed.append(item)
+    if item == "bad":
+        raise ValueError(f"cannot process {item}")
+    return item.upper()
+
+
+@workflow
+async def child(ctx, item):
+    first = await ctx.step(work, item, name="work")
+    second = await ctx.step(work, f"{item}-2", name="work again")
+    return f"{first}+{second}"
+
+
+@workflow
+async def parent(ctx, items):
+    handles = await ctx.spawn_all([(child, item) for item in items])
+    results = await ctx.join_all(handles)
+    return [r.value if is_ok(r) else f"error: {r.error}" for r in results]
+
+
+def test_spawn_and_join_return_the_child_result() -> None:
+    executed.clear()
+
+    @workflow
+    async def one(ctx):
+        handle = await ctx.spawn(child, "a")
+        assert isinstance(handle, RunHandle)
+        return await ctx.join(handle)
+
+    engine = TestEngine()
+    done = engine.sync.run(one)
+    assert done.status == "completed" and done.result == "A+A-2"
+    assert executed == ["a", "a-2"]
+    state = engine.sync.inspect(done.run_id)
+    spawned = state.steps[0].output["run_id"]
+    assert engine.sync.inspect(spawned).status == "completed"
+
+
+def test_join_all_reports_each_child() -> None:
+    executed.clear()
+    engine = TestEngine()
+    done = engine.sync.run(parent, ["x", "bad", "y"])
+    assert done.result == ["X+X-2", "error: cannot process bad", "Y+Y-2"]
+    assert sorted(executed) == sorted(["x", "x-2", "bad", "y", "y-2"])
+
+
+def test_a_crashed_parent_resumes_its_children_without_redoing_their_steps() -> None:
+    executed.clear()
+    engine = TestEngine()
+
+    @workflow
+    async def slow_parent(ctx, items):
+        handles = await ctx.spawn_all([(child, item) for item in items])
+        await ctx.step(work, "parent-mid", name="parent step")
+        return [r.value for r in await ctx.join_all(handles)]
+
+    crashed = engine.sync.run(slow_parent, ["p", "q"], crash_after="parent step")
+    assert crashed.status == "crashed"
+    spawned = [s.output["run_id"] for s in engine.sync.inspect(crashed.run_id).steps if s.label == "ctx.spawn"]
+    finished = [s.output.lower().replace("+", "") for run_id in spawned
+                for s in engine.sync.inspect(run_id).steps if s.status == "ok"]
+    done = engine.sync.resume(crashed.run_id)
+    assert done.result == ["P+P-2", "Q+Q-2"]
+    assert set(executed) == {"p", "p-2", "q", "q-2", "parent-mid"}
+    for item in finished:
+        assert executed.count(item) == 1, item
+    assert len(executed) <= 5 + len(spawned)
+
+
+def test_engine_concurrency_caps_children_and_is_advised() -> None:
+    active = {"now": 0, "peak": 0}
+
+    async def hold(i):
+        active["now"] += 1
+        active["peak"] = max(active["peak"], active["now"])
+        await asyncio.sleep(0.02)
+        active["now"] -= 1
+        return i
+
+    @workflow
+    async def leaf(ctx, i):
+        return await ctx.step(hold, i)
+
+    @workflow
+    async def fan(ctx, n):
+        handles = await ctx.spawn_all([(leaf, i) for i in range(n)])
+        return [r.value for r in await ctx.join_all(handles)]
+
+    engine = create_engine(MemoryStorage(), concurrency=2)
+    seen = []
+    assert asyncio.run(engine.run(fan, 6, advisories="silent", on_advisory=seen.append)) == list(range(6))
+    assert active["peak"] == 2
+    assert [a.code for a in seen] == ["CONCURRENCY_CAPPED"]
+    assert "6 children" in seen[0].msg and "2 at once" in seen[0].msg
+
+
+def test_unjoined_children_finish_before_the_parent_completes(tmp_path) -> None:
+    executed.clear()
+
+    @workflow
+    async def fire_and_wait(ctx):
+        await ctx.spawn(child, "bg")
+        return "parent done"
+
+    engine = create_engine(FileStorage(tmp_path))
+    assert asyncio.run(engine.run(fire_and_wait)) == "parent done"
+    assert sorted(executed) == ["bg", "bg-2"]
+    statuses = sorted(r.status for r in asyncio.run(engine.list()))
+    assert statuses == ["completed", "completed"]
+
+
+def test_a_failed_child_is_resumed_when_its_parent_is() -> None:
+    state = {"fail": True}
+
+    def maybe(x):
+        if state["fail"]:
+            raise RuntimeError("not yet")
+        return x
+
+    @workflow
+    async def fragile(ctx, x):
+        return await ctx.step(maybe, x)
+
+    @workflow
+    async def boss(ctx):
+        return await ctx.join(await ctx.spawn(fragile, 7))
+
+    engine = TestEngine()
+    failed = engine.sync.run(boss)
+    assert failed.status == "failed" and isinstance(failed.error, RuntimeError)
+    state["fail"] = False
+    assert engine.sync.resume(failed.run_id).result == 7
+
+
+def test_bad_spawn_arguments() -> None:
+    @workflow
+    async def wrong(ctx):
+        await ctx.spawn_all([child])
+
+    @workflow
+    async def wrong_join(ctx):
+        await ctx.join("some-run-id")
+
+    engine = TestEngine()
+    for wf in (wrong, wrong_join):
+        result = engine.sync.run(wf)
+        assert result.status == "failed" and isinstance(result.error, ValidationError)
+
+
+def test_children_run_concurrently_with_real_time() -> None:
+    async def nap(i):
+        await asyncio.sleep(0.2)
+        return i
+
+    @workflow
+    async def sleeper(ctx, i):
+        return await ctx.step(nap, i)
+
+    @workflow
+    async def many(ctx):
+        handles = await ctx.spawn_all([(sleeper, i) for i in range(4)])
+        return [r.value for r in await ctx.join_all(handles)]
+
+    started = time.monotonic()
+    assert asyncio.run(create_engine(MemoryStorage()).run(many)) == [0, 1, 2, 3]
+    assert time.monotonic() - started < 0.7
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_spawn_records_parent_and_detached(tmp_path, detached) -> None:
+    @workflow
+    async def p(ctx):
+        return (await ctx.spawn(child, "z", detached=detached)).run_id
+
+    engine = create_engine(FileStorage(tmp_path))
+    child_id = asyncio.run(engine.run(p))
+    header = engine.storage.info(child_id).header
+    assert header["parent"] and header["detached"] is detached
+
+
+KILL_SCRIPT = """
+import asyncio, sys
+from durably_py import run, workflow
+
+EFFECTS = sys.argv[2]
+
+
+async def tick(label):
+    with open(EFFECTS, "a") as f:
+        f.write(label + "\\n")
+    await asyncio.sleep(0.15)
+    return label
+
+
+@workflow
+async def kid(ctx, name):
+    return [await ctx.step(tick, f"{name}-{i}", name="tick") for i in range(4)]
+
+
+@workflow
+async def mom(ctx, names):
+    handles = await ctx.spawn_all([(kid, n) for n in names])
+    return [r.value for r in await ctx.join_all(handles)]
+
+
+print(run(mom, ["a", "b"], dir=sys.argv[1]))
+"""
+
+
+def test_killed_parent_process_resumes_children(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "family.py"
+    script.write_text(KILL_SCRIPT)
+    effects = tmp_path / "effects.txt"
+    cmd = [sys.executable, str(script), str(tmp_path / "state"), str(effects)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not effects.exists() or len(effects.read_text().split()) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    engine = create_engine(FileStorage(tmp_path / "state"))
+    recorded = {s.output for r in asyncio.run(engine.list()) if r.workflow == "kid"
+                for s in asyncio.run(engine.inspect(r.run_id)).steps if s.status == "ok"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([[f"a-{i}" for i in range(4)], [f"b-{i}" for i in range(4)]])
+    lines = effects.read_text().split()
+    for label in recorded:
+        assert lines.count(label) == 1, label
+    assert set(lines) == {f"{n}-{i}" for n in "ab" for i in range(4)}
