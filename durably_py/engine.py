@@ -501,7 +501,7 @@ class Engine:
         return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
 
     def _reset_paths(self, history: History, selector: Any) -> list[str]:
-        """The recorded step `selector` picks and every step completed after it, in completion order."""
+        """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""
         if isinstance(selector, list):
             selector = tuple(selector)
         shape_ok = isinstance(selector, str) or (
@@ -515,7 +515,7 @@ class Engine:
             label = history.done[path]["l"]
             nth = seen[label] = seen.get(label, 0) + 1
             if RunKernel.matches(selector, path, label, nth):
-                return order[index:]
+                return order[index:] + [p for p in order[:index] if p.startswith(f"{path}.")]
         steps = [f"{path_tuple(p)} {history.done[p]['l']}" for p in sorted(order, key=path_tuple)]
         listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")
         what = "matches no recorded step" if shape_ok else "is not a step selector"

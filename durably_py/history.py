@@ -11,7 +11,7 @@ failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
 (``sig``) · ``snap`` a ``ctx.loop`` snapshot (state ``s``
 after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
-``reset`` `retry --from-step` invalidated the steps at ``paths`` (and the steps nested under them) ·
+``reset`` `retry --from-step` invalidated the steps at ``paths`` ·
 ``end`` the run finished (``status``, ``result`` or ``error``).
 """
 
@@ -104,17 +104,17 @@ class History:
         self.end = None
 
     def reset(self, paths: list[str]) -> None:
-        """`retry --from-step`: the given steps (and what nests under them) run again; the run is open again."""
+        """`retry --from-step`: the steps at `paths` run again (loops rewind past them); the run is open again."""
         if self.end is not None and self.end.get("status") == "failed":
             self.reopen()
-        prefixes = tuple(f"{p}." for p in paths)
         drop = set(paths)
-        for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.snaps,
-                      self.comps):
-            for path in [p for p in table if p in drop or p.startswith(prefixes)]:
+        for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps):
+            for path in [p for p in table if p in drop]:
                 del table[path]
-        for loop in [p for p in self.snaps if any(q.startswith(f"{p}.") for q in paths)]:
-            del self.snaps[loop]
+        for loop, snap in list(self.snaps.items()):
+            inner = [q[len(loop) + 1:].partition(".")[0] for q in paths if q.startswith(f"{loop}.")]
+            if loop in drop or any(i.isdigit() and int(i) <= snap["i"] for i in inner):
+                del self.snaps[loop]
         self.end = None
 
     @property

@@ -49,16 +49,6 @@ if TYPE_CHECKING:
     from .storage.base import Lease, Storage
 
 CO_COROUTINE = inspect.CO_COROUTINE
-
-
-class _Schema:
-    """Step options carrying only a schema (a replayed wait_for converts its payload like a live one)."""
-
-    __slots__ = ("schema", "compensate")
-
-    def __init__(self, schema: Any) -> None:
-        self.schema = schema
-        self.compensate = None
 NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
@@ -130,6 +120,16 @@ class RunHandle:
 
     run_id: str
     workflow: Workflow | None = field(default=None, compare=False, repr=False)
+
+
+class _Schema:
+    """Step options carrying only a schema (a replayed wait_for converts its payload like a live one)."""
+
+    __slots__ = ("schema", "compensate")
+
+    def __init__(self, schema: Any) -> None:
+        self.schema = schema
+        self.compensate = None
 
 
 class StepOptions:
@@ -216,6 +216,7 @@ class RunKernel:
         self.children: list[asyncio.Future[Any]] = []
         self.next_control = 0.0
         self.cancel_error: RunCancelledError | None = None
+        self.replay_error: PurityError | StaleRunError | None = None
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: dict[str, Any]) -> None:
@@ -299,13 +300,13 @@ class RunKernel:
             raise PurityError("ctx was used outside its running workflow",
                               hint="Call ctx methods only while the workflow function runs.") from None
         if scope.owner is not None and scope.owner is not asyncio.current_task():
-            raise PurityError(
+            raise self.replay_failed(PurityError(
                 "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
                 "coroutines that call ctx.step), so its path would depend on scheduling",
                 hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
                      "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
                 docs="docs/authoring.md#paths",
-            )
+            ))
         return scope
 
     def check_label(self, path: str, rec: dict[str, Any], label: str) -> None:
@@ -316,15 +317,21 @@ class RunKernel:
         if self.shadow:
             self.diverge(f"the workflow took another branch on replay; at {where}")
         if self.code_changed:
-            raise StaleRunError(
+            raise self.replay_failed(StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
                 hint=f"Restore the old step order, or start over with fresh=True (`durably restart {self.run_id}`).",
-                run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label)
-        raise PurityError(
+                run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label))
+        raise self.replay_failed(PurityError(
             f"the workflow took another branch on replay; at {where}",
             hint="Keep workflow code between steps deterministic: read time, randomness and I/O through "
                  "ctx.now()/ctx.random()/ctx.step(), or start over with fresh=True.",
-            run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label)
+            run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label))
+
+    def replay_failed(self, error: PurityError | StaleRunError) -> PurityError | StaleRunError:
+        """Remember that replay cannot go on: the run then ends unrecorded (resumable with the right code)."""
+        if self.replay_error is None:
+            self.replay_error = error
+        return error
 
     def step(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None,
              opts: StepOptions) -> Awaitable[Any]:
@@ -950,6 +957,8 @@ class RunKernel:
         except Exception as exc:
             if self.dead:
                 raise Crash() from exc
+            if self.replay_error is not None:
+                raise self.replay_error from (None if exc is self.replay_error else exc)
             cancelled = self.cancel_error or (exc if isinstance(exc, RunCancelledError) else None)
             if cancelled is not None:
                 self.finish_cancelled(cancelled)
@@ -960,6 +969,8 @@ class RunKernel:
             self.write({"t": "end", "status": "failed", "error": dump_error(exc), "ts": time.time()})
             self.sync()
             raise
+        if self.replay_error is not None:
+            raise self.replay_error
         if self.cancel_error is not None:
             self.finish_cancelled(self.cancel_error)
             raise self.cancel_error
