@@ -430,6 +430,7 @@ class Engine:
             status = history.end["status"] if history.end is not None else None
             if status == "completed":
                 late = " before the cancel request took effect" if asked else ""
+                self._drop_cancel_requests(run_id)
                 raise ValidationError(f"run {run_id} already completed{late}; there is nothing to cancel",
                                       hint=f"`durably restart {run_id}` runs it again from the start.",
                                       docs="docs/operations.md#cancel", run_id=run_id)
@@ -458,10 +459,19 @@ class Engine:
                     self.storage.sync(lease)
             finally:
                 self.storage.release(lease)
+        self._drop_cancel_requests(run_id)
+        state = await self.inspect(run_id)
+        for child in state.children:
+            info = self.storage.info(child)
+            if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
+                await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
+        return state
+
+    def _drop_cancel_requests(self, run_id: str) -> None:
+        """Acknowledge `$cancel` requests left in an ended run's inbox, so a later retry is not cancelled by them."""
         for message in self.storage.inbox(run_id):
             if message.get("name") == "$cancel":
                 self.storage.ack(run_id, message["id"])
-        return await self.inspect(run_id)
 
     async def retry(self, run: str, *, from_step: Selector | None = None,
                     on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
@@ -487,6 +497,8 @@ class Engine:
             self._reset_paths(history, from_step)
         workflow = self.workflow_for(run_id)
         if from_step is not None:
+            if status == "completed":
+                self._drop_cancel_requests(run_id)
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
             if lease is None:
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,

@@ -347,10 +347,11 @@ class RunKernel:
             count = scope.labels[label] = scope.labels.get(label, 0) + 1
             if count == 100 or count == 1000:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
-        scope.pending += 1
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, label)
+        scope.pending += 1
+        if rec is not None:
             return self.replay(scope, path, rec, opts)
         return self.execute(scope, path, label, fn, args, opts)
 
@@ -562,9 +563,11 @@ class RunKernel:
         sleeper.result()
 
     def finish_cancelled(self, error: BaseException) -> None:
-        """Record that the run ended cancelled (no compensation runs) and sync the log."""
+        """Record that the run ended cancelled (no compensation runs), sync the log, and stop attached children."""
         self.write({"t": "end", "status": "cancelled", "error": dump_error(error), "ts": time.time()})
         self.sync()
+        for task in self.children:
+            task.cancel()
 
     # ---- parking: durable sleeps and waits for signals -----------------------------------------
     def sleep_until(self, when: datetime) -> Awaitable[None]:

@@ -248,3 +248,34 @@ def test_killed_parent_process_resumes_children(tmp_path) -> None:
     for label in recorded:
         assert lines.count(label) == 1, label
     assert set(lines) == {f"{n}-{i}" for n in "ab" for i in range(4)}
+
+
+def test_cancelling_a_parent_cancels_its_attached_children_only(tmp_path) -> None:
+    class Stop(BaseException):
+        pass
+
+    @workflow
+    async def waiting_child(ctx, name):
+        return await ctx.wait_for(f"go-{name}", timeout=3600)
+
+    @workflow
+    async def family(ctx):
+        await ctx.spawn(waiting_child, "attached")
+        await ctx.spawn(waiting_child, "free", detached=True)
+        raise Stop()
+
+    engine = create_engine(FileStorage(tmp_path))
+
+    async def start():
+        try:
+            await engine.run(family)
+        except Stop:
+            pass
+
+    asyncio.run(start())
+    parent_id = next(r.run_id for r in asyncio.run(engine.list()) if r.workflow.endswith("family"))
+    state = asyncio.run(engine.cancel(parent_id))
+    assert state.status == "cancelled"
+    after = {r.input: r.status for r in asyncio.run(engine.list()) if r.workflow.endswith("waiting_child")}
+    assert after["attached"] == "cancelled"
+    assert after["free"] != "cancelled"

@@ -21,6 +21,7 @@ from durably_py import (
     MemoryStorage,
     RunCancelledError,
     RunNotFoundError,
+    RunParkedError,
     ValidationError,
     create_engine,
     workflow,
@@ -386,6 +387,24 @@ def test_retry_from_step_reruns_the_steps_nested_under_the_selected_one(engine: 
     assert calls == {"branch-0": 1, "branch-1": 2, "turn-0": 3, "turn-1": 4}
 
 
+def test_a_stale_cancel_request_does_not_cancel_a_retried_completed_run(engine: Engine) -> None:
+    asyncio.run(engine.run(ops_chain, ["a", "b"]))
+    run_id = only_run(engine)
+    engine.storage.send(run_id, json.dumps({"id": "late", "name": "$cancel"}).encode() + b"\n")
+    assert asyncio.run(engine.retry(run_id, from_step=(0,))) == ["A", "B"]
+    assert calls == {"a": 2, "b": 2}
+    assert engine.storage.inbox(run_id) == []
+
+
+def test_a_pending_cancel_request_stops_an_interrupted_run_when_it_resumes(engine: Engine) -> None:
+    run_id = interrupt(engine, ops_chain, ["a", "b", "c"], (0,))
+    engine.storage.send(run_id, json.dumps({"id": "pending", "name": "$cancel"}).encode() + b"\n")
+    with pytest.raises(RunCancelledError):
+        asyncio.run(engine.retry(run_id))
+    assert calls == {"a": 1}
+    assert asyncio.run(engine.inspect(run_id)).status == "cancelled"
+
+
 @pytest.mark.parametrize("selector", ["nope", (9,), ("item", 5), ("item", 0), 2.5, (), (True,)])
 def test_retry_with_a_bad_selector_lists_the_steps(engine: Engine, selector: Any,
                                                    records: Callable[..., Any]) -> None:
@@ -446,6 +465,23 @@ def test_retry_and_restart_on_the_command_line(state_dir: Path, engine: Engine) 
     assert invoke("restart", "nope", "--dir", str(state_dir)).exit_code == 2
 
 
+@workflow
+async def ops_parked(ctx: Any) -> Any:
+    await ctx.step(work, "before", name="before")
+    return await ctx.wait_for("go", timeout=3600)
+
+
+def test_retry_of_a_parked_run_under_no_wait_exits_3(state_dir: Path, engine: Engine) -> None:
+    with pytest.raises(RunParkedError):
+        asyncio.run(engine.run(ops_parked, wait=False))
+    run_id = only_run(engine)
+    parked = invoke("retry", run_id, "--no-wait", "--dir", str(state_dir))
+    assert parked.exit_code == 3 and "waiting" in parked.stderr
+    asyncio.run(engine.signal(run_id, "go", "yes"))
+    assert asyncio.run(engine.retry(run_id)) == "yes"
+    assert calls == {"before": 1}
+
+
 def test_parse_step() -> None:
     assert parse_step("2") == (2,)
     assert parse_step("3.1.0") == (3, 1, 0)
@@ -465,8 +501,6 @@ def test_restart_creates_a_new_run_and_reruns_everything(engine: Engine) -> None
     new = asyncio.run(engine.inspect("daily"))
     assert new.run_id != old and new.key == "daily" and new.input == ["a", "b"] and new.status == "completed"
     assert asyncio.run(engine.inspect(old)).status == "completed"
-    assert asyncio.run(engine.run(ops_chain, ["a", "b"], key="daily")) == ["A", "B"]
-    assert calls == {"a": 2, "b": 2}
 
 
 def test_restart_a_cancelled_run(engine: Engine) -> None:
