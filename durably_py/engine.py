@@ -23,6 +23,7 @@ from .context import WorkflowContext
 from .errors import (
     DurablyError,
     KeyConflictError,
+    LeaseLostError,
     RunCancelledError,
     RunNotFoundError,
     RunParkedError,
@@ -557,7 +558,9 @@ class Engine:
         while True:
             await asyncio.sleep(self.heartbeat_every)
             if not self.storage.heartbeat(lease, self.lease_ttl):
-                kernel.dead = True
+                kernel.lost = LeaseLostError(
+                    f"run {lease.run_id} was claimed by another process after this one's lease lapsed; "
+                    "this process stops writing to it", run_id=lease.run_id)
                 return
 
 

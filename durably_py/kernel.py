@@ -27,6 +27,7 @@ from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from .errors import (
     BudgetExceededError,
+    LeaseLostError,
     LoopLimitError,
     PurityError,
     RunCancelledError,
@@ -217,6 +218,7 @@ class RunKernel:
         self.next_control = 0.0
         self.cancel_error: RunCancelledError | None = None
         self.replay_error: PurityError | StaleRunError | None = None
+        self.lost: LeaseLostError | None = None
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: dict[str, Any]) -> None:
@@ -225,9 +227,15 @@ class RunKernel:
             raise Crash()
         if self.shadow:
             return
+        if self.lost is not None:
+            raise self.lost
         data = encode_line(rec)
         with self.lock:
-            self.storage.append(self.lease, data)
+            try:
+                self.storage.append(self.lease, data)
+            except LeaseLostError as exc:
+                self.lost = exc
+                raise
         self.history.add(rec)
 
     def step_done(self) -> None:
@@ -960,6 +968,8 @@ class RunKernel:
         except Exception as exc:
             if self.dead:
                 raise Crash() from exc
+            if self.lost is not None:
+                raise self.lost from (None if exc is self.lost else exc)
             if self.replay_error is not None:
                 raise self.replay_error from (None if exc is self.replay_error else exc)
             cancelled = self.cancel_error or (exc if isinstance(exc, RunCancelledError) else None)
