@@ -199,25 +199,23 @@ class Engine:
             validate_key(key)
         if _run_hook is not None:
             on_step = _run_hook.chain(on_step)
-        while True:
-            lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
-            if lease is None:
-                if on_run is not None:
-                    on_run(history.header["run_id"])
-                return self._joined(workflow, history)
-            fresh = False
-            run_id = lease.run_id
+        lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
+        if lease is None:
             if on_run is not None:
-                on_run(run_id)
-            try:
-                return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                           advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
-            except Parked as parked:
-                raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
-                                     hint=f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, or run it "
-                                          "again after its wake time; nothing is lost meanwhile.") from None
-            finally:
-                self.storage.release(lease)
+                on_run(history.header["run_id"])
+            return self._joined(workflow, history)
+        run_id = lease.run_id
+        if on_run is not None:
+            on_run(run_id)
+        try:
+            return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                       advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+        except Parked as parked:
+            raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
+                                 hint=f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, or run it "
+                                      "again after its wake time; nothing is lost meanwhile.") from None
+        finally:
+            self.storage.release(lease)
 
     async def _acquire(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
                        budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
@@ -355,7 +353,8 @@ class Engine:
         try:
             return await kernel.run(WorkflowContext(kernel))
         except Exception as exc:
-            if self.on_run_failed is not None and not isinstance(exc, RunCancelledError):
+            ended = kernel.history.end
+            if self.on_run_failed is not None and ended is not None and ended["status"] == "failed":
                 try:
                     result = self.on_run_failed({"run_id": lease.run_id, "error": exc})
                     if asyncio.iscoroutine(result):

@@ -12,6 +12,7 @@ failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
 after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
 ``reset`` `retry --from-step` invalidated the steps at ``paths`` ·
+``pause`` / ``resume`` the run was paused / resumed (paused while a ``pause`` follows the last ``resume``) ·
 ``end`` the run finished (``status``, ``result`` or ``error``).
 """
 
@@ -45,6 +46,7 @@ class History:
         self.notes: dict[str, Any] = {}
         self.end: dict[str, Any] | None = None
         self.claim: dict[str, Any] | None = None
+        self.paused = False
         self.budget: dict[str, float] | None = self.header.get("budget")
         self.fingerprint: str | None = self.header.get("fingerprint")
         self.updated: float | None = None
@@ -90,6 +92,10 @@ class History:
             self.fingerprint = rec["fingerprint"]
         elif t == "budget":
             self.budget = rec["b"]
+        elif t == "pause":
+            self.paused = True
+        elif t == "resume":
+            self.paused = False
         if "ts" in rec:
             self.updated = rec["ts"]
 
@@ -167,6 +173,8 @@ class History:
             out.append({"t": "note", "n": self.notes})
         if self.end:
             out.append(self.end)
+        if self.paused:
+            out.append({"t": "pause"})
         return out
 
 
@@ -242,7 +250,9 @@ def _ts(value: float | None) -> datetime | None:
 
 
 def run_status(history: History, held: bool) -> str:
-    """completed / failed / cancelled from the end record; running while held; interrupted otherwise."""
+    """completed / failed / cancelled from the end record; paused, waiting, sleeping; running while held; interrupted."""
+    if history.paused and (not history.end or history.end["status"] == "failed"):
+        return "paused"
     if history.end:
         return history.end["status"]
     return history.parked() or ("running" if held else "interrupted")

@@ -69,7 +69,7 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
 
 
 class Parked(BaseException):  # noqa: N818 - control flow, not an error
-    """The run parked (`status` "waiting" or "sleeping") and its engine was asked not to wait."""
+    """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait."""
 
     def __init__(self, status: str, detail: str) -> None:
         super().__init__(detail)
@@ -217,6 +217,7 @@ class RunKernel:
         self.children: list[asyncio.Future[Any]] = []
         self.next_control = 0.0
         self.cancel_error: RunCancelledError | None = None
+        self.holding: asyncio.Future[None] | None = None
         self.replay_error: PurityError | StaleRunError | None = None
         self.lost: LeaseLostError | None = None
 
@@ -404,7 +405,7 @@ class RunKernel:
         if self.shadow:
             self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
         if time.monotonic() >= self.next_control:
-            self.control()
+            await self.boundary()
         self.check_budget()
         nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
         prior = self.history.fails.get(path)
@@ -534,9 +535,12 @@ class RunKernel:
         self.emit(path, label, "retrying", number, ms, exc)
         await self.nap(wake)
 
-    # ---- control: cancel requests -------------------------------------------------------------
+    # ---- control: cancel, pause and resume requests ---------------------------------------------
     def control(self, force: bool = False) -> None:
-        """Raise `RunCancelledError` once a `$cancel` request is in the inbox (listed at most every 0.5 s unless forced)."""
+        """Act on the inbox's control requests (listed at most every 0.5 s unless forced).
+
+        `$cancel` raises `RunCancelledError`; `$pause` / `$resume` record a pause / resume. While the run is
+        paused the next boundary of every strand comes here, and `boundary` holds it."""
         if self.cancel_error is not None:
             raise self.cancel_error
         now = time.monotonic()
@@ -544,7 +548,13 @@ class RunKernel:
             return
         self.next_control = now + CONTROL_EVERY
         for message in self.storage.inbox(self.run_id):
-            if message.get("name") == "$cancel":
+            name = message.get("name")
+            if name in ("$pause", "$resume"):
+                self.storage.ack(self.run_id, message["id"])
+                if self.history.paused != (name == "$pause"):
+                    self.write({"t": name[1:], "ts": time.time()})
+                    self.sync()
+            elif name == "$cancel":
                 self.storage.ack(self.run_id, message["id"])
                 self.cancel_error = RunCancelledError(
                     f"run {self.run_id} was cancelled", run_id=self.run_id,
@@ -552,11 +562,40 @@ class RunKernel:
                     docs="docs/operations.md#cancel")
                 self.next_control = float("-inf")
                 raise self.cancel_error
+        if self.history.paused:
+            self.next_control = float("-inf")
+
+    async def boundary(self, force: bool = False) -> None:
+        """A durable boundary: act on control requests, and while the run is paused wait here until it resumes."""
+        if not self.history.paused:
+            self.control(force)
+        if self.history.paused and not self.shadow:
+            await self.hold()
+
+    async def hold(self) -> None:
+        """Wait out a pause; every strand shares one pause loop, so the inbox is polled once per `poll` seconds."""
+        if self.holding is None or self.holding.done():
+            self.holding = asyncio.ensure_future(self._hold())
+            self.holding.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(self.holding)
+
+    async def _hold(self) -> None:
+        """The pause loop: returns on `$resume`, raises on `$cancel`, or raises `Parked` when not waiting."""
+        while True:
+            self.control(force=True)
+            if not self.history.paused:
+                return
+            info = self.storage.info(self.run_id)
+            if info is not None and info.last.get("t") != "pause":
+                self.write({"t": "pause", "ts": time.time()})  # keeps `list`, which reads the last record, exact
+            if not self.wait:
+                raise Parked("paused", "paused")
+            await asyncio.sleep(self.poll)
 
     async def nap(self, when: datetime, force: bool = False) -> None:
-        """Wait until `when` on the run's clock, looking for a cancel request every `poll` seconds meanwhile."""
+        """Wait until `when` on the run's clock, acting on control requests every `poll` seconds meanwhile."""
         if force or time.monotonic() >= self.next_control:
-            self.control(force)
+            await self.boundary(force)
         if self.clock.now() >= when:
             await self.clock.sleep_until(when)
             return
@@ -565,7 +604,7 @@ class RunKernel:
             while not sleeper.done():
                 await asyncio.wait((sleeper,), timeout=self.poll)
                 if not sleeper.done():
-                    self.control(force=True)
+                    await self.boundary(force=True)
         finally:
             sleeper.cancel()
         sleeper.result()
@@ -641,7 +680,7 @@ class RunKernel:
         else:
             deadline = from_iso(opened["deadline"]) if opened["deadline"] else None
         while True:
-            self.control(force=True)
+            await self.boundary(force=True)
             signal = self.next_signal(name)
             if signal is not None:
                 self.write({"t": "ok", "p": path, "l": "ctx.wait_for", "v": signal.get("payload"), "a": 1, "ms": 0,
@@ -953,6 +992,8 @@ class RunKernel:
         current_scope.set(Scope("", asyncio.current_task()))
         try:
             try:
+                if self.history.paused and not self.shadow:
+                    await self.hold()
                 result = await self.workflow(ctx, self.input)
             except Complete as done:
                 result = done.value

@@ -62,3 +62,35 @@ def test_a_swallowed_replay_error_still_stops_the_run() -> None:
         asyncio.run(engine.run(wf))
     (state,) = asyncio.run(engine.list())
     assert state.status == "interrupted"
+
+
+def test_on_run_failed_fires_only_for_runs_that_ended_failed() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def hook(event):
+        seen.append((event["run_id"], type(event["error"]).__name__))
+        raise RuntimeError("a broken hook never hides the run's own error")
+
+    def boom():
+        raise ValueError("nope")
+
+    async def failing(ctx):
+        await ctx.step(boom)
+
+    stop = {"on": True}
+
+    async def shaped(ctx):
+        await ctx.step(lambda: 1, name="a" if stop["on"] else "b")
+        if stop["on"]:
+            raise Stop()
+
+    engine = create_engine(MemoryStorage(), on_run_failed=hook)
+    with pytest.raises(ValueError):
+        asyncio.run(engine.run(Workflow(failing, name="failing")))
+    assert [name for _, name in seen] == ["ValueError"]
+    with pytest.raises(Stop):
+        asyncio.run(engine.run(Workflow(shaped, name="shaped")))
+    stop["on"] = False
+    with pytest.raises(PurityError):
+        asyncio.run(engine.run(Workflow(shaped, name="shaped")))
+    assert [name for _, name in seen] == ["ValueError"]
