@@ -54,7 +54,7 @@ Exit codes:
   0    completed / ok
   1    the workflow (or the script) failed
   2    usage or validation error (bad arguments, unknown run)
-  3    the run is parked (waiting or sleeping)
+  3    the run is parked (waiting, sleeping or paused)
   130  interrupted by Ctrl-C
 """
 
@@ -750,6 +750,52 @@ def cancel(
             _err_console().print(Text(f"asked {state.run_id} to stop, but it is still {state.status} after "
                                       f"{timeout}; it stops at its next step boundary", "yellow"))
         if not stopped:
+            raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def pause(
+    run: RunArgument,
+    timeout: Annotated[str, typer.Option("--timeout", metavar="DURATION",
+                                         help="How long to wait for a running process to pause: 30s, 2m.")] = "30s",
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
+    with _guard(debug):
+        state = asyncio.run(engine_for(dir).pause(run, timeout=parse_duration(timeout)))
+        paused = state.status == "paused"
+        if as_json:
+            _print_json({"run_id": state.run_id, "status": state.status, "paused": paused})
+        elif paused:
+            _err_console().print(Text(f"paused {state.run_id}; `durably resume {state.run_id}` continues it",
+                                      "green"))
+        else:
+            _err_console().print(Text(f"asked {state.run_id} to pause, but it is still {state.status} after "
+                                      f"{timeout}; it pauses at its next step boundary", "yellow"))
+        if not paused:
+            raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def resume(
+    run: RunArgument,
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
+    with _guard(debug):
+        state = asyncio.run(engine_for(dir).resume(run))
+        if as_json:
+            _print_json({"run_id": state.run_id, "status": state.status, "resumed": state.status != "paused"})
+        elif state.status in ("interrupted", "failed"):
+            _err_console().print(Text(f"resumed {state.run_id} ({state.status}); `durably retry {state.run_id}` "
+                                      "continues it", "green"))
+        else:
+            _err_console().print(Text(f"resumed {state.run_id} ({state.status})", "green"))
+        if state.status == "paused":
             raise typer.Exit(EXIT_FAILED)
 
 

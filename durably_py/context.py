@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 _EVENT_LOCK = threading.Lock()
+_OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
 
 
 class AttemptContext:
@@ -158,10 +159,20 @@ class WorkflowContext:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
         if (retry is None and timeout is None and compensate is None and concurrency_key is None
                 and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
-            opts = PLAIN
-        else:
-            opts = StepOptions(name or label_of(fn), retry, timeout, compensate, concurrency_key,
-                               concurrency_limit, uses, schema, replay)
+            return self._kernel.step(fn, args, name, PLAIN)
+        label = name or label_of(fn)
+        key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
+        try:
+            opts = _OPTIONS.get(key)
+        except TypeError:
+            key, opts = None, None
+        if opts is None:
+            opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
+                               replay)
+            if key is not None and compensate is None:
+                if len(_OPTIONS) >= 4096:
+                    _OPTIONS.clear()
+                _OPTIONS[key] = opts
         return self._kernel.step(fn, args, name, opts)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:

@@ -66,6 +66,14 @@ def check_checkpoint(value: Any) -> int | None:
     return value
 
 
+def check_wait(timeout: Any, operation: str) -> None:
+    """Validate the `timeout=` of an operation that waits for the process running a run."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+        raise ValidationError(f"timeout= must be a number of seconds >= 0, got {timeout!r}",
+                              hint=f"{operation}(run, timeout=30) waits up to 30 s for the running process.",
+                              docs="docs/operations.md#pause-and-resume")
+
+
 def script_of(workflow: Workflow) -> str | None:
     """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
     script = os.environ.get("DURABLY_SCRIPT")
@@ -146,8 +154,10 @@ class Engine:
             if key is not None and header.get("key") != key:
                 continue
             history = History([header])
-            if info.last.get("t") in ("end", "wait", "wake"):
+            if info.last.get("t") in ("end", "wait", "wake", "pause"):
                 history.add(info.last)
+            elif info.last.get("t") == "resume":
+                history = self._read(info.run_id)[0]
             state = describe(history, held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
@@ -211,9 +221,11 @@ class Engine:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
                                        advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
         except Parked as parked:
+            hint = f"Resume it with `durably resume {run_id}`, then run it again; nothing is lost meanwhile." \
+                if parked.status == "paused" else f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, " \
+                "or run it again after its wake time; nothing is lost meanwhile."
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
-                                 hint=f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, or run it "
-                                      "again after its wake time; nothing is lost meanwhile.") from None
+                                 hint=hint) from None
         finally:
             self.storage.release(lease)
 
@@ -467,11 +479,92 @@ class Engine:
                 await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
         return state
 
-    def _drop_cancel_requests(self, run_id: str) -> None:
-        """Acknowledge `$cancel` requests left in an ended run's inbox, so a later retry is not cancelled by them."""
+    def _drop_cancel_requests(self, run_id: str, names: tuple[str, ...] = ("$cancel", "$pause", "$resume")) -> None:
+        """Acknowledge control requests left in a run's inbox (by an ended run, or ones an operation superseded)."""
         for message in self.storage.inbox(run_id):
-            if message.get("name") == "$cancel":
+            if message.get("name") in names:
                 self.storage.ack(run_id, message["id"])
+
+    def _request(self, run_id: str, name: str) -> None:
+        """Put control request `name` ($cancel, $pause, $resume) in the run's inbox."""
+        self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8), "name": name,
+                                               "payload": None, "at": to_iso(datetime.now(UTC))}))
+
+    async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
+        """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
+        check_wait(timeout, "pause")
+        run_id = self.resolve(run)
+        deadline = time.monotonic() + timeout
+        asked = False
+        while True:
+            history, _ = self._read(run_id)
+            held = self.storage.held(run_id)
+            status = run_status(history, held)
+            if status == "paused":
+                break
+            if status in ("completed", "cancelled"):
+                late = " before the pause request took effect" if asked else ""
+                if asked:
+                    self._drop_cancel_requests(run_id, ("$pause",))
+                raise ValidationError(f"run {run_id} already {status}{late}; there is nothing to pause",
+                                      hint=f"`durably restart {run_id}` runs it again from the start.",
+                                      docs="docs/operations.md#pause-and-resume", run_id=run_id)
+            if held:
+                if not asked:
+                    self._request(run_id, "$pause")
+                    asked = True
+                if time.monotonic() >= deadline:
+                    return await self.inspect(run_id)
+                await asyncio.sleep(JOIN_POLL)
+                continue
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            if lease is None:
+                continue
+            try:
+                if run_status(History(lease.records), False) not in ("paused", "completed", "cancelled"):
+                    self.storage.append(lease, encode_line({"t": "pause", "ts": time.time()}))
+                    self.storage.sync(lease)
+                    self._drop_cancel_requests(run_id, ("$pause", "$resume"))
+            finally:
+                self.storage.release(lease)
+        return await self.inspect(run_id)
+
+    async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
+        """Resume a paused run (by id or key): its waiting process continues it, or the next run()/retry does."""
+        check_wait(timeout, "resume")
+        run_id = self.resolve(run)
+        deadline = time.monotonic() + timeout
+        asked = False
+        while True:
+            history, _ = self._read(run_id)
+            held = self.storage.held(run_id)
+            if run_status(history, held) != "paused":
+                if asked:
+                    break
+                raise ValidationError(f"run {run_id} is {run_status(history, held)}, not paused; there is nothing "
+                                      "to resume", hint=f"`durably pause {run_id}` pauses it; `durably retry "
+                                                        f"{run_id}` continues an interrupted or failed run.",
+                                      docs="docs/operations.md#pause-and-resume", run_id=run_id)
+            if held:
+                if not asked:
+                    self._request(run_id, "$resume")
+                    asked = True
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(JOIN_POLL)
+                continue
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            if lease is None:
+                continue
+            try:
+                if History(lease.records).paused:
+                    self.storage.append(lease, encode_line({"t": "resume", "ts": time.time()}))
+                    self.storage.sync(lease)
+                self._drop_cancel_requests(run_id, ("$pause", "$resume"))
+            finally:
+                self.storage.release(lease)
+            break
+        return await self.inspect(run_id)
 
     async def retry(self, run: str, *, from_step: Selector | None = None,
                     on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
@@ -484,6 +577,10 @@ class Engine:
             raise ValidationError(f"run {run_id} is running in another process",
                                   hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                   docs="docs/operations.md#retry", run_id=run_id)
+        if status == "paused":
+            raise ValidationError(f"run {run_id} is paused; a paused run does not continue until it is resumed",
+                                  hint=f"Resume it first with `durably resume {run_id}`, then retry it.",
+                                  docs="docs/operations.md#pause-and-resume", run_id=run_id)
         if status == "cancelled":
             raise ValidationError(f"run {run_id} was cancelled; a cancelled run is not resumed",
                                   hint=f"Start it over with `durably restart {run_id}`.",

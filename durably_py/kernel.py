@@ -172,6 +172,51 @@ class StepOptions:
 PLAIN = StepOptions("", None, None, None, None, None, None, None, "safe")
 
 
+class Watchdog:
+    """One timer for the timeouts of every running step of a run (cheaper than a timer per step)."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, tuple[float, asyncio.Task[Any], AttemptContext]] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.armed = float("inf")
+        self.ids = iter(range(1 << 62))
+
+    def add(self, timeout: float, task: asyncio.Task[Any] | None, att: AttemptContext) -> int:
+        """Watch the attempt running in `task`; cancel it `timeout` seconds from now unless removed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        watch = next(self.ids)
+        if task is not None:
+            self.running[watch] = (deadline, task, att)
+            if deadline < self.armed:
+                self.arm(loop, deadline)
+        return watch
+
+    def remove(self, watch: int) -> None:
+        self.running.pop(watch, None)
+
+    def arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = loop.call_at(when, self.fire, loop)
+        self.armed = when
+
+    def fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cancel every attempt past its deadline (marking it timed out) and re-arm for the next one."""
+        self.timer, self.armed = None, float("inf")
+        now = loop.time()
+        upcoming = float("inf")
+        for watch, (deadline, task, att) in list(self.running.items()):
+            if deadline <= now:
+                del self.running[watch]
+                att.cancel()
+                task.cancel()
+            else:
+                upcoming = min(upcoming, deadline)
+        if upcoming != float("inf"):
+            self.arm(loop, upcoming)
+
+
 class RunKernel:
     """One live execution of one run: owns its lease and appends its records."""
 
@@ -220,6 +265,7 @@ class RunKernel:
         self.holding: asyncio.Future[None] | None = None
         self.replay_error: PurityError | StaleRunError | None = None
         self.lost: LeaseLostError | None = None
+        self.watchdog = Watchdog()
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: dict[str, Any]) -> None:
@@ -455,14 +501,19 @@ class RunKernel:
                 elif opts.timeout is None:
                     value = await self._invoke(fn, args, is_async)
                 else:
+                    task = asyncio.current_task()
+                    pending = task.cancelling() if task is not None else 0
+                    watch = self.watchdog.add(opts.timeout, task, att)
                     try:
-                        async with asyncio.timeout(opts.timeout):
-                            value = await self._invoke(fn, args, is_async)
-                    except TimeoutError:
-                        att.cancel()
+                        value = await self._invoke(fn, args, is_async)
+                    except asyncio.CancelledError:
+                        if not att.cancelled or task is None or task.uncancel() > pending:
+                            raise
                         raise StepTimeoutError(
                             f"step {label!r} timed out after {opts.timeout:g}s (attempt {number})",
                             path=list(path_tuple(path)), label=label, timeout=opts.timeout) from None
+                    finally:
+                        self.watchdog.remove(watch)
                 outcome = True
                 if self.crash_in_step is not None and self.matches(self.crash_in_step, path, label, nth):
                     self.crash()
@@ -582,6 +633,8 @@ class RunKernel:
     async def _hold(self) -> None:
         """The pause loop: returns on `$resume`, raises on `$cancel`, or raises `Parked` when not waiting."""
         while True:
+            if self.lost is not None:
+                raise self.lost
             self.control(force=True)
             if not self.history.paused:
                 return

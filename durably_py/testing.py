@@ -31,7 +31,7 @@ from .workflow import Workflow, as_workflow
 
 __all__ = ["Crash", "ShadowReplayError", "SyncTestEngine", "TestEngine", "TestRunResult", "TestStep"]
 
-RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping"]
+RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused"]
 StepListener = Callable[[StepEvent], Any]
 
 
