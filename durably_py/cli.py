@@ -687,7 +687,7 @@ def signal(
 
 RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)]
 NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or a "
-                                                               "signal, instead of waiting.")]
+                                                               "signal (or is paused), instead of waiting.")]
 
 
 def parse_step(text: str) -> tuple[int, ...] | str:

@@ -38,6 +38,7 @@ from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_r
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
+RESERVED_WAIT = 2.0
 
 
 def check_budget(budget: Any) -> dict[str, float] | None:
@@ -239,21 +240,8 @@ class Engine:
                 wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
             input_digest = digest(load_value(wire_input))
             identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
-            run_id = None if fresh else self.storage.lookup(identity)
-            info = self.storage.info(run_id) if run_id is not None else None
-            if info is not None:
-                header = info.header
-                if key is not None and header.get("input_digest") != input_digest:
-                    bound = load_value(header.get("input"))
-                    raise KeyConflictError(
-                        f"key {key!r} is bound to run {run_id} with input {bound!r}, not {input!r}",
-                        hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
-                             "to rebind the key.",
-                        run_id=run_id, key=key, bound_input=bound, input=input)
-                if info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
-                    info = None
-            run_id = info.run_id if info is not None else self._create(
-                workflow, wire_input, input_digest, key, identity, budget)
+            run_id = await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget,
+                                                fresh)
         while True:
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
             if lease is not None:
@@ -268,31 +256,60 @@ class Engine:
             if history.end is not None:
                 return None, history, None, torn
 
-    def _create(self, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None, identity: str,
-                budget: dict[str, float] | None, **extra: Any) -> str:
-        run_id = new_run_id(workflow.name)
+    async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
+                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool) -> str:
+        """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
+        waited = 0.0
+        while True:
+            previous = self.storage.lookup(identity)
+            info = self.storage.info(previous) if previous is not None else None
+            if previous is not None and info is None and waited < RESERVED_WAIT:
+                await asyncio.sleep(JOIN_POLL / 5)  # another process bound it and is writing its header now
+                waited += JOIN_POLL / 5
+                continue
+            if info is not None and not fresh:
+                if key is not None and info.header.get("input_digest") != input_digest:
+                    bound = load_value(info.header.get("input"))
+                    raise KeyConflictError(
+                        f"key {key!r} is bound to run {info.run_id} with input {bound!r}, not {input!r}",
+                        hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
+                             "to rebind the key.",
+                        run_id=info.run_id, key=key, bound_input=bound, input=input)
+                if not (info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled")):
+                    return info.run_id
+            run_id = new_run_id(workflow.name)
+            if self.storage.bind(identity, run_id, expect=previous):
+                self._create(run_id, workflow, wire_input, input_digest, key, identity, budget)
+                return run_id
+
+    def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                identity: str, budget: dict[str, float] | None, **extra: Any) -> None:
+        """Write the header of a run whose identity is already bound to `run_id`."""
         header = {"t": "run", "v": LOG_VERSION, "run_id": run_id, "workflow": workflow.name,
                   "fingerprint": workflow.fingerprint, "key": key, "input": wire_input,
                   "input_digest": input_digest, "identity": identity, "budget": budget,
                   "created_at": to_iso(datetime.now(UTC)), "script": script_of(workflow),
                   "module": workflow.fn.__module__, "ts": time.time(), **extra}
         self.storage.create(run_id, encode_line(header))
-        self.storage.bind(identity, run_id)
-        return run_id
 
     # ---- child runs -----------------------------------------------------------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
         identity = f"child:{parent}:{path}"
-        run_id = self.storage.lookup(identity)
-        if run_id is not None:
-            return run_id
+        found = self.storage.lookup(identity)
+        if found is not None and self.storage.info(found) is not None:
+            return found
         schema = workflow.input_schema
         wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
         if schema is not None:
             wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
-        return self._create(workflow, wire, digest(load_value(wire)), None, identity, None,
-                            parent=parent, detached=detached)
+        run_id = new_run_id(workflow.name)
+        if not self.storage.bind(identity, run_id, expect=found):
+            raise LeaseLostError(f"child {identity} of run {parent} was created by another process",
+                                 run_id=parent)
+        self._create(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
+                     parent=parent, detached=detached)
+        return run_id
 
     def start_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any]:
         """Run a child in this process (at most `concurrency` children at once); one task per child and loop."""

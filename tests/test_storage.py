@@ -279,9 +279,9 @@ def test_bind_and_lookup(store: Any) -> None:
     store.create("r2", header("r2"))
     identities = ["nightly", "a/b/c", "../../etc/passwd", "..", "/", "wf\x01" + "x" * 600, "ключ ✓"]
     for identity in identities:
-        store.bind(identity, "r1")
+        assert store.bind(identity, "r1") is True
         assert store.lookup(identity) == "r1"
-    store.bind("a/b/c", "r2")
+    assert store.bind("a/b/c", "r2", expect="r1") is True
     assert store.lookup("a/b/c") == "r2"
     assert store.lookup("a/b") is None
     for bad in ["", "x\x00", None, 3]:
@@ -289,6 +289,15 @@ def test_bind_and_lookup(store: Any) -> None:
             store.bind(bad, "r1")
         with pytest.raises(ValidationError):
             store.lookup(bad)
+
+
+def test_bind_is_a_compare_and_swap(store: Any) -> None:
+    assert store.bind("job", "r1") is True
+    assert store.bind("job", "r2") is False  # expected nothing, but r1 is bound
+    assert store.bind("job", "r2", expect="r3") is False
+    assert store.lookup("job") == "r1"
+    assert store.bind("job", "r2", expect="r1") is True
+    assert store.lookup("job") == "r2"
 
 
 def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
@@ -560,8 +569,9 @@ def test_file_layout(fs: FileStorage) -> None:
     fs.bind("a/../../b", "r1")
     runs = sorted(p.name for p in (fs.dir / "runs").iterdir())
     assert runs == ["r1.jsonl", "r1.lock", "r1.owner"]
-    (index,) = (fs.dir / "index").iterdir()
+    index, lock = sorted((fs.dir / "index").iterdir())
     assert len(index.name) == 64 and index.read_text() == "r1"
+    assert lock.name == index.name + ".lock"
     info = fs.holder_info("r1")
     assert info is not None and info["owner"] == "worker-1" and info["pid"] == os.getpid() and info["epoch"] == 1
     fs.release(lease)

@@ -284,8 +284,9 @@ class Storage(Protocol):
         """Atomically and durably replace the whole log with `data` (compaction); all-or-nothing.
         `data` must be whole records starting with the header; the lease stays valid for appends."""
 
-    def bind(self, identity: str, run_id: str) -> None:
-        """Point an identity (a key, or workflow + canonical input) at a run."""
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point an identity (a key, or workflow + canonical input) at a run, atomically, only if it still
+        points at `expect` (None: at nothing). False when another binding came first (compare-and-swap)."""
 
     def lookup(self, identity: str) -> str | None:
         """The run an identity points at, if any."""

@@ -460,19 +460,38 @@ class FileStorage:
             self.fsyncs += 1
             held.size = held.synced = len(data)
 
-    def bind(self, identity: str, run_id: str) -> None:
-        """Point `identity` at `run_id` durably: index file named by the identity's SHA-256, replaced atomically."""
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not.
+
+        The index file (named by the identity's SHA-256) is replaced atomically under a lock on its own
+        ``.lock`` file, so two processes creating the same run at once agree on one of them."""
         path = self._index_path(identity)
         validate_run_id(run_id)
+        if expect is not None:
+            validate_run_id(expect)
         self.index_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._write_tmp(self.index_dir, "bind", run_id.encode(), durable=True)
+        lock = _OsLock(str(path) + ".lock")
+        deadline = time.monotonic() + 10
+        while not lock.acquire():
+            if time.monotonic() > deadline:
+                raise ValidationError(f"the index entry of {identity!r} stayed locked for 10 s",
+                                      hint="Another process is stuck binding this run; retry, or check the state "
+                                           "dir's disk.")
+            time.sleep(0.001)
         try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.index_dir)
-        self.fsyncs += 1
+            if self.lookup(identity) != expect:
+                return False
+            tmp = self._write_tmp(self.index_dir, "bind", run_id.encode(), durable=True)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(self.index_dir)
+            self.fsyncs += 1
+            return True
+        finally:
+            lock.release()
 
     def lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""

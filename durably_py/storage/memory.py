@@ -185,12 +185,17 @@ class MemoryStorage:
             run.updated = time.time()
             run.order = next(self._order)
 
-    def bind(self, identity: str, run_id: str) -> None:
-        """Point `identity` at `run_id`."""
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
         validate_identity(identity)
         validate_run_id(run_id)
+        if expect is not None:
+            validate_run_id(expect)
         with self._lock:
+            if self._index.get(identity) != expect:
+                return False
             self._index[identity] = run_id
+            return True
 
     def lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""

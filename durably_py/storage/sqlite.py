@@ -267,12 +267,18 @@ class SqliteStorage:
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
         self._synced[(lease.run_id, lease.epoch)] = len(data)
 
-    def bind(self, identity: str, run_id: str) -> None:
-        """Point `identity` at `run_id`."""
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
         validate_identity(identity)
         validate_run_id(run_id)
+        if expect is not None:
+            validate_run_id(expect)
         with self._lock, _transaction(self._db()) as db:
+            row = db.execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
+            if (row[0] if row else None) != expect:
+                return False
             db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)", (identity, run_id))
+            return True
 
     def lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
