@@ -359,7 +359,9 @@ class Engine:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
         if threshold and self.storage.size(lease.run_id) > threshold:
-            self.storage.rewrite(lease, b"".join(encode_line(r) for r in history.compacted()))
+            kept = history.compacted()
+            if len(kept) <= 0.75 * len(lease.records):
+                self.storage.rewrite(lease, b"".join(encode_line(r) for r in kept))
         tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
                                   silent=advisories == "silent",
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])

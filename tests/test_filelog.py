@@ -300,3 +300,23 @@ def test_compaction_keeps_pending_retries_and_stash(state_dir: Path, records: Re
 
 def tail_pad() -> str:
     return "p" * 700
+
+
+def test_a_large_log_with_nothing_superseded_is_not_rewritten(state_dir: Path) -> None:
+    steps = Steps(40)
+    engine = create_engine(FileStorage(state_dir, compact_above_bytes=512))
+
+    def interrupted() -> None:
+        steps.stop_after = 30
+        with pytest.raises(Stop):
+            asyncio.run(engine.run(steps.wf, "big"))
+        steps.stop_after = None
+
+    interrupted()
+    log = the_log(state_dir)
+    before, inode = log.read_bytes(), log.stat().st_ino
+    assert len(before) > 512
+    assert asyncio.run(engine.run(steps.wf, "big")) == [i * i for i in range(40)]
+    assert log.stat().st_ino == inode
+    assert log.read_bytes().startswith(before)
+    assert steps.counts == [1] * 40

@@ -192,6 +192,9 @@ def test_a_pending_pause_survives_compaction(state_dir: Path, records: Callable[
     engine = create_engine(FileStorage(state_dir, compact_above_bytes=600))
     names = [f"n{i}" for i in range(12)]
     run_id = interrupt(engine, pause_chain, names, (5,))
+    for _ in range(3):  # superseded pause/resume cycles give compaction something to drop
+        asyncio.run(engine.pause(run_id))
+        asyncio.run(engine.resume(run_id))
     asyncio.run(engine.pause(run_id))
     with pytest.raises(RunParkedError):
         asyncio.run(engine.run(pause_chain, names, wait=False))
