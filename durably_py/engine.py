@@ -469,27 +469,14 @@ class Engine:
                 break
             if self.storage.held(run_id):
                 if not asked:
-                    self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8),
-                                                           "name": "$cancel", "payload": None,
-                                                           "at": to_iso(datetime.now(UTC))}))
+                    self._request(run_id, "$cancel")
                     asked = True
                 while self.storage.held(run_id):
                     if time.monotonic() >= deadline:
                         return await self.inspect(run_id)
                     await asyncio.sleep(JOIN_POLL)
                 continue
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
-            if lease is None:
-                continue
-            try:
-                end = History(lease.records).end
-                if end is None or end["status"] == "failed":
-                    error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-                    self.storage.append(lease, encode_line({"t": "end", "status": "cancelled",
-                                                            "error": dump_error(error), "ts": time.time()}))
-                    self.storage.sync(lease)
-            finally:
-                self.storage.release(lease)
+            self._amend(run_id, _cancelled_end)
         self._drop_cancel_requests(run_id)
         state = await self.inspect(run_id)
         for child in state.children:
@@ -497,6 +484,20 @@ class Engine:
             if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
                 await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
         return state
+
+    def _amend(self, run_id: str, record: Callable[[History], dict[str, Any] | None]) -> bool:
+        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
+        lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+        if lease is None:
+            return False
+        try:
+            chosen = record(History(lease.records))
+            if chosen is not None:
+                self.storage.append(lease, encode_line(chosen))
+                self.storage.sync(lease)
+            return True
+        finally:
+            self.storage.release(lease)
 
     def _drop_cancel_requests(self, run_id: str, names: tuple[str, ...] = ("$cancel", "$pause", "$resume")) -> None:
         """Acknowledge control requests left in a run's inbox (by an ended run, or ones an operation superseded)."""
@@ -536,16 +537,9 @@ class Engine:
                     return await self.inspect(run_id)
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
-            if lease is None:
-                continue
-            try:
-                if run_status(History(lease.records), False) not in ("paused", "completed", "cancelled"):
-                    self.storage.append(lease, encode_line({"t": "pause", "ts": time.time()}))
-                    self.storage.sync(lease)
-                    self._drop_cancel_requests(run_id, ("$pause", "$resume"))
-            finally:
-                self.storage.release(lease)
+            if self._amend(run_id, lambda h: {"t": "pause", "ts": time.time()}
+                           if run_status(h, False) not in ("paused", "completed", "cancelled") else None):
+                self._drop_cancel_requests(run_id, ("$pause", "$resume"))
         return await self.inspect(run_id)
 
     async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
@@ -572,17 +566,9 @@ class Engine:
                     break
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
-            if lease is None:
-                continue
-            try:
-                if History(lease.records).paused:
-                    self.storage.append(lease, encode_line({"t": "resume", "ts": time.time()}))
-                    self.storage.sync(lease)
+            if self._amend(run_id, lambda h: {"t": "resume", "ts": time.time()} if h.paused else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
-            finally:
-                self.storage.release(lease)
-            break
+                break
         return await self.inspect(run_id)
 
     async def retry(self, run: str, *, from_step: Selector | None = None,
@@ -615,17 +601,11 @@ class Engine:
         if from_step is not None:
             if status == "completed":
                 self._drop_cancel_requests(run_id)
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
-            if lease is None:
+            if not self._amend(run_id, lambda h: {"t": "reset", "paths": self._reset_paths(h, from_step),
+                                                  "ts": time.time()}):
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                       docs="docs/operations.md#retry")
-            try:
-                paths = self._reset_paths(History(lease.records), from_step)
-                self.storage.append(lease, encode_line({"t": "reset", "paths": paths, "ts": time.time()}))
-                self.storage.sync(lease)
-            finally:
-                self.storage.release(lease)
         return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
 
     def _reset_paths(self, history: History, selector: Any) -> list[str]:
@@ -694,6 +674,15 @@ def engine_for(dir: str | os.PathLike[str] | None) -> Engine:
     if engine is None:
         engine = _engines[root] = Engine(FileStorage(root))
     return engine
+
+
+def _cancelled_end(history: History) -> dict[str, Any] | None:
+    """The end record that cancels a run no process holds (None when it already ended otherwise)."""
+    if history.end is not None and history.end["status"] != "failed":
+        return None
+    run_id = history.header["run_id"]
+    error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
+    return {"t": "end", "status": "cancelled", "error": dump_error(error), "ts": time.time()}
 
 
 class DefaultEngine:
