@@ -460,7 +460,7 @@ class RunKernel:
             await self.nap(from_iso(prior["next"]))
         if opts.unsafe:
             started = self.history.starts.get(path)
-            if started is not None:
+            if started is not None and (prior is None or started.get("a", 1) > prior["a"]):
                 error = StepInterruptedError(
                     f"step {label!r} at path {path_tuple(path)} started in an earlier process and never finished",
                     path=list(path_tuple(path)), label=label, operation_id=f"{self.run_id}/{path}")
