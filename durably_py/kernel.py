@@ -868,12 +868,13 @@ class RunKernel:
         return self.recorded("ctx.uuid", lambda: str(uuidlib.uuid4()))
 
     def replaying(self) -> bool:
-        """True while the calling strand is still before the end of its recorded steps."""
+        """True while the calling strand is before the end of its recorded steps (or a wait or sleep it parked on)."""
         try:
             scope = current_scope.get()
         except LookupError:
             return False
-        return f"{scope.prefix}{scope.n}" in self.done
+        path = f"{scope.prefix}{scope.n}"
+        return path in self.done or path in self.history.waits or path in self.history.wakes
 
     def charge(self, amounts: dict[str, float]) -> None:
         """Record spend; inside a step it is always new spend, in the workflow body it replays once."""

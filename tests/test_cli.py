@@ -338,3 +338,19 @@ def test_run_no_wait_exits_3_when_parked(tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr
     assert "waiting" in done.stderr
+
+
+def test_approval_example_parks_takes_a_signal_and_finishes(tmp_path: Path) -> None:
+    args = ["run", str(EXAMPLES / "approval.py"), "--workflow", "expense", "--input", '{"amount": 420}',
+            "--key", "exp-1"]
+    parked = durably(tmp_path, *args, "--no-wait")
+    assert parked.returncode == 3, parked.stderr
+    assert "waiting for the signal 'approval'" in parked.stdout
+    sent = durably(tmp_path, "signal", "exp-1", "approval", '{"ok": true, "by": "ana"}')
+    assert sent.returncode == 0, sent.stderr
+    done = durably(tmp_path, *args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == "paid 420.00, approved by ana"
+    assert "waiting for the signal" not in done.stdout  # ctx.log stays quiet while a parked run resumes
+    rows = {r["workflow"]: r["status"] for r in json.loads(durably(tmp_path, "list", "--json").stdout)}
+    assert rows == {"expense": "completed", "check_line": "completed"}
