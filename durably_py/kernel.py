@@ -225,6 +225,9 @@ class RunKernel:
                  on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
                  crash_after: Selector | None = None, crash_in_step: Selector | None = None,
                  wait: bool = True, poll: float = 0.2) -> None:
+        from .context import AttemptContext
+
+        self.attempt_cls = AttemptContext
         self.engine = engine
         self.wait = wait
         self.poll = poll
@@ -395,15 +398,18 @@ class RunKernel:
             raise ValidationError(f"ctx.step needs a callable, got {fn!r}",
                                   hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
                                   docs="docs/authoring.md#steps")
-        scope = self.scope()
-        path = scope.alloc()
+        scope = current_scope.get(None)
+        if scope is None or (scope.owner is not None and scope.owner is not asyncio.current_task()):
+            scope = self.scope()
+        path = f"{scope.prefix}{scope.n}"
+        scope.n += 1
         label = name or label_of(fn)
         if not scope.pending:
             count = scope.labels[label] = scope.labels.get(label, 0) + 1
             if count == 100 or count == 1000:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
-        if rec is not None:
+        if rec is not None and rec["l"] != label:
             self.check_label(path, rec, label)
         scope.pending += 1
         if rec is not None:
@@ -446,8 +452,6 @@ class RunKernel:
 
     async def _execute(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                        opts: StepOptions) -> Any:
-        from .context import AttemptContext
-
         if self.shadow:
             self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
         if time.monotonic() >= self.next_control:
@@ -468,17 +472,17 @@ class RunKernel:
                             "ts": time.time()})
                 self.emit(path, label, "failed", number, error=error)
                 raise error
-        return await self._attempts(path, label, fn, args, opts, number, nth, AttemptContext)
+        return await self._attempts(path, label, fn, args, opts, number, nth)
 
     async def _attempts(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                        opts: StepOptions, number: int, nth: int, attempt_cls: type[AttemptContext]) -> Any:
+                        opts: StepOptions, number: int, nth: int) -> Any:
         is_async = _is_async(fn)
         while True:
             if opts.unsafe:
                 self.write({"t": "start", "p": path, "l": label, "a": number, "ts": time.time()})
                 self.sync()
             stash = self.history.stashes.get(path)
-            att = attempt_cls(self, path, number, load_value(stash["v"]) if stash else None)
+            att = self.attempt_cls(self, path, number, load_value(stash["v"]) if stash else None)
             token = current_attempt.set(att)
             self.executions[path] = self.executions.get(path, 0) + 1
             if self.on_step is not None:
@@ -547,7 +551,8 @@ class RunKernel:
                 self.emit(path, label, "ok", number, ms)
             if ms >= 60_000 and opts.timeout is None:
                 self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
-            self.storm.record(failed=False, retry=number > 1)
+            if self.storm.retries or number > 1:
+                self.storm.record(failed=False, retry=number > 1)
             if self.crash_after is not None and self.matches(self.crash_after, path, label, nth):
                 self.crash()
             return value
