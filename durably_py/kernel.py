@@ -509,7 +509,12 @@ class RunKernel:
                     pending = task.cancelling() if task is not None else 0
                     watch = self.watchdog.add(opts.timeout, task, att)
                     try:
-                        value = await self._invoke(fn, args, is_async)
+                        if is_async:
+                            value = fn(*args)
+                            if type(value) is CoroutineType or inspect.isawaitable(value):
+                                value = await value
+                        else:
+                            value = await self._invoke(fn, args, is_async)
                     except asyncio.CancelledError:
                         if not att.cancelled or task is None or task.uncancel() > pending:
                             raise

@@ -9,6 +9,8 @@ from typing import Literal
 from .errors import ValidationError
 
 Backoff = Literal["exponential", "linear", "none"]
+_BACKOFFS = ("exponential", "linear", "none")
+_NUMBERS = (int, float)
 
 
 def _number(value: object, name: str, *, minimum: float = 0.0, allow_none: bool = False) -> None:
@@ -33,6 +35,9 @@ class Retry:
     jitter: bool = False
 
     def __post_init__(self) -> None:
+        if (type(self.attempts) is int and self.attempts >= 1 and self.backoff in _BACKOFFS
+                and type(self.base) in _NUMBERS and type(self.max) in _NUMBERS and 0 <= self.base <= self.max):
+            return
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValidationError(
                 f"Retry(attempts={self.attempts!r}): attempts must be an int >= 1 (it counts the first try)",
