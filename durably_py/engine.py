@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import importlib
 import inspect as pyinspect
 import os
@@ -145,7 +146,7 @@ class Engine:
         return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
 
     async def list(self, *, status: str | None = None, workflow: str | None = None, key: str | None = None,
-                   limit: int | None = None) -> list[RunState]:
+                   limit: int | None = None) -> builtins.list[RunState]:
         """Runs newest first, filtered by status, workflow name or key."""
         out = []
         for info in self.storage.list_runs():
@@ -608,7 +609,7 @@ class Engine:
                                       docs="docs/operations.md#retry")
         return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
 
-    def _reset_paths(self, history: History, selector: Any) -> list[str]:
+    def _reset_paths(self, history: History, selector: Any) -> builtins.list[str]:
         """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""
         if isinstance(selector, list):
             selector = tuple(selector)

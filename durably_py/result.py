@@ -38,7 +38,7 @@ def partition(results: Iterable[Ok[T] | Err]) -> tuple[list[T], list[BaseExcepti
     values: list[Any] = []
     errors: list[BaseException] = []
     for result in results:
-        if result.ok:
+        if isinstance(result, Ok):
             values.append(result.value)
         else:
             errors.append(result.error)
