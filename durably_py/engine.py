@@ -6,6 +6,7 @@ import asyncio
 import builtins
 import importlib
 import inspect as pyinspect
+import itertools
 import os
 import re
 import secrets
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,7 +35,7 @@ from .errors import (
 )
 from .events import StepEvent
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
-from .kernel import Parked, RunKernel, Selector
+from .kernel import Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_run_id
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
@@ -94,6 +96,20 @@ def new_run_id(workflow: str) -> str:
     return f"{slug}-{datetime.now(UTC):%Y%m%d}-{secrets.token_hex(4)}"
 
 
+@dataclass
+class _Queued:
+    """One enqueued run waiting for a worker."""
+
+    at: float
+    rank: int
+    seq: int
+    run_id: str
+    workflow: Workflow
+    budget: dict[str, float] | None
+    checkpoint_every: int | None
+    done: asyncio.Future[Any]
+
+
 class Engine:
     """Runs workflows against one storage; operates its runs by id or key."""
 
@@ -116,6 +132,11 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._children: dict[str, asyncio.Future[Any]] = {}
+        self._waiting: builtins.list[_Queued] = []
+        self._workers: set[asyncio.Task[None]] = set()
+        self._queued: dict[str, asyncio.Future[Any]] = {}
+        self._wake = asyncio.Event()
+        self._order = itertools.count()
 
     # ---- finding runs -------------------------------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -235,14 +256,7 @@ class Engine:
                        budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
         """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease."""
         if run_id is None:
-            schema = workflow.input_schema
-            wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
-            if schema is not None:
-                wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
-            input_digest = digest(load_value(wire_input))
-            identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
-            run_id = await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget,
-                                                fresh)
+            run_id = await self._identify(workflow, input, key, fresh, budget)
         while True:
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
             if lease is not None:
@@ -256,6 +270,110 @@ class Engine:
             history, torn = self._read(run_id)
             if history.end is not None:
                 return None, history, None, torn
+
+    async def _identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
+                        budget: dict[str, float] | None) -> str:
+        """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
+        schema = workflow.input_schema
+        wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
+        if schema is not None:
+            wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
+        input_digest = digest(load_value(wire_input))
+        identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
+        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh)
+
+    # ---- the background queue -----------------------------------------------------------------
+    async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
+                      delay: float = 0.0, budget: dict[str, float] | None = None,
+                      checkpoint_every: int | None = None) -> RunHandle:
+        """Create (or find) the run now and run it in the background of this process: highest `priority`
+        first, not before `delay` seconds, at most `concurrency` queued runs at once. `join` or `drain` waits."""
+        workflow = as_workflow(wf)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValidationError(f"priority= must be an int, got {priority!r}", hint="Higher runs first: priority=10.",
+                                  docs="docs/running.md#the-queue")
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
+            raise ValidationError(f"delay= must be seconds >= 0, got {delay!r}", hint="delay=60 starts it a minute "
+                                  "from now.", docs="docs/running.md#the-queue")
+        budget = check_budget(budget) if budget is not None else self.budget
+        checkpoint_every = check_checkpoint(checkpoint_every)
+        if key is not None:
+            validate_key(key)
+        run_id = await self._identify(workflow, input, key, False, budget)
+        loop = self._bind_loop()
+        done = self._queued.get(run_id)
+        if done is None or done.done():
+            done = self._queued[run_id] = loop.create_future()
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._waiting.append(_Queued(loop.time() + delay, -priority, next(self._order), run_id, workflow,
+                                         budget, checkpoint_every, done))
+            self._wake.set()
+            while len(self._workers) < self.concurrency:
+                worker = loop.create_task(self._work())
+                self._workers.add(worker)
+                worker.add_done_callback(self._workers.discard)
+        return RunHandle(run_id, workflow)
+
+    async def join(self, handle: RunHandle) -> Any:
+        """Wait for an enqueued run to end; return its value or raise its error."""
+        done = self._queued.get(handle.run_id)
+        if done is None:
+            return await self.join_child(handle.run_id, handle.workflow)
+        return await asyncio.shield(done)
+
+    async def drain(self) -> None:
+        """Wait until every enqueued run has ended (their errors stay with their runs and `join`)."""
+        while self._waiting or any(not f.done() for f in self._queued.values()):
+            await asyncio.gather(*[f for f in self._queued.values() if not f.done()], return_exceptions=True)
+            await asyncio.sleep(0)
+
+    async def stop(self) -> list[str]:
+        """Stop the queue: runs not started stay created and resumable; running ones are interrupted (their
+        completed steps are kept). Returns the ids of the runs that did not finish."""
+        stopped = [item.run_id for item in self._waiting]
+        self._waiting.clear()
+        for worker in list(self._workers):
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        for run_id, done in self._queued.items():
+            if not done.done():
+                done.cancel()
+                if run_id not in stopped:
+                    stopped.append(run_id)
+        return stopped
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        """Queue and child-run state belong to one event loop; a new loop starts them afresh."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._slots, self._children = loop, asyncio.Semaphore(self.concurrency), {}
+            self._waiting, self._workers, self._queued, self._wake = [], set(), {}, asyncio.Event()
+        return loop
+
+    async def _work(self) -> None:
+        """A queue worker: run the best eligible run (priority, then order), sleeping until one is due."""
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            now = loop.time()
+            ready = [item for item in self._waiting if item.at <= now]
+            if not ready:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), min(item.at for item in self._waiting) - now)
+                except TimeoutError:
+                    pass
+                continue
+            item = min(ready, key=lambda q: (q.rank, q.seq))
+            self._waiting.remove(item)
+            try:
+                value = await self.run(item.workflow, run_id=item.run_id, budget=item.budget,
+                                       checkpoint_every=item.checkpoint_every)
+            except Exception as exc:  # noqa: BLE001 - the run's error belongs to whoever joins it
+                if not item.done.done():
+                    item.done.set_exception(exc)
+            else:
+                if not item.done.done():
+                    item.done.set_result(value)
 
     async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
                               key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool) -> str:
@@ -314,9 +432,7 @@ class Engine:
 
     def start_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any]:
         """Run a child in this process (at most `concurrency` children at once); one task per child and loop."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, self._slots, self._children = loop, asyncio.Semaphore(self.concurrency), {}
+        loop = self._bind_loop()
         task = self._children.get(run_id)
         if task is None:
             task = self._children[run_id] = loop.create_task(self._run_child(run_id, workflow))
