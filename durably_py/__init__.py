@@ -8,6 +8,7 @@ from .errors import (
     BudgetExceededError,
     CircuitOpenError,
     CorruptLogError,
+    DependencyFailedError,
     DurablyError,
     KeyConflictError,
     LeaseLostError,
@@ -26,6 +27,7 @@ from .errors import (
     WorkflowFailedError,
 )
 from .events import StepEvent
+from .graphs import GraphState, NodeState, Task
 from .history import RunState, StepState
 from .kernel import RunHandle
 from .policies import Retry
@@ -38,7 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
-    "CorruptLogError", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
+    "CorruptLogError", "DependencyFailedError", "GraphState", "NodeState", "Task", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
     "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunHandle", "RunNotFoundError", "RunParkedError",
     "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
     "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "WaitTimeoutError", "Workflow",

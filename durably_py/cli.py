@@ -665,6 +665,33 @@ def inspect(
 
 
 @app.command()
+def graph(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    dir: DirOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Show the task graphs of a run: each node's child run, status, and why it waits."""
+    with _guard(debug):
+        states = asyncio.run(engine_for(dir).graph(run))
+        if as_json:
+            _print_json([s.to_dict() for s in states])
+            return
+        if not states:
+            _err_console().print(Text(f"{run} has no task graph (ctx.graph)", "yellow"))
+            return
+        for state in states:
+            table = Table(title=Text.assemble(f"graph at {_path(state.path)}  ", _status(state.status)),
+                          title_justify="left")
+            for column in ("task", "workflow", "status", "waits for", "depends on", "run id"):
+                table.add_column(column)
+            for node in state.nodes:
+                table.add_row(node.id, node.workflow, _status(node.status), node.wait or "",
+                              ", ".join(node.depends_on), node.run_id or "")
+            _out_console().print(table)
+
+
+@app.command()
 def signal(
     run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
     name: Annotated[str, typer.Argument(metavar="NAME", help="The signal the workflow waits for.",

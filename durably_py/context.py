@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -15,6 +15,7 @@ from .policies import check_timeout
 from .result import Err, Ok
 
 if TYPE_CHECKING:
+    from .graphs import Task
     from .kernel import RunKernel
 
 
@@ -199,6 +200,11 @@ class WorkflowContext:
     def join_all(self, handles: Iterable[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Wait for every child run; one `Ok`/`Err` per handle, in order."""
         return self._kernel.join_all(list(handles))
+
+    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
+        """Run a DAG of child runs (`{id: Task(wf, input, depends_on=[...])}`), validated before any work starts;
+        one `Ok`/`Err` per task id. A task whose prerequisite failed gets `Err(DependencyFailedError)`."""
+        return self._kernel.graph(tasks)
 
     def sleep(self, seconds: float) -> Awaitable[None]:
         """Wait `seconds` durably: the wake time is recorded, so a resumed run waits only what is left."""

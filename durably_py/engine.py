@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from . import graphs
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
 from .codec import digest, dump_error, dump_value, encode_line, load_error, load_value, to_iso
@@ -34,10 +35,11 @@ from .errors import (
     WorkflowFailedError,
 )
 from .events import StepEvent
+from .graphs import GraphState
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
 from .kernel import Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
-from .storage import LOG_VERSION, FileStorage, Storage, validate_key, validate_run_id
+from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
@@ -176,12 +178,7 @@ class Engine:
                 continue
             if key is not None and header.get("key") != key:
                 continue
-            history = History([header])
-            if info.last.get("t") in ("end", "wait", "wake", "pause"):
-                history.add(info.last)
-            elif info.last.get("t") == "resume":
-                history = self._read(info.run_id)[0]
-            state = describe(history, held=info.held, steps=False)
+            state = describe(self._brief(info), held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
             if status is not None and state.status != status:
@@ -190,6 +187,34 @@ class Engine:
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    async def graph(self, run: str) -> builtins.list[GraphState]:
+        """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""
+        run_id = self.resolve(run)
+        history, _ = self._read(run_id)
+        live = self.storage.held(run_id)
+        states = []
+        for prefix, record in history.graphs.items():
+            children: dict[str, str | None] = {}
+            for i, task_id in enumerate(record["tasks"]):
+                spawn = history.done.get(f"{prefix}.{i}.0")
+                children[task_id] = spawn["v"]["run_id"] if spawn is not None and spawn["t"] == "ok" else None
+            states.append(graphs.describe(run_id, path_tuple(prefix), record, children, self._status, live))
+        return states
+
+    def _status(self, run_id: str) -> str:
+        """A run's status as `list` tells it."""
+        info = self.storage.info(run_id)
+        return "pending" if info is None else run_status(self._brief(info), info.held)
+
+    def _brief(self, info: RunInfo) -> History:
+        """Enough history for a run's status: its header and last record (the whole log after a resume)."""
+        if info.last.get("t") == "resume":
+            return self._read(info.run_id)[0]
+        history = History([info.header])
+        if info.last.get("t") in ("end", "wait", "wake", "pause"):
+            history.add(info.last)
+        return history
 
     async def signal(self, run: str, name: str, payload: Any = None) -> None:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.

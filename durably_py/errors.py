@@ -154,6 +154,13 @@ class WorkflowFailedError(DurablyError):
     anchor = "workflowfailederror"
 
 
+class DependencyFailedError(DurablyError):
+    """A graph task did not run because one of its prerequisites failed, was cancelled or was blocked."""
+
+    default_hint = "Fix the failed prerequisite; resuming the run re-runs it and then the tasks that wait for it."
+    anchor = "dependencyfailederror"
+
+
 class LoopLimitError(DurablyError):
     """A `ctx.loop` ran `max_iterations` times without its reducer returning `it.done(value)`."""
 

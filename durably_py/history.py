@@ -8,7 +8,8 @@ label, ``v`` value or ``e`` error, ``a`` attempt, ``ms``, ``ts``) · ``fail`` an
 failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
 ``stash`` partial progress · ``wake`` a durable sleep's wake time (``at``) ·
 ``wait`` a wait for signal ``name`` (``deadline``); the ``ok`` that ends it names the signal
-(``sig``) · ``snap`` a ``ctx.loop`` snapshot (state ``s``
+(``sig``) · ``graph`` a ``ctx.graph`` definition (``tasks``) ·
+``snap`` a ``ctx.loop`` snapshot (state ``s``
 after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
 ``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
 ``reset`` `retry --from-step` invalidated the steps at ``paths`` ·
@@ -38,6 +39,7 @@ class History:
         self.stashes: dict[str, dict[str, Any]] = {}
         self.comps: dict[str, dict[str, Any]] = {}
         self.snaps: dict[str, dict[str, Any]] = {}
+        self.graphs: dict[str, dict[str, Any]] = {}
         self.wakes: dict[str, dict[str, Any]] = {}
         self.waits: dict[str, dict[str, Any]] = {}
         self.signals: set[str] = set()
@@ -86,6 +88,8 @@ class History:
             self.waits[rec["p"]] = rec
         elif t == "wake":
             self.wakes[rec["p"]] = rec
+        elif t == "graph":
+            self.graphs[rec["p"]] = rec
         elif t == "snap":
             self.snaps[rec["p"]] = rec
         elif t == "code":
@@ -166,6 +170,7 @@ class History:
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
             out.extend(r for p, r in table.items() if p not in self.done)
+        out.extend(self.graphs.values())
         out.extend(self.charges.values())
         out.extend(self.comps.values())
         out.extend({"t": "adv", "a": a} for a in self.advisories.values())

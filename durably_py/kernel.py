@@ -15,18 +15,20 @@ import sys
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
+from . import graphs
 from .advisories import AdvisoryTracker, RetryStormWindow, level_for
 from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from .errors import (
     BudgetExceededError,
+    DependencyFailedError,
     LeaseLostError,
     LoopLimitError,
     PurityError,
@@ -47,6 +49,7 @@ from .workflow import Workflow, as_workflow
 
 if TYPE_CHECKING:
     from .context import AttemptContext, WorkflowContext
+    from .graphs import Task
     from .storage.base import Lease, Storage
 
 CO_COROUTINE = inspect.CO_COROUTINE
@@ -851,6 +854,56 @@ class RunKernel:
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order."""
         return self.parallel([lambda h=h: self.join(h) for h in handles], None)
+
+    # ---- task graphs --------------------------------------------------------------------------
+    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
+        """Validate a DAG of child runs now (before any work) and allocate its path; each task runs as
+        soon as its prerequisites completed."""
+        nodes = graphs.validate(tasks)
+        prefix = self.scope().alloc()
+        return self._graph(prefix, nodes)
+
+    async def _graph(self, prefix: str, nodes: list[graphs.Node]) -> dict[str, Ok[Any] | Err]:
+        shape = {n.id: {"workflow": n.workflow.name, "depends_on": list(n.depends_on)} for n in nodes}
+        recorded = self.history.graphs.get(prefix)
+        if recorded is None:
+            if self.shadow:
+                self.diverge(f"ctx.graph at path {path_tuple(prefix)} ran again: the recorded run has no graph there")
+            self.write({"t": "graph", "p": prefix, "tasks": shape, "ts": time.time()})
+        elif recorded["tasks"] != shape:
+            changed = StaleRunError if self.code_changed else PurityError
+            raise self.replay_failed(changed(
+                f"ctx.graph at path {path_tuple(prefix)} was recorded with tasks {recorded['tasks']!r}, "
+                f"now {shape!r}", hint="Keep a started graph's tasks unchanged, or start over with fresh=True.",
+                docs=graphs.DOCS, path=path_tuple(prefix)))
+        loop = asyncio.get_running_loop()
+        outcomes: dict[str, asyncio.Future[Any]] = {n.id: loop.create_future() for n in nodes}
+
+        async def node(n: graphs.Node) -> Any:
+            try:
+                deps = {}
+                for dep in n.depends_on:
+                    try:
+                        deps[dep] = await asyncio.shield(outcomes[dep])
+                    except Exception as exc:
+                        raise DependencyFailedError(
+                            f"graph task {n.id!r} did not run: its prerequisite {dep!r} failed "
+                            f"({type(exc).__name__}: {exc})", task=n.id, dependency=dep) from None
+                value = await self.join(await self.spawn(n.workflow, n.make_input(deps), False))
+            except BaseException as exc:
+                if not outcomes[n.id].done():
+                    outcomes[n.id].set_exception(exc)
+                raise
+            outcomes[n.id].set_result(value)
+            return value
+
+        try:
+            results = await self._parallel(prefix, [lambda n=n: node(n) for n in nodes], None)
+        finally:
+            for outcome in outcomes.values():
+                if outcome.done() and not outcome.cancelled():
+                    outcome.exception()
+        return {n.id: result for n, result in zip(nodes, results, strict=True)}
 
     # ---- recorded values and the rest of the context --------------------------------------------
     def recorded(self, label: str, make: Callable[[], Any]) -> Any:
