@@ -756,6 +756,17 @@ def _operate(dir: str | None, as_json: bool, debug: bool,
     raise typer.Exit(code)
 
 
+def _settled(state: RunState, target: str, as_json: bool, done: str, pending: str) -> None:
+    """Report whether an operation brought the run to `target`; exit 1 when it did not (yet)."""
+    reached = state.status == target
+    if as_json:
+        _print_json({"run_id": state.run_id, "status": state.status, target: reached})
+    else:
+        _err_console().print(Text(done, "green") if reached else Text(pending, "yellow"))
+    if not reached:
+        raise typer.Exit(EXIT_FAILED)
+
+
 @app.command()
 def cancel(
     run: RunArgument,
@@ -768,16 +779,9 @@ def cancel(
     """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
     with _guard(debug):
         state = asyncio.run(engine_for(dir).cancel(run, timeout=parse_duration(timeout)))
-        stopped = state.status == "cancelled"
-        if as_json:
-            _print_json({"run_id": state.run_id, "status": state.status, "cancelled": stopped})
-        elif stopped:
-            _err_console().print(Text(f"cancelled {state.run_id}", "green"))
-        else:
-            _err_console().print(Text(f"asked {state.run_id} to stop, but it is still {state.status} after "
-                                      f"{timeout}; it stops at its next step boundary", "yellow"))
-        if not stopped:
-            raise typer.Exit(EXIT_FAILED)
+        _settled(state, "cancelled", as_json, f"cancelled {state.run_id}",
+                 f"asked {state.run_id} to stop, but it is still {state.status} after {timeout}; "
+                 "it stops at its next step boundary")
 
 
 @app.command()
@@ -792,17 +796,9 @@ def pause(
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
     with _guard(debug):
         state = asyncio.run(engine_for(dir).pause(run, timeout=parse_duration(timeout)))
-        paused = state.status == "paused"
-        if as_json:
-            _print_json({"run_id": state.run_id, "status": state.status, "paused": paused})
-        elif paused:
-            _err_console().print(Text(f"paused {state.run_id}; `durably resume {state.run_id}` continues it",
-                                      "green"))
-        else:
-            _err_console().print(Text(f"asked {state.run_id} to pause, but it is still {state.status} after "
-                                      f"{timeout}; it pauses at its next step boundary", "yellow"))
-        if not paused:
-            raise typer.Exit(EXIT_FAILED)
+        _settled(state, "paused", as_json, f"paused {state.run_id}; `durably resume {state.run_id}` continues it",
+                 f"asked {state.run_id} to pause, but it is still {state.status} after {timeout}; "
+                 "it pauses at its next step boundary")
 
 
 @app.command()
