@@ -621,10 +621,8 @@ class Engine:
             self._amend(run_id, _cancelled_end)
         self._drop_cancel_requests(run_id)
         state = await self.inspect(run_id)
-        for child in state.children:
-            info = self.storage.info(child)
-            if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
-                await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
+        for child in self._attached(state):
+            await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
         return state
 
     def _amend(self, run_id: str, record: Callable[[History], dict[str, Any] | None]) -> bool:
@@ -682,7 +680,11 @@ class Engine:
             if self._amend(run_id, lambda h: {"t": "pause", "ts": time.time()}
                            if run_status(h, False) not in ("paused", "completed", "cancelled") else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
-        return await self.inspect(run_id)
+        state = await self.inspect(run_id)
+        for child in self._attached(state):
+            if self._status(child) != "paused":
+                await self.pause(child, timeout=max(deadline - time.monotonic(), 0))
+        return state
 
     async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Resume a paused run (by id or key): its waiting process continues it, or the next run()/retry does."""
@@ -711,7 +713,20 @@ class Engine:
             if self._amend(run_id, lambda h: {"t": "resume", "ts": time.time()} if h.paused else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
                 break
-        return await self.inspect(run_id)
+        state = await self.inspect(run_id)
+        for child in self._attached(state):
+            if self._status(child) == "paused":
+                await self.resume(child, timeout=max(deadline - time.monotonic(), 0))
+        return state
+
+    def _attached(self, state: RunState) -> builtins.list[str]:
+        """The run's attached (not detached) child runs that have not ended."""
+        out = []
+        for child in state.children:
+            info = self.storage.info(child)
+            if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
+                out.append(child)
+        return out
 
     async def retry(self, run: str, *, from_step: Selector | None = None,
                     on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,

@@ -279,3 +279,39 @@ def test_cancelling_a_parent_cancels_its_attached_children_only(tmp_path) -> Non
     after = {r.input: r.status for r in asyncio.run(engine.list()) if r.workflow.endswith("waiting_child")}
     assert after["attached"] == "cancelled"
     assert after["free"] != "cancelled"
+
+
+def test_pausing_a_parent_pauses_its_attached_children_and_resume_resumes_them(tmp_path) -> None:
+    class Stop(BaseException):
+        pass
+
+    @workflow
+    async def sleepy_child(ctx, name):
+        await ctx.step(work, name, name="work")
+        return await ctx.wait_for(f"go-{name}", timeout=3600)
+
+    @workflow
+    async def household(ctx):
+        await ctx.spawn(sleepy_child, "kept")
+        await ctx.spawn(sleepy_child, "loose", detached=True)
+        raise Stop()
+
+    engine = create_engine(FileStorage(tmp_path))
+
+    async def start():
+        try:
+            await engine.run(household)
+        except Stop:
+            pass
+
+    asyncio.run(start())
+
+    def statuses():
+        return {r.input: r.status for r in asyncio.run(engine.list()) if r.workflow.endswith("sleepy_child")}
+
+    parent_id = next(r.run_id for r in asyncio.run(engine.list()) if r.workflow.endswith("household"))
+    before = statuses()
+    assert asyncio.run(engine.pause(parent_id)).status == "paused"
+    assert statuses() == {"kept": "paused", "loose": before["loose"]}
+    assert asyncio.run(engine.resume(parent_id)).status != "paused"
+    assert statuses()["kept"] != "paused"
