@@ -38,6 +38,15 @@ from .workflow import Workflow, workflow
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """`PostgresStorage` is imported on first use, so durably_py never needs psycopg unless it is used."""
+    if name == "PostgresStorage":
+        from .storage.postgres import PostgresStorage
+
+        return PostgresStorage
+    raise AttributeError(f"module 'durably_py' has no attribute {name!r}")
+
 __all__ = [
     "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
     "CorruptLogError", "DependencyFailedError", "GraphState", "NodeState", "Task", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",

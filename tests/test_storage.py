@@ -28,7 +28,7 @@ from durably_py.storage import (
 )
 
 LONG = 3600.0
-BAD_IDS: list[Any] = ["../x", "a/b", "x\x00", "", ".", "..", "a" * 200, 7, None, b"abc", "a..b", "-x"]
+BAD_IDS: list[Any] = ["../x", "a/b", "x\x00", "r1\n", "", ".", "..", "a" * 200, 7, None, b"abc", "a..b", "-x"]
 
 
 def header(run_id: str, **extra: Any) -> bytes:
@@ -42,18 +42,21 @@ def line(**record: Any) -> bytes:
     return msgspec.json.encode(record) + b"\n"
 
 
-def make(kind: str, tmp_path: Path) -> Any:
-    """A fresh adapter of `kind` rooted in `tmp_path`."""
+def make(kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None) -> Any:
+    """A fresh adapter of `kind` rooted in `tmp_path` (postgres: on the test's schema of the session's server)."""
     if kind == "file":
         return FileStorage(tmp_path / "state")
     if kind == "memory":
         return MemoryStorage()
+    if kind == "postgres":
+        assert request is not None
+        return request.getfixturevalue("postgres_storage")()
     return SqliteStorage(tmp_path / "state" / "durably.db")
 
 
-@pytest.fixture(params=["file", "memory", "sqlite"])
+@pytest.fixture(params=["file", "memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    adapter = make(request.param, tmp_path)
+    adapter = make(request.param, tmp_path, request)
     yield adapter
     adapter.close()
 
@@ -378,9 +381,9 @@ def test_threads_append_through_one_lease(store: Any) -> None:
         assert [r["i"] for r in records if r.get("n") == n] == list(range(100))
 
 
-@pytest.mark.parametrize("kind", ["memory", "sqlite"])
-def test_time_based_leases_expire(kind: str, tmp_path: Path) -> None:
-    store = make(kind, tmp_path)
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])
+def test_time_based_leases_expire(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = make(kind, tmp_path, request)
     store.create("r1", header("r1"))
     old = store.claim("r1", "me", 0.05)
     assert store.held("r1") is True
@@ -518,9 +521,9 @@ def test_signals_need_no_lease_and_leave_it_alone(store: Any) -> None:
     assert ids(store) == ["b", "c"]
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite"])
-def test_signals_are_shared_between_instances(kind: str, tmp_path: Path) -> None:
-    owner, sender = make(kind, tmp_path), make(kind, tmp_path)
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+def test_signals_are_shared_between_instances(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    owner, sender = make(kind, tmp_path, request), make(kind, tmp_path, request)
     lease = started(owner)
     sender.send("r1", sig("a", payload=1))
     assert owner.inbox("r1") == [{"id": "a", "payload": 1}]

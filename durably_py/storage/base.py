@@ -22,7 +22,7 @@ import msgspec
 from ..errors import CorruptLogError, ValidationError
 
 LOG_VERSION = 1
-RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 MAX_KEY_LEN = 512
 
 

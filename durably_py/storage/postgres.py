@@ -1,0 +1,462 @@
+"""Runs in one PostgreSQL database (psycopg 3), shared safely by engines on many machines.
+
+Tables live in their own schema (``durably`` by default), created on first use: ``runs`` (one row per run: header
+line, times, lease epoch/owner/expiry, last line, log size), ``records`` (the log as appended chunks of lines, in
+``seq`` order), ``identities`` (identity -> run id, keyed by the identity's SHA-256 so any identity fits an index)
+and ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order).
+
+The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
+an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
+transactions. Commits run with ``synchronous_commit = on`` (set on the connection), so one that returned survives a
+crash of the database machine: `sync` has nothing left to write and only checks the lease, counting the durable
+commit in `fsyncs` as the other adapters count theirs.
+
+Leases are time-based and measured on the database clock (``clock_timestamp()``), so machines whose clocks
+disagree still agree on who holds a run. A claim locks the run's row (``SELECT ... FOR UPDATE``), so two machines
+claiming at once get distinct epochs and only one wins; every write is ``WHERE epoch = ? AND owner = ?``-fenced,
+so an owner whose lease lapsed keeps appending only until someone else actually claims. One connection is shared
+by the threads of a process behind a lock; a broken connection is dropped and reopened on the next call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from .base import (
+    Lease,
+    Log,
+    RunInfo,
+    claim_line,
+    decode_record,
+    decode_signal,
+    last_line,
+    parse_log,
+    validate_header,
+    validate_identity,
+    validate_lines,
+    validate_owner,
+    validate_rewrite,
+    validate_run_id,
+    validate_signal,
+    validate_signal_id,
+    validate_ttl,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, since intervals cannot be infinite
+_FENCE = "run_id = %s AND epoch = %s AND owner = %s"
+_TABLES = """
+CREATE TABLE IF NOT EXISTS {s}.runs (
+    run_id TEXT PRIMARY KEY,
+    header BYTEA NOT NULL,
+    created TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    updated TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    epoch BIGINT NOT NULL DEFAULT 0,
+    owner TEXT,
+    lease_expires TIMESTAMPTZ,
+    last BYTEA NOT NULL,
+    size BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.records (
+    run_id TEXT NOT NULL,
+    seq BIGSERIAL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS {s}.identities (
+    digest TEXT PRIMARY KEY,
+    identity TEXT NOT NULL,
+    run_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.signals (
+    seq BIGSERIAL PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    data BYTEA NOT NULL
+);
+CREATE INDEX IF NOT EXISTS signals_by_run ON {s}.signals (run_id, seq);
+"""
+
+
+def _psycopg() -> Any:
+    """The psycopg module, or a `ValidationError` saying how to install it (it is an optional dependency)."""
+    try:
+        import psycopg
+    except ImportError:
+        raise ValidationError(
+            "PostgresStorage needs psycopg 3, which is not installed",
+            hint="pip install 'durably-py[postgres]' (or pip install 'psycopg[binary]>=3.1').",
+            docs="docs/storage.md#postgresql",
+        ) from None
+    return psycopg
+
+
+def _digest(identity: str) -> str:
+    """The key an identity is stored under: fixed-size, so any identity fits a btree index."""
+    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class PostgresStorage:
+    """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
+
+    def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None) -> None:
+        if not isinstance(dsn, str):
+            raise ValidationError(f"a PostgreSQL dsn is a string, got {dsn!r}",
+                                  hint="PostgresStorage('postgresql://user@host/db') or 'host=... dbname=...'.")
+        if not isinstance(schema, str) or not SCHEMA_RE.fullmatch(schema):
+            raise ValidationError(
+                f"invalid PostgreSQL schema name {schema!r}: 1-63 lowercase letters, digits or '_', "
+                "not starting with a digit",
+                hint="schema='durably' (the default) or e.g. schema='durably_staging'.",
+            )
+        if compact_above_bytes is not None and (
+            isinstance(compact_above_bytes, bool) or not isinstance(compact_above_bytes, int) or compact_above_bytes <= 0
+        ):
+            raise ValidationError(f"compact_above_bytes must be a positive int or None, got {compact_above_bytes!r}")
+        _psycopg()
+        self.dsn = dsn
+        self.schema = schema
+        self.compact_above_bytes = compact_above_bytes
+        self.fsyncs = 0
+        self._conn: psycopg.Connection[Any] | None = None
+        self._lock = threading.RLock()
+        self._synced: dict[tuple[str, int], int] = {}
+        s = f'"{schema}"'
+        self._runs, self._records, self._identities, self._signals = (
+            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals"
+        )
+
+    def __repr__(self) -> str:
+        return f"PostgresStorage(schema={self.schema!r})"
+
+    # ---- connection and statements ------------------------------------------------------------
+    def _db(self) -> psycopg.Connection[Any]:
+        """The shared connection, opened (and the schema created) on first use; call with the lock held."""
+        if self._conn is not None and (self._conn.closed or self._conn.broken):
+            self._conn = None
+        if self._conn is None:
+            psycopg = _psycopg()
+            conn = psycopg.connect(self.dsn, autocommit=True)
+            try:
+                conn.execute("SET synchronous_commit = on")
+                exists = conn.execute("SELECT to_regclass(%s)", (self._signals,)).fetchone()
+                if exists is None or exists[0] is None:
+                    with conn.transaction():
+                        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
+                        conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+                        for statement in _TABLES.format(s=f'"{self.schema}"').split(";"):
+                            if statement.strip():
+                                conn.execute(statement)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    @contextmanager
+    def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`."""
+        with self._lock:
+            conn = self._db()
+            try:
+                if transaction:
+                    with conn.transaction(), conn.cursor() as cur:
+                        yield cur
+                else:
+                    with conn.cursor() as cur:
+                        yield cur
+            except BaseException:
+                if conn.broken:
+                    self._drop()
+                raise
+
+    def _write(self, query: str, params: tuple[Any, ...]) -> int:
+        """Run one writing statement (atomic and durable once it returns); the number of rows it changed."""
+        with self._cursor() as cur:
+            cur.execute(query, params)
+            return cur.rowcount
+
+    def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """Run one read-only statement, once more on a new connection if the old one had broken."""
+        psycopg = _psycopg()
+        for tries_left in (1, 0):
+            try:
+                with self._cursor() as cur:
+                    cur.execute(query, params)
+                    return cur.fetchall()
+            except psycopg.OperationalError:
+                if not tries_left or self._conn is not None:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _drop(self) -> None:
+        """Forget a broken connection so the next call opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # pragma: no cover - closing a dead socket
+                pass
+
+    def close(self) -> None:
+        """Close the connection (it reopens on next use)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _where(self, run_id: str) -> str:
+        """How errors name a run's log."""
+        return f"run {run_id} in PostgreSQL schema {self.schema}"
+
+    def _missing(self, run_id: str) -> RunNotFoundError:
+        return RunNotFoundError(f"no run {run_id} in PostgreSQL schema {self.schema}", run_id=run_id)
+
+    def _lost(self, lease: Lease) -> LeaseLostError:
+        if not self._mine(lease):
+            return LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+        return LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+
+    def _mine(self, lease: Lease) -> bool:
+        return lease.state.get("postgres") is self
+
+    # ---- runs and leases ----------------------------------------------------------------------
+    def create(self, run_id: str, header: bytes) -> None:
+        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+        validate_run_id(run_id)
+        validate_header(run_id, header)
+        header = bytes(header)
+        created = self._write(
+            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size) VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (run_id) DO NOTHING RETURNING run_id)"
+            f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
+            (run_id, header, header, len(header), header),
+        )
+        if created == 0:
+            raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (None if unknown), read in one statement."""
+        validate_run_id(run_id)
+        rows = self._fetch(
+            f"SELECT (SELECT string_agg(r.data, ''::bytea ORDER BY r.seq) FROM {self._records} r"
+            f" WHERE r.run_id = runs.run_id) FROM {self._runs} runs WHERE runs.run_id = %s",
+            (run_id,),
+        )
+        if not rows:
+            return None
+        records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id))
+        return Log(records, torn)
+
+    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+        """Take the lease if it is free, released or expired (database clock); bumps the epoch, appends the claim."""
+        validate_run_id(run_id)
+        validate_owner(owner)
+        ttl = min(validate_ttl(ttl), MAX_TTL)
+        with self._cursor(transaction=True) as cur:
+            cur.execute(
+                f"SELECT epoch, owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
+                " WHERE run_id = %s FOR UPDATE",
+                (run_id,),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise self._missing(run_id)
+            epoch, live = row
+            if live:
+                return None
+            # A statement of its own, so it sees every record committed before the row lock was granted.
+            cur.execute(
+                f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
+            )
+            data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
+            records, good, torn = parse_log(data, self._where(run_id))
+            if not records:
+                raise CorruptLogError(f"{self._where(run_id)} has no header line", path=self._where(run_id), line=1)
+            if good < len(data):
+                cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
+                cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
+            epoch += 1
+            line = claim_line(epoch, owner)
+            cur.execute(
+                f"WITH claimed AS (UPDATE {self._runs} SET epoch = %s, owner = %s,"
+                " lease_expires = clock_timestamp() + make_interval(secs => %s),"
+                " updated = clock_timestamp(), last = %s, size = %s WHERE run_id = %s RETURNING run_id)"
+                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM claimed",
+                (epoch, owner, ttl, line, good + len(line), run_id, line),
+            )
+        records.append(decode_record(line))
+        return Lease(run_id, owner, epoch, {"postgres": self}, records, torn)
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """Extend the lease to `ttl` seconds from now (database clock); False when it was lost."""
+        ttl = min(validate_ttl(ttl), MAX_TTL)
+        if not self._mine(lease):
+            return False
+        return self._write(
+            f"UPDATE {self._runs} SET lease_expires = clock_timestamp() + make_interval(secs => %s) WHERE {_FENCE}",
+            (ttl, lease.run_id, lease.epoch, lease.owner),
+        ) > 0
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up; a stale lease leaves the current one alone."""
+        if not self._mine(lease):
+            return
+        self._write(
+            f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL WHERE {_FENCE}",
+            (lease.run_id, lease.epoch, lease.owner),
+        )
+        self._synced.pop((lease.run_id, lease.epoch), None)
+
+    def held(self, run_id: str) -> bool:
+        """True while an owner holds an unexpired lease (database clock)."""
+        validate_run_id(run_id)
+        rows = self._fetch(
+            f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs} WHERE run_id = %s",
+            (run_id,),
+        )
+        return bool(rows and rows[0][0])
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete lines in one atomic statement, fenced by the lease's epoch and owner."""
+        if type(data) is not bytes or not data.endswith(b"\n"):
+            validate_lines(data)
+        data = bytes(data)
+        if not self._mine(lease) or self._write(
+            f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
+            f" WHERE {_FENCE} RETURNING run_id)"
+            f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
+            (last_line(data), len(data), lease.run_id, lease.epoch, lease.owner, data),
+        ) == 0:
+            raise self._lost(lease)
+
+    def sync(self, lease: Lease) -> None:
+        """Check the lease and count a durable commit: with ``synchronous_commit = on`` every append already is."""
+        rows = self._fetch(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
+        if not rows or not self._mine(lease):
+            raise self._lost(lease)
+        key = (lease.run_id, lease.epoch)
+        if self._synced.get(key) != rows[0][0]:
+            self._synced[key] = rows[0][0]
+            self.fsyncs += 1
+
+    def size(self, run_id: str) -> int:
+        """Bytes of the run's log."""
+        validate_run_id(run_id)
+        rows = self._fetch(f"SELECT size FROM {self._runs} WHERE run_id = %s", (run_id,))
+        if not rows:
+            raise self._missing(run_id)
+        return int(rows[0][0])
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Replace the whole log with `data` in one durable transaction; the lease stays current."""
+        data = validate_rewrite(lease.run_id, data)
+        header = data[: data.index(b"\n") + 1]
+        if not self._mine(lease):
+            raise self._lost(lease)
+        with self._cursor(transaction=True) as cur:
+            cur.execute(
+                f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp()"
+                f" WHERE {_FENCE}",
+                (header, last_line(data), len(data), lease.run_id, lease.epoch, lease.owner),
+            )
+            if cur.rowcount == 0:
+                raise self._lost(lease)
+            cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (lease.run_id,))
+            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (lease.run_id, data))
+        self.fsyncs += 1
+        self._synced[(lease.run_id, lease.epoch)] = len(data)
+
+    # ---- identities ---------------------------------------------------------------------------
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
+        validate_identity(identity)
+        validate_run_id(run_id)
+        if expect is not None:
+            validate_run_id(expect)
+        if expect is None:
+            return self._write(
+                f"INSERT INTO {self._identities} (digest, identity, run_id) VALUES (%s, %s, %s)"
+                " ON CONFLICT (digest) DO NOTHING",
+                (_digest(identity), identity, run_id),
+            ) == 1
+        return self._write(
+            f"UPDATE {self._identities} SET run_id = %s WHERE digest = %s AND run_id = %s",
+            (run_id, _digest(identity), expect),
+        ) == 1
+
+    def lookup(self, identity: str) -> str | None:
+        """The run `identity` is bound to, if any."""
+        validate_identity(identity)
+        rows = self._fetch(f"SELECT run_id FROM {self._identities} WHERE digest = %s", (_digest(identity),))
+        return rows[0][0] if rows else None
+
+    # ---- listing ------------------------------------------------------------------------------
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's header, last record and held flag (None if unknown)."""
+        validate_run_id(run_id)
+        found = self._infos("WHERE run_id = %s", (run_id,))
+        return found[0] if found else None
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, most recently updated first."""
+        return self._infos("ORDER BY updated DESC, created DESC, run_id DESC", ())
+
+    def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
+        rows = self._fetch(
+            "SELECT run_id, header, last, owner IS NOT NULL AND lease_expires >= clock_timestamp(),"
+            f" extract(epoch FROM updated)::float8, epoch FROM {self._runs} {clause}",
+            params,
+        )
+        infos = []
+        for run_id, header_line, last, held, updated, epoch in rows:
+            header = decode_record(bytes(header_line)) or {}
+            infos.append(RunInfo(run_id, header, decode_record(bytes(last)) or header, bool(held), updated, epoch))
+        return infos
+
+    # ---- signals ------------------------------------------------------------------------------
+    def send(self, run_id: str, data: bytes) -> None:
+        """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        line, signal_id = validate_signal(data)
+        if self._write(
+            f"INSERT INTO {self._signals} (run_id, id, data)"
+            f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
+            (signal_id, line, run_id),
+        ) == 0:
+            raise self._missing(run_id)
+        self.fsyncs += 1
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
+        validate_run_id(run_id)
+        rows = self._fetch(
+            f"SELECT s.data FROM {self._runs} runs LEFT JOIN {self._signals} s ON s.run_id = runs.run_id"
+            " WHERE runs.run_id = %s ORDER BY s.seq",
+            (run_id,),
+        )
+        if not rows:
+            raise self._missing(run_id)
+        return [signal for row in rows if row[0] is not None and (signal := decode_signal(bytes(row[0])))]
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
+        validate_run_id(run_id)
+        validate_signal_id(signal_id)
+        with self._cursor() as cur:
+            cur.execute(
+                f"WITH acked AS (DELETE FROM {self._signals} WHERE run_id = %s AND id = %s)"
+                f" SELECT 1 FROM {self._runs} WHERE run_id = %s",
+                (run_id, signal_id, run_id),
+            )
+            if cur.fetchone() is None:
+                raise self._missing(run_id)

@@ -1,0 +1,258 @@
+"""PostgresStorage as engines on several machines use it: each "machine" is its own adapter and connection.
+
+The conformance suite in test_storage.py runs against PostgreSQL too; these tests cover what only a shared
+database server promises. They run on the throwaway server of the `postgres_dsn` fixture (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from durably_py import LeaseLostError, RunNotFoundError, ValidationError, create_engine, workflow
+from durably_py.storage import Lease, PostgresStorage, Storage
+
+LONG = 3600.0
+Machines = Callable[..., Any]
+
+
+def header(run_id: str) -> bytes:
+    return msgspec.json.encode({"t": "run", "v": 1, "run_id": run_id, "workflow": "wf", "key": None}) + b"\n"
+
+
+def line(**record: Any) -> bytes:
+    return msgspec.json.encode(record) + b"\n"
+
+
+def kinds(store: Any, run_id: str = "r1") -> list[str]:
+    return [r["t"] for r in store.read(run_id).records]
+
+
+class Interrupted(BaseException):
+    """Escapes run() as a killed machine would."""
+
+
+def test_importing_durably_does_not_import_psycopg() -> None:
+    code = (
+        "import sys\n"
+        "import durably_py, durably_py.storage\n"
+        "assert 'psycopg' not in sys.modules, 'psycopg imported eagerly'\n"
+        "sys.modules['psycopg'] = None\n"
+        "from durably_py.storage import PostgresStorage\n"
+        "from durably_py import ValidationError\n"
+        "try:\n"
+        "    PostgresStorage('dbname=x')\n"
+        "except ValidationError as exc:\n"
+        "    print(exc.hint)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "durably-py[postgres]" in done.stdout
+
+
+def test_options_are_validated(postgres_dsn: str) -> None:
+    for schema in ["", "Durably", "1x", "a-b", 'x"; drop', "durably\n", "a" * 64, None]:
+        with pytest.raises(ValidationError, match="schema"):
+            PostgresStorage(postgres_dsn, schema=schema)  # type: ignore[arg-type]
+    for bad in [0, -1, 1.5, True]:
+        with pytest.raises(ValidationError, match="compact_above_bytes"):
+            PostgresStorage(postgres_dsn, compact_above_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="dsn"):
+        PostgresStorage(None)  # type: ignore[arg-type]
+    store = PostgresStorage(postgres_dsn, compact_above_bytes=4096)
+    assert isinstance(store, Storage) and store.compact_above_bytes == 4096 and store.schema == "durably"
+    assert PostgresStorage(postgres_dsn).compact_above_bytes is None
+
+
+def test_tables_live_in_their_own_schema(postgres_storage: Machines, postgres_dsn: str) -> None:
+    import psycopg
+
+    machines = [postgres_storage() for _ in range(4)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(machines))
+
+    def first_use(store: PostgresStorage) -> None:
+        barrier.wait()
+        try:
+            store.list_runs()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_use, args=(m,)) for m in machines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with psycopg.connect(postgres_dsn) as conn:
+        tables = conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY 1",
+            (machines[0].schema,),
+        ).fetchall()
+    assert [t[0] for t in tables] == ["identities", "records", "runs", "signals"]
+
+
+def test_concurrent_claims_from_many_machines_get_distinct_epochs(postgres_storage: Machines) -> None:
+    machines = [postgres_storage() for _ in range(6)]
+    machines[0].create("r1", header("r1"))
+
+    def race(ttl: float) -> list[Lease]:
+        results: list[Lease | None] = []
+        barrier = threading.Barrier(len(machines))
+
+        def claim(n: int) -> None:
+            barrier.wait()
+            results.append(machines[n].claim("r1", f"m{n}", ttl))
+
+        threads = [threading.Thread(target=claim, args=(n,)) for n in range(len(machines))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [r for r in results if r is not None]
+
+    # Leases that lapse at once: every machine wins in turn, each with an epoch of its own.
+    winners = race(0)
+    assert sorted(w.epoch for w in winners) == list(range(1, len(machines) + 1))
+    claims = machines[1].read("r1").records[1:]
+    assert [c["epoch"] for c in claims] == list(range(1, len(machines) + 1))
+    assert sorted(c["owner"] for c in claims) == sorted(w.owner for w in winners)
+    # Long leases: exactly one machine wins; the others see the run held.
+    (winner,) = race(LONG)
+    assert winner.epoch == len(machines) + 1
+    assert all(m.held("r1") for m in machines)
+    assert kinds(machines[2]).count("claim") == len(machines) + 1
+
+
+def test_a_lapsed_owner_is_fenced_once_another_machine_claims(postgres_storage: Machines) -> None:
+    a, b = postgres_storage(), postgres_storage()
+    a.create("r1", header("r1"))
+    old = a.claim("r1", "laptop", 0.05)
+    assert old is not None and b.held("r1") is True and b.claim("r1", "server", LONG) is None
+    time.sleep(0.1)
+    assert b.held("r1") is False
+    a.append(old, line(t="step", i=1))  # lapsed, but nobody claimed yet: still the current epoch
+    new = b.claim("r1", "server", LONG)
+    assert new is not None and new.epoch == 2
+    with pytest.raises(LeaseLostError):
+        a.append(old, line(t="step", i=2))
+    with pytest.raises(LeaseLostError):
+        a.sync(old)
+    with pytest.raises(LeaseLostError):
+        a.rewrite(old, header("r1"))
+    assert a.heartbeat(old, LONG) is False
+    a.release(old)
+    assert a.held("r1") is True
+    b.append(new, line(t="step", i=3))
+    assert b.heartbeat(new, LONG) is True
+    records = a.read("r1").records
+    assert [(r["t"], r.get("i"), r.get("owner")) for r in records[1:]] == [
+        ("claim", None, "laptop"), ("step", 1, None), ("claim", None, "server"), ("step", 3, None)
+    ]
+    (info,) = a.list_runs()
+    assert info.held and info.epoch == 2 and info.last == {"t": "step", "i": 3}
+
+
+def test_leases_follow_the_database_clock(postgres_storage: Machines, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = postgres_storage(), postgres_storage()
+    a.create("r1", header("r1"))
+    lease = a.claim("r1", "me", 30)
+    monkeypatch.setattr(time, "time", lambda: 4_000_000_000.0)  # this machine's clock runs decades ahead
+    assert b.held("r1") is True and b.claim("r1", "other", 30) is None
+    assert a.heartbeat(lease, 30) is True
+
+
+def test_a_broken_connection_is_reopened(postgres_storage: Machines, postgres_dsn: str) -> None:
+    import psycopg
+
+    store = postgres_storage()
+    store.create("r1", header("r1"))
+    lease = store.claim("r1", "me", LONG)
+    assert lease is not None
+
+    def kill_connections() -> None:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            )
+
+    kill_connections()
+    assert kinds(store) == ["run", "claim"]  # a read retries once on a new connection
+    kill_connections()
+    with pytest.raises(psycopg.OperationalError):
+        store.append(lease, line(t="step", i=1))  # a write may or may not have committed: it is not retried
+    store.append(lease, line(t="step", i=2))
+    assert kinds(store) == ["run", "claim", "step"]
+    assert store.read("r1").records[-1]["i"] == 2
+
+
+def test_interrupted_run_resumes_on_another_machine(postgres_storage: Machines) -> None:
+    calls: dict[str, int] = {}
+    state = {"interrupt": True}
+
+    def work(name: str) -> str:
+        calls[name] = calls.get(name, 0) + 1
+        return name.upper()
+
+    @workflow(name="pg-resume")
+    async def wf(ctx: Any, names: list[str]) -> list[str]:
+        out = [await ctx.step(work, names[0])]
+        out += [r.value for r in await ctx.parallel([lambda n=n: ctx.step(work, n) for n in names[1:]])]
+        if state["interrupt"]:
+            state["interrupt"] = False
+            raise Interrupted()
+        out.append(await ctx.step(work, "last"))
+        return out
+
+    first = create_engine(postgres_storage())
+    with pytest.raises(Interrupted):
+        asyncio.run(first.run(wf, ["a", "b", "c"], key="job"))
+    assert calls == {"a": 1, "b": 1, "c": 1}
+    second = create_engine(postgres_storage())
+    assert asyncio.run(second.run(wf, ["a", "b", "c"], key="job")) == ["A", "B", "C", "LAST"]
+    assert calls == {"a": 1, "b": 1, "c": 1, "last": 1}
+    seen = asyncio.run(first.inspect("job"))
+    assert seen.status == "completed" and seen.attempt == 2
+    assert [s.output for s in seen.steps] == ["A", "B", "C", "LAST"]
+    (listed,) = asyncio.run(first.list())
+    assert (listed.run_id, listed.status, listed.attempt) == (seen.run_id, "completed", 2)
+
+
+def test_a_signal_from_one_machine_reaches_a_wait_on_another(postgres_storage: Machines) -> None:
+    drafted: list[str] = []
+
+    @workflow(name="pg-approval")
+    async def approval(ctx: Any, amount: int) -> str:
+        await ctx.step(drafted.append, "draft")
+        decision = await ctx.wait_for("approval", timeout=60)
+        return f"{amount} approved by {decision['by']}"
+
+    worker, operator = create_engine(postgres_storage()), create_engine(postgres_storage())
+
+    async def main() -> str:
+        running = asyncio.ensure_future(worker.run(approval, 40, key="invoice-7"))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            try:
+                if (await operator.inspect("invoice-7")).status == "waiting":
+                    break
+            except RunNotFoundError:
+                pass
+        assert not running.done()
+        await operator.signal("invoice-7", "approval", {"by": "ana"})
+        return await asyncio.wait_for(running, 10)
+
+    assert asyncio.run(main()) == "40 approved by ana"
+    assert drafted == ["draft"]
+    run_id = operator.resolve("invoice-7")
+    assert operator.storage.inbox(run_id) == []
+    assert asyncio.run(operator.inspect("invoice-7")).status == "completed"
