@@ -756,6 +756,10 @@ def _operate(dir: str | None, as_json: bool, debug: bool,
     raise typer.Exit(code)
 
 
+TimeoutOption = Annotated[str, typer.Option("--timeout", metavar="DURATION",
+                                            help="How long to wait for a running process to act on it: 30s, 2m.")]
+
+
 def _settled(state: RunState, target: str, as_json: bool, done: str, pending: str) -> None:
     """Report whether an operation brought the run to `target`; exit 1 when it did not (yet)."""
     reached = state.status == target
@@ -770,8 +774,7 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
 @app.command()
 def cancel(
     run: RunArgument,
-    timeout: Annotated[str, typer.Option("--timeout", metavar="DURATION",
-                                         help="How long to wait for a running process to stop: 30s, 2m.")] = "30s",
+    timeout: TimeoutOption = "30s",
     dir: DirOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
@@ -787,8 +790,7 @@ def cancel(
 @app.command()
 def pause(
     run: RunArgument,
-    timeout: Annotated[str, typer.Option("--timeout", metavar="DURATION",
-                                         help="How long to wait for a running process to pause: 30s, 2m.")] = "30s",
+    timeout: TimeoutOption = "30s",
     dir: DirOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
