@@ -14,7 +14,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -40,6 +39,7 @@ from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_
 from .kernel import Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
+from .threads import DaemonPool
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
@@ -129,7 +129,7 @@ class Engine:
         self.heartbeat_every = heartbeat
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="durably-step")
+        self.executor = DaemonPool(max_workers=64)
         self.gates = Gates(resources)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(concurrency)

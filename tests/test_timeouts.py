@@ -91,3 +91,32 @@ def test_outside_cancellation_is_not_turned_into_a_timeout() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_an_abandoned_sync_step_does_not_hold_up_the_process_exit(tmp_path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from durably_py import StepTimeoutError, run, workflow
+
+        def stuck():
+            time.sleep(30)
+
+        @workflow
+        async def wf(ctx):
+            try:
+                await ctx.step(stuck, timeout=0.2)
+            except StepTimeoutError:
+                return "gave up"
+
+        print(run(wf, dir={str(tmp_path / "state")!r}))
+    """))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "gave up"
+    assert time.monotonic() - started < 10
