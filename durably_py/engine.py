@@ -158,7 +158,7 @@ class Engine:
         if run_id is not None:
             return run_id
         validate_run_id(run)
-        if self.storage.read(run) is None:
+        if self.storage.info(run) is None:
             raise RunNotFoundError(f"no run with id or key {run!r} in {self._where()}", run_id=run)
         return run
 
