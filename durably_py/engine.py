@@ -39,6 +39,7 @@ from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_
 from .kernel import Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
+from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
@@ -816,16 +817,30 @@ class Engine:
                 return
 
 
-def create_engine(storage: Storage | None = None, **options: Any) -> Engine:
-    """An engine over `storage` (default: FileStorage at `.durably/`)."""
+def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:
+    """An engine over `storage`: a Storage, a storage URL (a directory, ``file:PATH``, ``sqlite:PATH``,
+    ``postgresql://...``), or None for $DURABLY_STORAGE, else FileStorage at `.durably/`."""
+    if storage is None and os.environ.get("DURABLY_STORAGE"):
+        storage = os.environ["DURABLY_STORAGE"]
+    if isinstance(storage, str | os.PathLike):
+        storage = open_storage(os.fspath(storage))
     return Engine(storage, **options)
 
 
 _engines: dict[str, Engine] = {}
 
 
-def engine_for(dir: str | os.PathLike[str] | None) -> Engine:
-    """The shared engine rooted at `dir` (default `.durably/` or $DURABLY_DIR)."""
+def engine_for(dir: str | os.PathLike[str] | None, storage: str | None = None) -> Engine:
+    """The shared engine over storage URL `storage`, else rooted at `dir`, else $DURABLY_STORAGE, else
+    $DURABLY_DIR, else `.durably/`."""
+    url = storage or (None if dir else os.environ.get("DURABLY_STORAGE")) or None
+    if url is not None:
+        kind, target = parse_storage_url(url)
+        name = f"{kind}:{target if kind == 'postgres' else os.path.abspath(target)}"
+        engine = _engines.get(name)
+        if engine is None:
+            engine = _engines[name] = Engine(open_storage(url))
+        return engine
     root = os.path.abspath(dir or os.environ.get("DURABLY_DIR") or ".durably")
     engine = _engines.get(root)
     if engine is None:
