@@ -823,7 +823,7 @@ def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **opt
     if storage is None and os.environ.get("DURABLY_STORAGE"):
         storage = os.environ["DURABLY_STORAGE"]
     if isinstance(storage, str | os.PathLike):
-        storage = open_storage(os.fspath(storage))
+        return Engine(open_storage(os.fspath(storage)), **options)
     return Engine(storage, **options)
 
 
