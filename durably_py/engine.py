@@ -35,12 +35,13 @@ from .errors import (
 )
 from .events import StepEvent
 from .graphs import GraphState
+from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
-from .kernel import Parked, RunHandle, RunKernel, Selector
+from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .storage.url import open_storage, parse_storage_url
-from .threads import DaemonPool
+from .threads import DaemonPool, SyncPlacement
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
@@ -120,7 +121,7 @@ class Engine:
                  budget: dict[str, float] | None = None,
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
                  lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None,
-                 resources: list[Resource] | tuple[Resource, ...] = ()) -> None:
+                 resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto") -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.concurrency = concurrency
         self.checkpoint_every = check_checkpoint(checkpoint_every)
@@ -130,7 +131,13 @@ class Engine:
         self.heartbeat_every = heartbeat
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        if sync_steps not in ("auto", "thread"):
+            raise ValidationError(f"sync_steps= must be 'auto' or 'thread', got {sync_steps!r}",
+                                  hint="'thread' runs every sync step on a worker thread; 'auto' calls quick ones "
+                                       "directly on the event loop.", docs="docs/policies.md#where-sync-steps-run")
         self.executor = DaemonPool(max_workers=64)
+        self.placement = SyncPlacement(enabled=sync_steps == "auto")
+        self.heartbeat = Heartbeat(self.storage, lease, heartbeat, CONTROL_EVERY)
         self.gates = Gates(resources)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(concurrency)
@@ -523,7 +530,7 @@ class Engine:
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
         kernel.input = value
-        heartbeat = asyncio.ensure_future(self._heartbeat(lease, kernel))
+        self.heartbeat.add(kernel, lease)
         try:
             return await kernel.run(WorkflowContext(kernel))
         except Exception as exc:
@@ -537,7 +544,7 @@ class Engine:
                     pass
             raise
         finally:
-            heartbeat.cancel()
+            self.heartbeat.remove(kernel)
 
     async def shadow(self, wf: Any, run_id: str, *, on_step: Callable[[StepEvent], Any] | None = None) -> RunKernel:
         """Replay a finished run once more against its own log, writing nothing; the kernel tells what diverged."""
@@ -807,14 +814,6 @@ class Engine:
         return await self.run(workflow, value, key=history.header.get("key"), fresh=True, budget=history.budget,
                               on_step=on_step, wait=wait, on_run=on_run)
 
-    async def _heartbeat(self, lease: Any, kernel: RunKernel) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_every)
-            if not self.storage.heartbeat(lease, self.lease_ttl):
-                kernel.lost = LeaseLostError(
-                    f"run {lease.run_id} was claimed by another process after this one's lease lapsed; "
-                    "this process stops writing to it", run_id=lease.run_id)
-                return
 
 
 def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:

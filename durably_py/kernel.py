@@ -223,6 +223,8 @@ class Watchdog:
 class RunKernel:
     """One live execution of one run: owns its lease and appends its records."""
 
+    live = 0  # kernels running in this process (a sync step runs on the loop thread only while it is the only one)
+
     def __init__(self, *, engine: Any, storage: Storage, lease: Lease, history: History, workflow: Workflow,
                  input: Any, clock: Clock, executor: Executor, checkpoint_every: int | None,
                  on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
@@ -272,6 +274,10 @@ class RunKernel:
         self.replay_error: PurityError | StaleRunError | None = None
         self.lost: LeaseLostError | None = None
         self.watchdog = Watchdog()
+        self.placement = engine.placement
+        self.running: dict[AttemptContext, asyncio.Task[Any] | None] = {}
+        self.step_running_since: float | None = None
+        self.branches = 0
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: dict[str, Any]) -> None:
@@ -449,11 +455,11 @@ class RunKernel:
     async def execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                       opts: StepOptions) -> Any:
         try:
-            return await self._execute(path, label, fn, args, opts)
+            return await self._execute(scope, path, label, fn, args, opts)
         finally:
             scope.pending -= 1
 
-    async def _execute(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+    async def _execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                        opts: StepOptions) -> Any:
         if self.shadow:
             self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
@@ -475,9 +481,14 @@ class RunKernel:
                             "ts": time.time()})
                 self.emit(path, label, "failed", number, error=error)
                 raise error
-        return await self._attempts(path, label, fn, args, opts, number, nth)
+        return await self._attempts(scope, path, label, fn, args, opts, number, nth)
 
-    async def _attempts(self, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
+    def alone(self, scope: Scope) -> bool:
+        """True when the calling step is the only work of any run in this process that could want the loop now:
+        no other step of its strand pending, no parallel branches, no other step running, no other live run."""
+        return scope.pending == 1 and not self.branches and len(self.running) == 1 and RunKernel.live == 1
+
+    async def _attempts(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                         opts: StepOptions, number: int, nth: int) -> Any:
         is_async = _is_async(fn)
         while True:
@@ -496,6 +507,9 @@ class RunKernel:
             outcome: bool | None = None
             error: Exception | None = None
             self.clock.busy += 1
+            if not self.running:
+                self.step_running_since = time.monotonic()
+            self.running[att] = asyncio.current_task()
             started = time.perf_counter()
             try:
                 for gate in gates:
@@ -506,7 +520,14 @@ class RunKernel:
                     if type(value) is CoroutineType or inspect.isawaitable(value):
                         value = await value
                 elif opts.timeout is None:
-                    value = await self._invoke(fn, args, is_async)
+                    if self.placement.is_quick(fn) and self.alone(scope):
+                        value = self.placement.inline(fn, args)
+                        if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
+                            self.control(force=True)
+                        if inspect.isawaitable(value):
+                            value = await value
+                    else:
+                        value = await self._invoke(fn, args, is_async)
                 else:
                     task = asyncio.current_task()
                     pending = task.cancelling() if task is not None else 0
@@ -519,7 +540,8 @@ class RunKernel:
                         else:
                             value = await self._invoke(fn, args, is_async)
                     except asyncio.CancelledError:
-                        if not att.cancelled or task is None or task.uncancel() > pending:
+                        if not att.cancelled or self.cancel_error is not None or task is None \
+                                or task.uncancel() > pending:
                             raise
                         raise StepTimeoutError(
                             f"step {label!r} timed out after {opts.timeout:g}s (attempt {number})",
@@ -533,15 +555,25 @@ class RunKernel:
                 value = load_value(wire)
                 if opts.schema is not None:
                     value = opts.schema.convert(value, "output")
-            except (Crash, asyncio.CancelledError):
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
+                    raise
+                raise self.cancel_error from None
+            except Crash:
                 raise
             except Exception as exc:
+                if exc is self.cancel_error:
+                    raise
                 if outcome is None and passed == len(gates):
                     outcome = False
                 error = exc
             finally:
                 ms = (time.perf_counter() - started) * 1000
                 self.clock.busy -= 1
+                del self.running[att]
+                if not self.running:
+                    self.step_running_since = None
                 current_attempt.reset(token)
                 for gate in gates[:passed]:
                     gate.release(outcome)
@@ -570,7 +602,8 @@ class RunKernel:
             value = fn(*args)
         else:
             loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+            value = await loop.run_in_executor(self.executor, contextvars.copy_context().run, self.placement.timed,
+                                               fn, *args)
         if inspect.isawaitable(value):
             value = await value
         return value
@@ -628,6 +661,29 @@ class RunKernel:
                 raise self.cancel_error
         if self.history.paused:
             self.next_control = float("-inf")
+
+    def flag_attempts(self) -> None:
+        """Set the cancelled flag of every running attempt (thread-safe: the heartbeat calls it for a cancel)."""
+        for att in list(self.running):
+            att.cancel()
+
+    def interrupt(self) -> None:
+        """A control request arrived while a step ran (the heartbeat saw it): act on it now.
+
+        A cancel stops the steps in flight: async ones are cancelled, sync ones on worker threads are
+        abandoned with `attempt().cancelled` set, and the run ends cancelled. A pause takes effect at the
+        next step boundary."""
+        if self.dead or self.shadow or self.cancel_error is not None:
+            return
+        try:
+            self.control(force=True)
+        except RunCancelledError:
+            for att, task in list(self.running.items()):
+                att.cancel()
+                if task is not None:
+                    task.cancel()
+        except Exception:  # noqa: BLE001 - the next step boundary asks the storage again
+            pass
 
     async def boundary(self, force: bool = False) -> None:
         """A durable boundary: act on control requests, and while the run is paused wait here until it resumes."""
@@ -1072,12 +1128,15 @@ class RunKernel:
                     gate.release()
 
         tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
+        self.branches += 1
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
             for task in tasks:
                 task.cancel()
             raise
+        finally:
+            self.branches -= 1
 
     # ---- the whole run ------------------------------------------------------------------------
     async def compensate(self, error: BaseException) -> None:
@@ -1107,6 +1166,13 @@ class RunKernel:
         """Execute the workflow body and record how it ended."""
         self.ctx = ctx
         current_scope.set(Scope("", asyncio.current_task()))
+        RunKernel.live += 1
+        try:
+            return await self._run(ctx)
+        finally:
+            RunKernel.live -= 1
+
+    async def _run(self, ctx: WorkflowContext) -> Any:
         try:
             try:
                 if self.history.paused and not self.shadow:

@@ -1,4 +1,4 @@
-"""Worker threads for sync step functions that never hold up the interpreter's exit.
+"""Where sync step functions run: daemon worker threads, or the event loop's thread for quick ones.
 
 `concurrent.futures.ThreadPoolExecutor` joins its threads when Python exits, so a sync step abandoned
 after its timeout (still blocked in a socket read, say) would keep a finished script from exiting.
@@ -7,8 +7,11 @@ These workers are daemon threads: abandoned work dies with the process, as a kil
 
 from __future__ import annotations
 
+import asyncio.events as asyncio_events
+import contextvars
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -74,3 +77,82 @@ class DaemonPool(Executor):
         if wait:
             for thread in threads:
                 thread.join()
+
+
+QUICK_SECONDS = 0.001
+BLOCKING_SECONDS = 0.01
+PROMOTE_AFTER = 3
+
+
+def _key(fn: Callable[..., Any]) -> Any:
+    """What identifies a step function across calls: its code object (lambdas made per call share one)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        inner = getattr(fn, "func", None)
+        code = getattr(inner, "__code__", None)
+    return code if code is not None else fn
+
+
+class SyncPlacement:
+    """Decides, per sync step function, whether a call runs on a worker thread or directly on the event loop.
+
+    A function's first calls run on a worker thread and are timed there. Once its last `PROMOTE_AFTER`
+    calls each returned within `QUICK_SECONDS`, it is quick, and the kernel may call it on the event loop
+    thread (no hop to a thread and back). A call that then takes longer sends it back to worker threads
+    until it is quick `PROMOTE_AFTER` times again; a call on the loop thread that blocked it for
+    `BLOCKING_SECONDS` or more also doubles that number (a collector pause is not worth as much). `enabled=False` keeps every
+    sync step on worker threads.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.quick: dict[Any, int] = {}
+        self.needed: dict[Any, int] = {}
+
+    def is_quick(self, fn: Callable[..., Any]) -> bool:
+        """True when `fn` has been quick lately (and inline calls are enabled)."""
+        if not self.enabled:
+            return False
+        key = _key(fn)
+        try:
+            streak = self.quick.get(key, 0)
+        except TypeError:  # an unhashable callable: never inline
+            return False
+        return streak >= PROMOTE_AFTER and (not self.needed or streak >= self.needed.get(key, PROMOTE_AFTER))
+
+    def record(self, fn: Callable[..., Any], seconds: float, inline: bool) -> None:
+        """Note how long a call of `fn` took; a slow call on the loop thread makes promotion twice as hard."""
+        try:
+            key = _key(fn)
+            if seconds < QUICK_SECONDS:
+                self.quick[key] = self.quick.get(key, 0) + 1
+                return
+            self.quick[key] = 0
+        except TypeError:
+            return
+        if inline and seconds >= BLOCKING_SECONDS:
+            self.needed[key] = min(self.needed.get(key, PROMOTE_AFTER) * 2, PROMOTE_AFTER << 12)
+        if len(self.quick) > 4096:
+            self.quick.clear()
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call `fn(*args)` (on a worker thread) and record how long it took."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.record(fn, time.perf_counter() - started, False)
+
+    def inline(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Call `fn(*args)` on this (the event loop's) thread in a copy of the current context, and time it.
+
+        While it runs, no event loop counts as running on this thread, so the function sees what it would
+        on a worker thread (`asyncio.run()` inside it works, `asyncio.get_running_loop()` raises)."""
+        loop = asyncio_events._get_running_loop()
+        asyncio_events._set_running_loop(None)
+        started = time.perf_counter()
+        try:
+            return contextvars.copy_context().run(fn, *args)
+        finally:
+            self.record(fn, time.perf_counter() - started, True)
+            asyncio_events._set_running_loop(loop)
