@@ -42,6 +42,7 @@ from .resources import Gates, Resource
 from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
+from .timeline import Span, spans
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
@@ -72,6 +73,22 @@ def check_checkpoint(value: Any) -> int | None:
         raise ValidationError(f"checkpoint_every= must be an int >= 1, got {value!r}",
                               hint="checkpoint_every=1 fsyncs after every step.", docs="docs/storage.md#checkpoints")
     return value
+
+
+def check_page(limit: Any, offset: Any, since: Any = None, until: Any = None) -> None:
+    """`limit` (None or >= 1), `offset` (>= 0) and the time bounds (aware datetimes) of `Engine.list`."""
+    for name, value in (("since", since), ("until", until)):
+        if value is not None and (not isinstance(value, datetime) or value.tzinfo is None):
+            raise ValidationError(f"{name}= must be a timezone-aware datetime, got {value!r}",
+                                  hint="Pass e.g. datetime.now(UTC) - timedelta(hours=1).",
+                                  docs="docs/operations.md#listing-runs")
+    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
+        if value is None and name == "limit":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValidationError(f"{name}= must be an integer >= {low}, got {value!r}",
+                                  hint="list(limit=50, offset=100) gives the third page of 50 runs.",
+                                  docs="docs/operations.md#listing-runs")
 
 
 def check_wait(timeout: Any, operation: str) -> None:
@@ -177,24 +194,50 @@ class Engine:
         return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
 
     async def list(self, *, status: str | None = None, workflow: str | None = None, key: str | None = None,
-                   limit: int | None = None) -> builtins.list[RunState]:
-        """Runs newest first, filtered by status, workflow name or key."""
+                   since: datetime | None = None, until: datetime | None = None, search: str | None = None,
+                   limit: int | None = None, offset: int = 0) -> builtins.list[RunState]:
+        """Runs newest first, filtered by status, workflow name, key, last activity time and a search text.
+
+        `since`/`until` bound a run's last activity (its `updated_at`, else its `created_at`); `search` matches
+        a case-insensitive substring of the run id, workflow or key; `offset` skips that many matching runs
+        and `limit` keeps at most that many. Each run is read from its first and last records only."""
+        check_page(limit, offset, since, until)
+        needle = search.lower() if search else None
         out = []
+        skipped = 0
         for info in self.storage.list_runs():
             header = info.header
             if workflow is not None and header.get("workflow") != workflow:
                 continue
             if key is not None and header.get("key") != key:
                 continue
+            if needle is not None and not any(needle in str(header.get(f) or "").lower()
+                                              for f in ("run_id", "workflow", "key")):
+                continue
+            if since is not None or until is not None:
+                active = datetime.fromtimestamp(info.updated_at, UTC)
+                if (since is not None and active < since) or (until is not None and active > until):
+                    continue
+            if status is not None and run_status(self._brief(info), info.held) != status:
+                continue
+            if skipped < offset:
+                skipped += 1
+                continue
             state = describe(self._brief(info), held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
-            if status is not None and state.status != status:
-                continue
             out.append(state)
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    async def timeline(self, run: str) -> builtins.list[Span]:
+        """Where the time of a run (by id or key) went: every step attempt, backoff, sleep and wait as a span."""
+        run_id = self.resolve(run)
+        log = self.storage.read(run_id)
+        if log is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
+        return spans(log.records)
 
     async def graph(self, run: str) -> builtins.list[GraphState]:
         """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""
