@@ -858,6 +858,32 @@ def restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
 
 
+@app.command()
+def ui(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; any non-loopback address requires "
+                                                     "a token ($DURABLY_UI_TOKEN, or one made and printed).")]
+        = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: any free port).")]
+        = 8765,
+    open_browser: Annotated[bool, typer.Option("--open", help="Open the console in the default browser.")] = False,
+    dir: DirOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Serve the web console and its JSON API over the runs in DIR (needs `pip install 'durably-py[ui]'`)."""
+    from . import ui as console
+
+    with _guard(debug):
+        engine = engine_for(dir)
+        token = os.environ.get("DURABLY_UI_TOKEN") or None
+        try:
+            console.serve(engine, host=host, port=port, open_browser=open_browser, token=token,
+                          announce=lambda line: _err_console().print(Text(line, "green"), soft_wrap=True))
+        except OSError as exc:
+            raise ValidationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                                  hint="Pick another port with --port (or --port 0 for any free one).",
+                                  docs="docs/ui.md") from None
+
+
 def main() -> None:
     """Entry point of the `durably` console script."""
     try:

@@ -1,0 +1,483 @@
+"""The console's Starlette application: pages, the JSON API, live event streams, and request guards.
+
+Every route is a thin shell over the public `Engine` API; its JSON has the shapes `durably ... --json`
+prints. Blocking storage reads run on worker threads so one slow listing never stalls a live stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import secrets
+import time
+import webbrowser
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..engine import Engine
+from ..errors import DurablyError, RunNotFoundError, ValidationError
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "durably_ui_token"
+STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled", "pending",
+            "stale")
+MAX_LIMIT = 1000
+MAX_CHILDREN = 200  # child runs whose status a run page shows
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+# ---- JSON ----------------------------------------------------------------------------------------
+
+def _default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return repr(value)
+
+
+class Json(JSONResponse):
+    """JSON with datetimes as ISO strings and anything else unknown as its repr, as the CLI's --json."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, default=_default).encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_default)
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """An error as the console shows it: type, message, and (for a `DurablyError`) hint and docs."""
+    if isinstance(exc, DurablyError):
+        return {"error": type(exc).__name__, "message": exc.message, "hint": exc.hint, "docs": exc.docs}
+    return {"error": type(exc).__name__, "message": str(exc), "hint": None, "docs": None}
+
+
+def _error(exc: BaseException) -> Json:
+    status = 404 if isinstance(exc, RunNotFoundError) else 400 if isinstance(exc, ValidationError) else \
+        409 if isinstance(exc, DurablyError) else 500
+    return Json(error_body(exc), status_code=status)
+
+
+def _refuse(status: int, message: str, hint: str) -> Json:
+    return Json({"error": "Forbidden" if status == 403 else "Unauthorized", "message": message, "hint": hint,
+                 "docs": "docs/ui.md#security"}, status_code=status)
+
+
+# ---- the application -------------------------------------------------------------------------------
+
+class Console:
+    """The routes of one console over one engine."""
+
+    def __init__(self, engine: Engine, token: str | None, loopback: bool, poll: float) -> None:
+        self.engine = engine
+        self.token = token
+        self.loopback = loopback
+        self.poll = poll
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- reads on worker threads -------------------------------------------------------------
+    async def read(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run a read-only engine call on a worker thread (its storage reads block)."""
+        return await anyio.to_thread.run_sync(lambda: asyncio.run(call()))  # type: ignore[arg-type]
+
+    async def snapshot(self, run: str) -> dict[str, Any]:
+        """The run, its timeline and its graphs, as one JSON-ready object."""
+        async def gather() -> dict[str, Any]:
+            state = await self.engine.inspect(run)
+            spans = await self.engine.timeline(state.run_id)
+            graphs = await self.engine.graph(state.run_id)
+            children = []
+            for child in state.children[:MAX_CHILDREN]:
+                try:
+                    found = await self.engine.inspect(child)
+                except DurablyError:
+                    continue
+                children.append({"run_id": child, "workflow": found.workflow, "status": found.status})
+            return {"run": state.to_dict(), "timeline": [s.to_dict() for s in spans],
+                    "graphs": [g.to_dict() for g in graphs], "children": children, "now": time.time()}
+        return await self.read(gather)
+
+    # ---- guards ----------------------------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if self.token is None:
+            return True
+        given = request.headers.get("authorization", "")
+        if given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), self.token):
+            return True
+        cookie = request.cookies.get(COOKIE)
+        return cookie is not None and secrets.compare_digest(cookie, self.token)
+
+    def _host_ok(self, request: Request) -> bool:
+        if not self.loopback:
+            return True
+        host = request.headers.get("host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        return name in LOCAL_HOSTS or name == "testserver"
+
+    def guard(self, request: Request, mutating: bool) -> Response | None:
+        """A refusal for a request that may not proceed, else None."""
+        if not self._host_ok(request):
+            return _refuse(403, f"host {request.headers.get('host')!r} is not this console's address",
+                           "Open the console at http://127.0.0.1:PORT/ as `durably ui` printed it.")
+        if not mutating:
+            if not self._authorized(request):
+                return _refuse(401, "this console requires its token",
+                               "Open the URL with ?token= that `durably ui` printed, or send "
+                               "`Authorization: Bearer TOKEN` (the token is $DURABLY_UI_TOKEN when set).")
+            return None
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site != "same-origin":
+            return _refuse(403, f"cross-site request refused (Sec-Fetch-Site: {site})",
+                           "Operate runs from the console's own pages, or from a client that sends no Origin.")
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
+            return _refuse(403, f"request from origin {origin!r} refused",
+                           "Operate runs from the console's own pages, or from a client that sends no Origin.")
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return _refuse(403, "operations must be sent as application/json",
+                           "Send a JSON body (at least {}) with Content-Type: application/json.")
+        if self.token is not None:
+            given = request.headers.get("authorization", "")
+            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].strip(), self.token)):
+                return _refuse(401, "operations on this console require its token",
+                               "Send `Authorization: Bearer TOKEN` (the console's pages do so themselves).")
+        return None
+
+    # ---- pages -----------------------------------------------------------------------------------
+    async def page(self, request: Request) -> Response:
+        refused = self.guard(request, mutating=False)
+        given = request.query_params.get("token")
+        if given is not None and self.token is not None and secrets.compare_digest(given, self.token):
+            response: Response = RedirectResponse(request.url.path, status_code=303)
+            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
+            return response
+        if refused is not None:
+            if refused.status_code == 401:
+                return HTMLResponse("<!doctype html><title>durably</title><p>This console requires its token: open "
+                                    "the URL with <code>?token=</code> that <code>durably ui</code> printed.</p>",
+                                    status_code=401)
+            return refused
+        html = (STATIC / "index.html").read_text(encoding="utf-8")
+        token = self.token if self.token is not None else ""
+        return HTMLResponse(html.replace("{{TOKEN}}", token), headers={
+            "Cache-Control": "no-store",
+            "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                                       "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+
+    # ---- reads -----------------------------------------------------------------------------------
+    def _filters(self, request: Request) -> dict[str, Any]:
+        q = request.query_params
+        status = q.get("status") or None
+        if status is not None and status not in STATUSES:
+            raise ValidationError(f"unknown status {status!r}", hint=f"Use one of: {', '.join(STATUSES)}.",
+                                  docs="docs/ui.md#json-api")
+        out: dict[str, Any] = {"status": status, "workflow": q.get("workflow") or None, "key": q.get("key") or None,
+                               "search": q.get("q") or None}
+        for name in ("since", "until"):
+            text = q.get(name)
+            if text:
+                try:
+                    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+                except ValueError:
+                    raise ValidationError(f"{name}={text!r} is not an ISO 8601 time",
+                                          hint="Write times like 2026-05-01T12:00:00Z.",
+                                          docs="docs/ui.md#json-api") from None
+                if when.tzinfo is None:
+                    when = when.astimezone()
+                out[name] = when
+        for name, default, low in (("limit", 50, 1), ("offset", 0, 0)):
+            text = q.get(name)
+            try:
+                value = int(text) if text not in (None, "") else default
+            except ValueError:
+                raise ValidationError(f"{name}={text!r} is not an integer", hint=f"Pass {name} as a whole number.",
+                                      docs="docs/ui.md#json-api") from None
+            if value < low or (name == "limit" and value > MAX_LIMIT):
+                raise ValidationError(f"{name}={value} is out of range",
+                                      hint=f"limit is 1-{MAX_LIMIT}; offset is 0 or more.",
+                                      docs="docs/ui.md#json-api")
+            out[name] = value
+        return out
+
+    async def _runs(self, filters: dict[str, Any]) -> list[dict[str, Any]]:
+        """One page of runs as `durably list --json` gives them, plus each run's completed steps."""
+        async def page() -> list[dict[str, Any]]:
+            out = []
+            for state in await self.engine.list(**filters):
+                row = state.to_dict()
+                try:
+                    row["steps_done"] = sum(s.status == "ok" for s in (await self.engine.inspect(state.run_id)).steps)
+                except DurablyError:
+                    row["steps_done"] = None
+                out.append(row)
+            return out
+        return await self.read(page)
+
+    async def runs(self, request: Request) -> Response:
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        try:
+            return Json(await self._runs(self._filters(request)))
+        except DurablyError as exc:
+            return _error(exc)
+
+    async def run(self, request: Request) -> Response:
+        return await self._read_one(request, lambda run: self.engine.inspect(run), lambda s: s.to_dict())
+
+    async def timeline(self, request: Request) -> Response:
+        return await self._read_one(request, lambda run: self.engine.timeline(run),
+                                    lambda spans: [s.to_dict() for s in spans])
+
+    async def graph(self, request: Request) -> Response:
+        return await self._read_one(request, lambda run: self.engine.graph(run), lambda gs: [g.to_dict() for g in gs])
+
+    async def _read_one(self, request: Request, call: Callable[[str], Awaitable[Any]],
+                        shape: Callable[[Any], Any]) -> Response:
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        run = request.path_params["run"]
+        try:
+            return Json(shape(await self.read(lambda: call(run))))
+        except DurablyError as exc:
+            return _error(exc)
+
+    # ---- live streams ----------------------------------------------------------------------------
+    def _stream(self, source: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(source, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    async def run_events(self, request: Request) -> Response:
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        run = request.path_params["run"]
+        try:
+            first = await self.snapshot(run)
+        except DurablyError as exc:
+            return _error(exc)
+        run_id = first["run"]["run_id"]
+
+        def mark() -> Any:
+            info = self.engine.storage.info(run_id)
+            return None if info is None else (info.updated_at, _dumps(info.last), info.held, info.epoch)
+
+        async def events() -> AsyncIterator[str]:
+            yield f"event: state\ndata: {_dumps(first)}\n\n"
+            seen = await anyio.to_thread.run_sync(mark)
+            quiet = time.monotonic()
+            while not await request.is_disconnected():
+                await asyncio.sleep(self.poll)
+                now = await anyio.to_thread.run_sync(mark)
+                if now != seen:
+                    seen = now
+                    try:
+                        yield f"event: state\ndata: {_dumps(await self.snapshot(run_id))}\n\n"
+                    except DurablyError as exc:
+                        yield f"event: failure\ndata: {_dumps(error_body(exc))}\n\n"
+                    quiet = time.monotonic()
+                elif time.monotonic() - quiet > 15:
+                    yield ": keep-alive\n\n"
+                    quiet = time.monotonic()
+        return self._stream(events())
+
+    async def runs_events(self, request: Request) -> Response:
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        try:
+            filters = self._filters(request)
+        except DurablyError as exc:
+            return _error(exc)
+
+        async def events() -> AsyncIterator[str]:
+            seen = None
+            while not await request.is_disconnected():
+                began = time.monotonic()
+                try:
+                    page = await self._runs(filters)
+                except DurablyError as exc:
+                    yield f"event: failure\ndata: {_dumps(error_body(exc))}\n\n"
+                    return
+                took = time.monotonic() - began
+                text = _dumps(page)
+                if text != seen:
+                    seen = text
+                    yield f"event: runs\ndata: {text}\n\n"
+                # A listing reads every run's first and last record: poll less often when that is slow.
+                await asyncio.sleep(max(4 * self.poll, 4 * took))
+        return self._stream(events())
+
+    # ---- operations ------------------------------------------------------------------------------
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"the request body is not JSON: {exc}", hint="Send a JSON object, e.g. {}.",
+                                  docs="docs/ui.md#json-api") from None
+        if not isinstance(body, dict):
+            raise ValidationError("the request body must be a JSON object", hint="Send a JSON object, e.g. {}.",
+                                  docs="docs/ui.md#json-api")
+        return body
+
+    def _timeout(self, body: dict[str, Any]) -> float:
+        value = body.get("timeout", 10)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 300:
+            raise ValidationError(f"timeout must be a number of seconds from 0 to 300, got {value!r}",
+                                  hint="Send e.g. {\"timeout\": 10}.", docs="docs/ui.md#json-api")
+        return float(value)
+
+    async def operate(self, request: Request) -> Response:
+        refused = self.guard(request, mutating=True)
+        if refused is not None:
+            return refused
+        run = request.path_params["run"]
+        op = request.path_params["op"]
+        try:
+            body = await self._body(request)
+            if op == "signal":
+                name = body.get("name")
+                payload = body.get("payload")
+                await self.engine.signal(run, name, payload)  # type: ignore[arg-type]
+                return Json({"run": run, "signal": name, "payload": payload, "sent": True})
+            if op == "cancel":
+                state = await self.engine.cancel(run, timeout=self._timeout(body))
+                return Json({"run_id": state.run_id, "status": state.status, "cancelled": state.status == "cancelled"})
+            if op == "pause":
+                state = await self.engine.pause(run, timeout=self._timeout(body))
+                return Json({"run_id": state.run_id, "status": state.status, "paused": state.status == "paused"})
+            if op == "resume":
+                state = await self.engine.resume(run, timeout=self._timeout(body))
+                return Json({"run_id": state.run_id, "status": state.status, "resumed": state.status != "paused"})
+            if op == "retry":
+                selector = parse_selector(body.get("from_step"))
+                return await self._start(lambda found: self.engine.retry(run, from_step=selector, on_run=found))
+            if op == "restart":
+                return await self._start(lambda found: self.engine.restart(run, on_run=found))
+        except DurablyError as exc:
+            return _error(exc)
+        return Json({"error": "NotFound", "message": f"no operation {op!r}", "hint":
+                     "Operations: signal, cancel, pause, resume, retry, restart.", "docs": "docs/ui.md#json-api"},
+                    status_code=404)
+
+    async def _start(self, begin: Callable[[Callable[[str], None]], Awaitable[Any]]) -> Response:
+        """Start a retry or restart in this server's process; answer once it runs (or failed to start)."""
+        started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        def found(run_id: str) -> None:
+            if not started.done():
+                started.set_result(run_id)
+
+        task = asyncio.ensure_future(begin(found))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        done, _ = await asyncio.wait({task, started}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if task in done and not started.done():
+            exc = task.exception()
+            if exc is not None:
+                return _error(exc)
+        if not started.done():
+            return Json({"error": "Timeout", "message": "the run did not start within 30 s", "hint":
+                         "Look at the runs page: it may still start.", "docs": "docs/ui.md#operations"},
+                        status_code=504)
+        run_id = started.result()
+        state = await self.read(lambda: self.engine.inspect(run_id))
+        return Json({"run_id": run_id, "status": state.status, "started": True})
+
+
+def parse_selector(value: Any) -> Any:
+    """A `from_step` as the API takes it: a path list [3, 1, 0], a path text "3.1.0", a label, or null."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text and all(part.isdigit() for part in text.split(".")):
+            return tuple(int(part) for part in text.split("."))
+        return text
+    raise ValidationError(f"from_step must be a path (a list or \"3.1.0\") or a label, got {value!r}",
+                          hint="Send {\"from_step\": \"2\"}, {\"from_step\": [3, 1, 0]} or {\"from_step\": \"fetch\"}.",
+                          docs="docs/operations.md#retry-from-a-step")
+
+
+def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> Starlette:
+    """The Starlette application of a console over `engine`."""
+    console = Console(engine, token, loopback, poll)
+    routes = [
+        Route("/", console.page),
+        Route("/runs/{run:path}", console.page),
+        Route("/api/runs", console.runs),
+        Route("/api/events", console.runs_events),
+        Route("/api/runs/{run}", console.run),
+        Route("/api/runs/{run}/timeline", console.timeline),
+        Route("/api/runs/{run}/graph", console.graph),
+        Route("/api/runs/{run}/events", console.run_events),
+        Route("/api/runs/{run}/{op}", console.operate, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    app = Starlette(routes=routes)
+    app.state.console = console
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (the only binds that need no token)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def run_server(engine: Engine, *, host: str, port: int, open_browser: bool, token: str | None,
+               announce: Callable[[str], Any]) -> None:
+    """Serve the console with uvicorn until interrupted; print (and optionally open) its URL."""
+    import uvicorn
+
+    loopback = is_loopback(host)
+    if not loopback and token is None:
+        token = secrets.token_urlsafe(24)
+    app = build(engine, token=token, loopback=loopback, poll=0.25)
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            if port == 0:
+                bound = server.servers[0].sockets[0].getsockname()[1]
+                shown_url = url.replace(f":{port}/", f":{bound}/", 1)
+            else:
+                shown_url = url
+            where = getattr(engine.storage, "dir", type(engine.storage).__name__)
+            announce(f"durably ui: {shown_url}  (storage: {where}; Ctrl-C stops)")
+            if open_browser:
+                webbrowser.open(shown_url)
+        await task
+
+    asyncio.run(main())

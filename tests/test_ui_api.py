@@ -1,0 +1,250 @@
+"""The console's JSON API (Starlette's test client) over real runs in real storage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from durably_py import Engine, FileStorage, SqliteStorage, ValidationError
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from durably_py.ui import create_app  # noqa: E402
+
+FLOWS = Path(__file__).parent / "ui_flows.py"
+
+
+def durably(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess."""
+    done = subprocess.run([sys.executable, "-m", "durably_py.cli", *args], capture_output=True, text=True, timeout=60)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def run_flow(state: Path, workflow: str, input: Any, *extra: str, check: bool = True) -> None:
+    durably("run", str(FLOWS), "--workflow", workflow, "--input", json.dumps(input), "--dir", str(state), *extra,
+            check=check)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state dir with real runs: a parallel run with retries, a graph, a run parked on a signal, a key."""
+    state = tmp_path_factory.mktemp("ui") / ".durably"
+    run_flow(state, "fanout", 5)
+    run_flow(state, "pipeline", None)
+    run_flow(state, "approval", 42, "--key", "exp-1", "--no-wait", check=False)
+    run_flow(state, "slow", {"n": 2, "delay": 0}, "--key", "tiny")
+    return state
+
+
+@pytest.fixture
+def client(store: Path) -> TestClient:
+    return TestClient(create_app(Engine(FileStorage(store))))
+
+
+def one(client: TestClient, **query: Any) -> dict[str, Any]:
+    runs = client.get("/api/runs", params=query).json()
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_runs_list_has_the_cli_json_shape_and_filters(client: TestClient, store: Path) -> None:
+    runs = client.get("/api/runs").json()
+    cli = json.loads(durably("list", "--json", "--dir", str(store)).stdout)
+    assert [r["run_id"] for r in runs] == [r["run_id"] for r in cli]
+    for mine, theirs in zip(runs, cli, strict=True):
+        assert {k: v for k, v in mine.items() if k != "steps_done"} == theirs
+    fanout = one(client, workflow="fanout")
+    assert fanout["status"] == "completed" and fanout["steps_done"] == 7  # 5 fetches, the sleep, the total
+    assert one(client, status="waiting")["key"] == "exp-1"
+    assert one(client, key="tiny")["workflow"] == "slow"
+    assert one(client, q="PIPE")["workflow"] == "pipeline"
+    assert len(client.get("/api/runs", params={"workflow": "stage"}).json()) == 5
+    later = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+    assert client.get("/api/runs", params={"since": later}).json() == []
+    assert len(client.get("/api/runs", params={"until": later}).json()) == len(runs)
+
+
+def test_runs_list_pages_through_every_run_once(client: TestClient) -> None:
+    every = [r["run_id"] for r in client.get("/api/runs").json()]
+    pages = [client.get("/api/runs", params={"limit": 3, "offset": o}).json() for o in range(0, len(every) + 3, 3)]
+    assert [r["run_id"] for page in pages for r in page] == every
+    assert pages[-1] == []
+
+
+@pytest.mark.parametrize("query", [{"status": "done"}, {"limit": 0}, {"limit": 5000}, {"offset": -1},
+                                   {"limit": "many"}, {"since": "yesterday"}])
+def test_bad_list_queries_answer_400_with_a_hint(client: TestClient, query: dict[str, Any]) -> None:
+    answer = client.get("/api/runs", params=query)
+    assert answer.status_code == 400
+    assert answer.json()["error"] == "ValidationError" and answer.json()["hint"]
+
+
+def test_engine_list_filters_and_pages(store: Path) -> None:
+    engine = Engine(FileStorage(store))
+    stages = asyncio.run(engine.list(workflow="stage"))
+    assert [s.run_id for s in asyncio.run(engine.list(workflow="stage", limit=2, offset=1))] == \
+        [s.run_id for s in stages[1:3]]
+    assert asyncio.run(engine.list(search="exp-")) [0].key == "exp-1"
+    with pytest.raises(ValidationError, match="timezone-aware"):
+        asyncio.run(engine.list(since=datetime.now()))
+    with pytest.raises(ValidationError, match="offset"):
+        asyncio.run(engine.list(offset=-2))
+
+
+def test_run_timeline_and_graph_match_the_cli(client: TestClient, store: Path) -> None:
+    run_id = one(client, workflow="fanout")["run_id"]
+    state = client.get(f"/api/runs/{run_id}").json()
+    assert state == json.loads(durably("inspect", run_id, "--json", "--dir", str(store)).stdout)
+    spans = client.get(f"/api/runs/{run_id}/timeline").json()
+    failed = [s for s in spans if s["path"] == [1] and s["kind"] == "attempt"]
+    assert [s["status"] for s in failed] == ["failed", "failed", "ok"]  # fetch 1 failed twice, then succeeded
+    backoffs = [s for s in spans if s["path"] == [1] and s["kind"] == "backoff"]
+    assert len(backoffs) == 2 and all(b["end"] > b["start"] for b in backoffs)
+    assert failed[0]["detail"].startswith("ConnectionError")
+    sleep = next(s for s in spans if s["kind"] == "sleep")
+    assert sleep["end"] - sleep["start"] >= 0.25
+    starts = sorted(s["start"] for s in spans if s["kind"] == "attempt" and s["path"][0] < 4)
+    assert starts[3] - starts[0] < 0.1  # four fetches began together (concurrency=4)
+
+    pipeline = one(client, workflow="pipeline")["run_id"]
+    graphs = client.get(f"/api/runs/{pipeline}/graph").json()
+    assert graphs == json.loads(durably("graph", pipeline, "--json", "--dir", str(store)).stdout)
+    assert {n["id"]: n["depends_on"] for n in graphs[0]["nodes"]}["train"] == ["clean", "features"]
+    assert client.get("/api/runs/exp-1").json()["status"] == "waiting"  # a key works as well as an id
+
+
+def test_unknown_run_is_404_with_hint(client: TestClient) -> None:
+    for path in ("/api/runs/nope-20260101-00000000", "/api/runs/nope-20260101-00000000/timeline",
+                 "/api/runs/nope-20260101-00000000/events"):
+        answer = client.get(path)
+        assert answer.status_code == 404
+        assert answer.json()["error"] == "RunNotFoundError" and answer.json()["hint"]
+
+
+def test_run_events_stream_sends_the_state_first(client: TestClient) -> None:
+    with client.stream("GET", "/api/runs/tiny/events") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        assert next(lines) == "event: state"
+        snap = json.loads(next(lines)[len("data: "):])
+    assert snap["run"]["key"] == "tiny" and snap["run"]["status"] == "completed"
+    assert [s["label"] for s in snap["timeline"]] == ["tick 0", "tick 1"]
+
+
+def test_runs_events_stream_sends_the_page(client: TestClient) -> None:
+    with client.stream("GET", "/api/events", params={"workflow": "slow"}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "event: runs"
+        page = json.loads(next(lines)[len("data: "):])
+    assert [r["key"] for r in page] == ["tiny"]
+
+
+def post(client: TestClient, path: str, body: Any = None, **headers: str) -> Any:
+    return client.post(path, content=json.dumps(body if body is not None else {}),
+                       headers={"Content-Type": "application/json", **headers})
+
+
+def test_signal_validates_and_delivers(tmp_path: Path) -> None:
+    state = tmp_path / ".durably"
+    run_flow(state, "approval", 10, "--key", "a1", "--no-wait", check=False)
+    client = TestClient(create_app(Engine(FileStorage(state))))
+    bad = post(client, "/api/runs/a1/signal", {"name": "$cancel"})
+    assert bad.status_code == 400 and "hint" in bad.json()
+    sent = post(client, "/api/runs/a1/signal", {"name": "approval", "payload": {"ok": True, "by": "ana"}})
+    assert sent.json() == {"run": "a1", "signal": "approval", "payload": {"ok": True, "by": "ana"}, "sent": True}
+    durably("retry", "a1", "--dir", str(state))  # the run reads its inbox and completes
+    assert client.get("/api/runs/a1").json()["result"] == "paid 10.00, approved by ana"
+    late = post(client, "/api/runs/a1/signal", {"name": "approval", "payload": None})
+    assert late.status_code == 400 and "still waiting" in late.json()["hint"]
+
+
+def test_cancel_pause_resume_retry_restart(tmp_path: Path) -> None:
+    state = tmp_path / ".durably"
+    run_flow(state, "approval", 5, "--key", "b1", "--no-wait", check=False)
+    client = TestClient(create_app(Engine(FileStorage(state))))
+    assert post(client, "/api/runs/b1/pause").json() == {"run_id": client.get("/api/runs/b1").json()["run_id"],
+                                                         "status": "paused", "paused": True}
+    refused = post(client, "/api/runs/b1/retry")
+    assert refused.status_code == 400 and "resume" in refused.json()["hint"].lower()
+    assert post(client, "/api/runs/b1/resume").json()["resumed"] is True
+    assert post(client, "/api/runs/b1/cancel").json()["cancelled"] is True
+    again = post(client, "/api/runs/b1/cancel")
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    assert post(client, "/api/runs/b1/retry").json()["hint"].startswith("Start it over")
+
+    run_flow(state, "slow", {"n": 3, "delay": 0}, "--key", "c1")
+    old = client.get("/api/runs/c1").json()["run_id"]
+    retried = post(client, "/api/runs/c1/retry", {"from_step": "1"})
+    assert retried.status_code == 200 and retried.json()["run_id"] == old
+    wrong = post(client, "/api/runs/c1/retry", {"from_step": "no such step"})
+    assert wrong.status_code in (400, 409) and "tick 0" in wrong.json()["message"]
+    restarted = post(client, "/api/runs/c1/restart")
+    assert restarted.status_code == 200 and restarted.json()["run_id"] != old
+
+
+def test_mutations_refuse_cross_site_requests(client: TestClient) -> None:
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        answer = post(client, "/api/runs/tiny/pause", **headers)
+        assert answer.status_code == 403 and answer.json()["hint"]
+    form = client.post("/api/runs/tiny/cancel", data={"x": "1"})  # what a plain cross-site form could send
+    assert form.status_code == 403
+    same = post(client, "/api/runs/tiny/signal", {"name": "go"}, Origin="http://testserver",
+                **{"Sec-Fetch-Site": "same-origin"})
+    assert same.status_code == 400 and "completed" in same.json()["message"]  # passed the guard, then validated
+    assert client.get("/", headers={"Host": "attacker.example"}).status_code == 403
+
+
+def test_token_guards_pages_api_and_operations(store: Path) -> None:
+    client = TestClient(create_app(Engine(FileStorage(store)), token="s3cret", loopback=False))
+    assert client.get("/api/runs").status_code == 401
+    assert client.get("/").status_code == 401
+    assert client.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    opened = client.get("/?token=s3cret", follow_redirects=False)
+    assert opened.status_code == 303 and "durably_ui_token" in opened.headers["set-cookie"]
+    assert client.get("/api/runs").status_code == 200  # the cookie now carries the token
+    assert 'content="s3cret"' in client.get("/").text
+    assert post(client, "/api/runs/tiny/pause").status_code == 401  # a cookie alone does not operate
+    answer = post(client, "/api/runs/tiny/signal", {"name": "go"}, Authorization="Bearer s3cret")
+    assert answer.status_code == 400  # authorized; refused only because the run completed
+
+
+def test_pages_and_assets_are_served_from_the_package(client: TestClient) -> None:
+    page = client.get("/runs/tiny")
+    assert page.status_code == 200 and "/static/app.js" in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    for asset in ("app.js", "app.css", "icon.svg"):
+        assert client.get(f"/static/{asset}").status_code == 200
+    assert "http" not in client.get("/static/app.css").text.replace("http://www.w3.org", "")
+
+
+def test_sqlite_storage_is_served_too(tmp_path: Path) -> None:
+    from durably_py import run
+    from tests.ui_flows import slow
+
+    engine = Engine(SqliteStorage(tmp_path / "runs.db"))
+    asyncio.run(engine.run(slow, {"n": 2, "delay": 0}, key="sq"))
+    assert run is not None
+    client = TestClient(create_app(engine))
+    assert client.get("/api/runs").json()[0]["key"] == "sq"
+    assert client.get("/api/runs/sq").json()["status"] == "completed"
+
+
+def test_cli_says_what_to_install_without_the_extra(tmp_path: Path) -> None:
+    code = (f"import sys; sys.modules['starlette'] = None; sys.argv = ['durably', 'ui', '--dir', {str(tmp_path)!r}]; "
+            "from durably_py.cli import main; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    assert "pip install 'durably-py[ui]'" in done.stderr
