@@ -867,13 +867,16 @@ def ui(
         = 8765,
     open_browser: Annotated[bool, typer.Option("--open", help="Open the console in the default browser.")] = False,
     dir: DirOption = None,
+    storage: Annotated[str | None, typer.Option("--storage", metavar="URL", show_default=False,
+                                                help="Storage URL instead of --dir: a directory, file:PATH, "
+                                                     "sqlite:PATH or postgresql://...")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Serve the web console and its JSON API over the runs in DIR (needs `pip install 'durably-py[ui]'`)."""
+    """Serve the web console and its JSON API over the runs in DIR or URL (needs `pip install 'durably-py[ui]'`)."""
     from . import ui as console
 
     with _guard(debug):
-        engine = engine_for(dir)
+        engine = engine_for(dir, storage)
         token = os.environ.get("DURABLY_UI_TOKEN") or None
         try:
             console.serve(engine, host=host, port=port, open_browser=open_browser, token=token,

@@ -231,15 +231,35 @@ def test_pages_and_assets_are_served_from_the_package(client: TestClient) -> Non
 
 
 def test_sqlite_storage_is_served_too(tmp_path: Path) -> None:
-    from durably_py import run
     from tests.ui_flows import slow
 
     engine = Engine(SqliteStorage(tmp_path / "runs.db"))
     asyncio.run(engine.run(slow, {"n": 2, "delay": 0}, key="sq"))
-    assert run is not None
     client = TestClient(create_app(engine))
     assert client.get("/api/runs").json()[0]["key"] == "sq"
     assert client.get("/api/runs/sq").json()["status"] == "completed"
+
+
+def test_cli_serves_a_storage_url(tmp_path: Path) -> None:
+    """`durably ui --storage sqlite:PATH` in a real process: the printed URL answers with that store's runs."""
+    import re
+
+    import httpx
+
+    from tests.ui_flows import slow
+
+    db = tmp_path / "runs.db"
+    asyncio.run(Engine(SqliteStorage(db)).run(slow, {"n": 1, "delay": 0}, key="via-url"))
+    server = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "ui", "--storage", f"sqlite:{db}", "--port", "0"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        url = re.search(r"http://\S+", server.stderr.readline())
+        assert url is not None
+        assert [r["key"] for r in httpx.get(url.group(0) + "api/runs", timeout=10).json()] == ["via-url"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_cli_says_what_to_install_without_the_extra(tmp_path: Path) -> None:
