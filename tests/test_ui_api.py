@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 
-from starlette.testclient import TestClient  # noqa: E402
+with warnings.catch_warnings():  # Starlette >= 1.10 suggests httpx2 for its test client; httpx still works
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from starlette.testclient import TestClient  # noqa: E402
 
 from durably_py.ui import create_app  # noqa: E402
 

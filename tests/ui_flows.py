@@ -84,3 +84,14 @@ async def many(ctx: Any, n: int) -> int:
     for i in range(n):
         await ctx.step(tick, i, 0, name="step")
     return n
+
+
+def charge(amount: float) -> str:
+    raise RuntimeError(f"card declined for {amount:.2f}")
+
+
+@workflow
+async def checkout(ctx: Any, amount: float) -> str:
+    """A run that fails: its charge is declined on every attempt."""
+    await ctx.step(tick, 0, 0.01, name="reserve stock")
+    return await ctx.step(charge, amount, name="charge card", retry=Retry(2, base=0.05))

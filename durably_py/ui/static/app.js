@@ -271,7 +271,7 @@ function runPage(runRef) {
     const st = run.status;
     const waitingFor = run.steps.filter((x) => x.status === "waiting").map((x) => x.output && x.output.signal).filter(Boolean);
     const canCancel = !ENDED.has(st), canPause = !ENDED.has(st) && st !== "paused", canResume = st === "paused";
-    const canRetry = !["running", "paused", "cancelled"].includes(st), canRestart = st !== "running";
+    const canRetry = st !== "running", canRestart = st !== "running";  // a refusal explains itself, with its hint
     return h("div", { class: "ops" },
       h("button", { type: "button", class: waitingFor.length ? "primary" : "", disabled: ENDED.has(st) && st !== "failed", "data-op": "signal",
         onclick: () => signalDialog(run, waitingFor[0] || "") }, "Signal…"),
