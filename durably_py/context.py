@@ -12,6 +12,7 @@ from .errors import ValidationError
 from .history import BUDGET_KINDS
 from .kernel import PLAIN, Complete, RunHandle, StepOptions, current_attempt, label_of
 from .policies import check_timeout
+from .records import Stash
 from .result import Err, Ok
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class AttemptContext:
     def stash(self, value: Any) -> None:
         """Record partial progress durably now; the next attempt of this step starts from it."""
         wire = dump_value(value, "stash")
-        self.kernel.write({"t": "stash", "p": self.path, "v": wire})
+        self.kernel.write(Stash(path=self.path, value=wire))
         self._stashed = load_value(wire)
         self.did_stash = True
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from . import graphs
+from . import graphs, records
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
-from .codec import digest, dump_error, dump_value, encode_line, load_error, load_value, to_iso
+from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
 from .context import WorkflowContext
 from .errors import (
     DurablyError,
@@ -39,7 +39,7 @@ from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .resources import Gates, Resource
-from .storage import LOG_VERSION, FileStorage, RunInfo, Storage, validate_key, validate_run_id
+from .storage import FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
 from .timeline import Span, spans
@@ -170,7 +170,7 @@ class Engine:
         log = self.storage.read(run_id)
         if log is None:
             raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
-        return History(log.records), log.torn
+        return History(log.records, log.where or f"run {run_id}"), log.torn
 
     def _where(self) -> str:
         return str(getattr(self.storage, "dir", type(self.storage).__name__))
@@ -247,10 +247,13 @@ class Engine:
         states = []
         for prefix, record in history.graphs.items():
             children: dict[str, str | None] = {}
-            for i, task_id in enumerate(record["tasks"]):
+            for i, task_id in enumerate(record.tasks):
                 spawn = history.done.get(f"{prefix}.{i}.0")
-                children[task_id] = spawn["v"]["run_id"] if spawn is not None and spawn["t"] == "ok" else None
-            states.append(graphs.describe(run_id, path_tuple(prefix), record, children, self._status, live))
+                child = spawn.value.get("run_id") if isinstance(spawn, records.Ok) and isinstance(spawn.value, dict) \
+                    else None
+                children[task_id] = child if isinstance(child, str) else None
+            states.append(graphs.describe(run_id, path_tuple(prefix), {"tasks": record.tasks}, children, self._status,
+                                          live))
         return states
 
     def _status(self, run_id: str) -> str:
@@ -262,9 +265,9 @@ class Engine:
         """Enough history for a run's status: its header and last record (the whole log after a resume)."""
         if info.last.get("t") == "resume":
             return self._read(info.run_id)[0]
-        history = History([info.header])
+        history = History([info.header], f"run {info.run_id}")
         if info.last.get("t") in ("end", "wait", "wake", "pause"):
-            history.add(info.last)
+            history.add(records.load_one(info.last, f"run {info.run_id}"))
         return history
 
     async def signal(self, run: str, name: str, payload: Any = None) -> None:
@@ -282,8 +285,8 @@ class Engine:
             raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
                                   hint="Signal a run that is still waiting (`durably list --status waiting`).",
                                   docs="docs/authoring.md#parking", run_id=run_id)
-        self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8), "name": name,
-                                               "payload": wire, "at": to_iso(datetime.now(UTC))}))
+        self.storage.send(run_id, records.encode(records.Signal(id=secrets.token_hex(8), name=name, payload=wire,
+                                                                at=to_iso(datetime.now(UTC)))))
 
     # ---- running --------------------------------------------------------------------------------
     async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
@@ -311,7 +314,7 @@ class Engine:
         lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
         if lease is None:
             if on_run is not None:
-                on_run(history.header["run_id"])
+                on_run(history.header.run_id)
             return self._joined(workflow, history)
         run_id = lease.run_id
         if on_run is not None:
@@ -334,13 +337,13 @@ class Engine:
         if run_id is None:
             run_id = await self._identify(workflow, input, key, fresh, budget)
         while True:
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=records.load)
             if lease is not None:
-                history = History(lease.records)
-                if history.end is not None and history.end["status"] == "completed":
+                history = History(lease.records, lease.where)
+                if history.end is not None and history.end.status == "completed":
                     self.storage.release(lease)
                     return None, history, None, lease.torn
-                return lease, history, history.header.get("input"), lease.torn
+                return lease, history, history.header.input, lease.torn
             while self.storage.held(run_id):
                 await asyncio.sleep(JOIN_POLL)
             history, torn = self._read(run_id)
@@ -480,12 +483,12 @@ class Engine:
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, **extra: Any) -> None:
         """Write the header of a run whose identity is already bound to `run_id`."""
-        header = {"t": "run", "v": LOG_VERSION, "run_id": run_id, "workflow": workflow.name,
-                  "fingerprint": workflow.fingerprint, "key": key, "input": wire_input,
-                  "input_digest": input_digest, "identity": identity, "budget": budget,
-                  "created_at": to_iso(datetime.now(UTC)), "script": script_of(workflow),
-                  "module": workflow.fn.__module__, "ts": time.time(), **extra}
-        self.storage.create(run_id, encode_line(header))
+        header = records.Header(v=records.LOG_VERSION, run_id=run_id, workflow=workflow.name,
+                                fingerprint=workflow.fingerprint, key=key, input=wire_input,
+                                input_digest=input_digest, identity=identity, budget=budget,
+                                created_at=to_iso(datetime.now(UTC)), script=script_of(workflow),
+                                module=workflow.fn.__module__, ts=time.time(), **extra)
+        self.storage.create(run_id, records.encode(header))
 
     # ---- child runs -----------------------------------------------------------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
@@ -518,7 +521,7 @@ class Engine:
     async def _run_child(self, run_id: str, workflow: Workflow | None) -> Any:
         info = self.storage.info(run_id)
         if info is not None and info.last.get("t") == "end" and info.last.get("status") != "failed":
-            return self._joined(workflow, History([info.header, info.last]))
+            return self._joined(workflow, History([info.header, info.last], f"run {run_id}"))
         async with self._slots:
             return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
 
@@ -530,18 +533,17 @@ class Engine:
         """The result of a run another process finished (or that had finished already)."""
         end = history.end
         assert end is not None
-        run_id = history.header["run_id"]
-        if end["status"] == "completed":
-            value = load_value(end["result"])
+        run_id = history.header.run_id
+        if end.status == "completed":
+            value = load_value(end.result)
             schema = workflow.output_schema if workflow is not None else None
             return schema.convert(value, "result") if schema is not None else value
-        if not end.get("error"):
+        if not end.error:
             raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-        error = load_error(end["error"])
+        error = load_error(end.error)
         if isinstance(error, DurablyError) or not isinstance(error, Exception):
             raise error
-        raise error from WorkflowFailedError(f"run {history.header['run_id']} failed in another process",
-                                             run_id=history.header["run_id"])
+        raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
 
     async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
@@ -554,7 +556,7 @@ class Engine:
         if threshold and self.storage.size(lease.run_id) > threshold:
             kept = history.compacted()
             if len(kept) <= 0.75 * len(lease.records):
-                self.storage.rewrite(lease, b"".join(encode_line(r) for r in kept))
+                self.storage.rewrite(lease, b"".join(records.encode(r) for r in kept))
         tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
                                   silent=advisories == "silent",
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])
@@ -562,12 +564,12 @@ class Engine:
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
                            on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
                            wait=wait)
-        if history.end is not None and history.end["status"] == "failed":
-            kernel.write({"t": "reopen", "ts": time.time()})
+        if history.end is not None and history.end.status == "failed":
+            kernel.write(records.Reopen(ts=time.time()))
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
-            kernel.write({"t": "code", "fingerprint": workflow.fingerprint})
+            kernel.write(records.Code(fingerprint=workflow.fingerprint))
         if budget is not None and budget != history.budget:
-            kernel.write({"t": "budget", "b": budget})
+            kernel.write(records.Budget(budget=budget))
             kernel.budget = budget
         value = load_value(wire_input)
         if workflow.input_schema is not None:
@@ -578,7 +580,7 @@ class Engine:
             return await kernel.run(WorkflowContext(kernel))
         except Exception as exc:
             ended = kernel.history.end
-            if self.on_run_failed is not None and ended is not None and ended["status"] == "failed":
+            if self.on_run_failed is not None and ended is not None and ended.status == "failed":
                 try:
                     result = self.on_run_failed({"run_id": lease.run_id, "error": exc})
                     if asyncio.iscoroutine(result):
@@ -599,7 +601,7 @@ class Engine:
                            workflow=workflow, input=None, clock=self.clock, executor=self.executor,
                            checkpoint_every=None, on_step=on_step, advisories=tracker)
         kernel.shadow = True
-        value = load_value(history.header.get("input"))
+        value = load_value(history.header.input)
         kernel.input = workflow.input_schema.convert(value, "input") if workflow.input_schema else value
         try:
             await kernel.run(WorkflowContext(kernel))
@@ -651,7 +653,7 @@ class Engine:
         asked = False
         while True:
             history, _ = self._read(run_id)
-            status = history.end["status"] if history.end is not None else None
+            status = history.end.status if history.end is not None else None
             if status == "completed":
                 late = " before the cancel request took effect" if asked else ""
                 self._drop_cancel_requests(run_id)
@@ -676,15 +678,15 @@ class Engine:
             await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
         return state
 
-    def _amend(self, run_id: str, record: Callable[[History], dict[str, Any] | None]) -> bool:
+    def _amend(self, run_id: str, record: Callable[[History], records.Record | None]) -> bool:
         """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
-        lease = self.storage.claim(run_id, self.owner, self.lease_ttl)
+        lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=records.load)
         if lease is None:
             return False
         try:
-            chosen = record(History(lease.records))
+            chosen = record(History(lease.records, lease.where))
             if chosen is not None:
-                self.storage.append(lease, encode_line(chosen))
+                self.storage.append(lease, records.encode(chosen))
                 self.storage.sync(lease)
             return True
         finally:
@@ -698,8 +700,8 @@ class Engine:
 
     def _request(self, run_id: str, name: str) -> None:
         """Put control request `name` ($cancel, $pause, $resume) in the run's inbox."""
-        self.storage.send(run_id, encode_line({"t": "signal", "id": secrets.token_hex(8), "name": name,
-                                               "payload": None, "at": to_iso(datetime.now(UTC))}))
+        self.storage.send(run_id, records.encode(records.Signal(id=secrets.token_hex(8), name=name,
+                                                                at=to_iso(datetime.now(UTC)))))
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
@@ -728,7 +730,7 @@ class Engine:
                     return await self.inspect(run_id)
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            if self._amend(run_id, lambda h: {"t": "pause", "ts": time.time()}
+            if self._amend(run_id, lambda h: records.Pause(ts=time.time())
                            if run_status(h, False) not in ("paused", "completed", "cancelled") else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
         state = await self.inspect(run_id)
@@ -761,7 +763,7 @@ class Engine:
                     break
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            if self._amend(run_id, lambda h: {"t": "resume", "ts": time.time()} if h.paused else None):
+            if self._amend(run_id, lambda h: records.Resume(ts=time.time()) if h.paused else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
                 break
         state = await self.inspect(run_id)
@@ -809,8 +811,8 @@ class Engine:
         if from_step is not None:
             if status == "completed":
                 self._drop_cancel_requests(run_id)
-            if not self._amend(run_id, lambda h: {"t": "reset", "paths": self._reset_paths(h, from_step),
-                                                  "ts": time.time()}):
+            if not self._amend(run_id, lambda h: records.Reset(paths=self._reset_paths(h, from_step),
+                                                              ts=time.time())):
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                       docs="docs/operations.md#retry")
@@ -828,18 +830,18 @@ class Engine:
         order = list(history.done)
         seen: dict[str, int] = {}
         for index, path in enumerate(order if shape_ok else ()):
-            label = history.done[path]["l"]
+            label = history.done[path].label
             nth = seen[label] = seen.get(label, 0) + 1
             if RunKernel.matches(selector, path, label, nth):
                 return order[index:] + [p for p in order[:index] if p.startswith(f"{path}.")]
-        steps = [f"{path_tuple(p)} {history.done[p]['l']}" for p in sorted(order, key=path_tuple)]
+        steps = [f"{path_tuple(p)} {history.done[p].label}" for p in sorted(order, key=path_tuple)]
         listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")
         what = "matches no recorded step" if shape_ok else "is not a step selector"
         raise ValidationError(
-            f"from_step={selector!r} {what} of run {history.header['run_id']}; its steps: {listed or 'none'}",
+            f"from_step={selector!r} {what} of run {history.header.run_id}; its steps: {listed or 'none'}",
             hint="Select a step by its path (2,) or (3, 1, 0), by its label 'fetch', or by (label, nth) for the "
                  "nth step with that label; `durably inspect RUN` shows paths and labels.",
-            docs="docs/operations.md#retry-from-a-step", run_id=history.header["run_id"])
+            docs="docs/operations.md#retry-from-a-step", run_id=history.header.run_id)
 
     async def restart(self, run: str, *, on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                       on_run: Callable[[str], Any] | None = None) -> Any:
@@ -851,10 +853,10 @@ class Engine:
                                   docs="docs/operations.md#restart", run_id=run_id)
         history, _ = self._read(run_id)
         workflow = self.workflow_for(run_id)
-        value = load_value(history.header.get("input"))
+        value = load_value(history.header.input)
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
-        return await self.run(workflow, value, key=history.header.get("key"), fresh=True, budget=history.budget,
+        return await self.run(workflow, value, key=history.header.key, fresh=True, budget=history.budget,
                               on_step=on_step, wait=wait, on_run=on_run)
 
 
@@ -890,13 +892,13 @@ def engine_for(dir: str | os.PathLike[str] | None, storage: str | None = None) -
     return engine
 
 
-def _cancelled_end(history: History) -> dict[str, Any] | None:
+def _cancelled_end(history: History) -> records.End | None:
     """The end record that cancels a run no process holds (None when it already ended otherwise)."""
-    if history.end is not None and history.end["status"] != "failed":
+    if history.end is not None and history.end.status != "failed":
         return None
-    run_id = history.header["run_id"]
+    run_id = history.header.run_id
     error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-    return {"t": "end", "status": "cancelled", "error": dump_error(error), "ts": time.time()}
+    return records.End(status="cancelled", error=dump_error(error), ts=time.time())
 
 
 class DefaultEngine:

@@ -147,6 +147,13 @@ class CorruptLogError(DurablyError):
     anchor = "corruptlogerror"
 
 
+class LogVersionError(CorruptLogError):
+    """A run's log was written by a newer durably-py than this one (its header's version is higher)."""
+
+    default_hint = "Upgrade durably-py to the version that wrote the run; the log is left untouched."
+    anchor = "logversionerror"
+
+
 class WorkflowFailedError(DurablyError):
     """A workflow failed in another process; raised when its recorded error cannot be rebuilt."""
 

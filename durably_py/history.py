@@ -1,111 +1,94 @@
 """A run's log read back: what replay answers from, and what `inspect` shows.
 
-Record types (``"t"``), one JSON object per line, first the header:
-``run`` header (``v`` = log version) · ``claim`` a process took the lease (``epoch``
-is the workflow attempt) · ``code`` the workflow's fingerprint changed ·
-``budget`` the budget changed · ``ok`` / ``err`` a step finished (``p`` path, ``l``
-label, ``v`` value or ``e`` error, ``a`` attempt, ``ms``, ``ts``) · ``fail`` an attempt
-failed and the step will retry at ``next`` · ``start`` an unsafe step began ·
-``stash`` partial progress · ``wake`` a durable sleep's wake time (``at``) ·
-``wait`` a wait for signal ``name`` (``deadline``); the ``ok`` that ends it names the signal
-(``sig``) · ``graph`` a ``ctx.graph`` definition (``tasks``) ·
-``snap`` a ``ctx.loop`` snapshot (state ``s``
-after iteration ``i``) · ``charge`` spend (``c``) · ``comp`` a compensation ran ·
-``adv`` an advisory · ``note`` annotations · ``reopen`` a failed run was resumed ·
-``reset`` `retry --from-step` invalidated the steps at ``paths`` ·
-``pause`` / ``resume`` the run was paused / resumed (paused while a ``pause`` follows the last ``resume``) ·
-``end`` the run finished (``status``, ``result`` or ``error``).
+The records themselves (kinds, fields, version, validation) are defined in `records.py` and
+docs/log-format.md; `History` folds a validated log into tables keyed by step path, one
+handler per record kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from . import records as r
 from .codec import load_value
+from .records import Header, Record
 
 BUDGET_KINDS = ("usd", "tokens", "units")
 
 
 class History:
-    """Everything replay needs from a run's records, with superseded records already dropped."""
+    """Everything replay needs from a run's records, with superseded records already dropped.
 
-    def __init__(self, records: list[dict[str, Any]]) -> None:
-        self.header: dict[str, Any] = records[0]
-        self.done: dict[str, dict[str, Any]] = {}
-        self.fails: dict[str, dict[str, Any]] = {}
-        self.starts: dict[str, dict[str, Any]] = {}
-        self.stashes: dict[str, dict[str, Any]] = {}
-        self.comps: dict[str, dict[str, Any]] = {}
-        self.snaps: dict[str, dict[str, Any]] = {}
-        self.graphs: dict[str, dict[str, Any]] = {}
-        self.wakes: dict[str, dict[str, Any]] = {}
-        self.waits: dict[str, dict[str, Any]] = {}
+    `records` are validated first (`records.load`): a damaged log raises `CorruptLogError` naming
+    `where`, line and field, before anything reads it."""
+
+    def __init__(self, records: list[Any], where: str = "run log") -> None:
+        typed = r.load(records, where)
+        self.header: Header = typed[0]  # type: ignore[assignment]
+        self.done: dict[str, r.Ok | r.Err] = {}
+        self.fails: dict[str, r.Fail] = {}
+        self.starts: dict[str, r.Start] = {}
+        self.stashes: dict[str, r.Stash] = {}
+        self.comps: dict[str, r.Comp] = {}
+        self.snaps: dict[str, r.Snap] = {}
+        self.graphs: dict[str, r.Graph] = {}
+        self.wakes: dict[str, r.Wake] = {}
+        self.waits: dict[str, r.Wait] = {}
         self.signals: set[str] = set()
-        self.charges: dict[str, dict[str, Any]] = {}
+        self.charges: dict[str, r.Charge] = {}
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
-        self.end: dict[str, Any] | None = None
-        self.claim: dict[str, Any] | None = None
+        self.end: r.End | None = None
+        self.claim: r.Claim | None = None
         self.paused = False
-        self.budget: dict[str, float] | None = self.header.get("budget")
-        self.fingerprint: str | None = self.header.get("fingerprint")
+        self.budget: dict[str, float] | None = self.header.budget
+        self.fingerprint: str | None = self.header.fingerprint
         self.updated: float | None = None
-        for rec in records[1:]:
-            self.add(rec)
+        fold = _FOLD
+        for rec in typed[1:]:
+            fold[type(rec)](self, rec)
+        for rec in reversed(typed):
+            ts = getattr(rec, "ts", None)
+            if ts is not None:
+                self.updated = ts
+                break
 
-    def add(self, rec: dict[str, Any]) -> None:
+    def add(self, rec: Record) -> None:
         """Fold one record into the history (records must come in log order)."""
-        t = rec["t"]
-        if t == "ok" or t == "err":
-            self.done[rec["p"]] = rec
-            if "sig" in rec:
-                self.signals.add(rec["sig"])
-        elif t == "fail":
-            self.fails[rec["p"]] = rec
-        elif t == "start":
-            self.starts[rec["p"]] = rec
-        elif t == "stash":
-            self.stashes[rec["p"]] = rec
-        elif t == "charge":
-            self.charges[rec["p"]] = rec
-        elif t == "comp":
-            self.comps[rec["p"]] = rec
-        elif t == "claim":
-            self.claim = rec
-        elif t == "adv":
-            self.advisories[rec["a"]["code"]] = rec["a"]
-        elif t == "note":
-            self.notes.update(rec["n"])
-        elif t == "end":
-            self.end = rec
-        elif t == "reopen":
-            self.reopen()
-        elif t == "reset":
-            self.reset(rec["paths"])
-        elif t == "wait":
-            self.waits[rec["p"]] = rec
-        elif t == "wake":
-            self.wakes[rec["p"]] = rec
-        elif t == "graph":
-            self.graphs[rec["p"]] = rec
-        elif t == "snap":
-            self.snaps[rec["p"]] = rec
-        elif t == "code":
-            self.fingerprint = rec["fingerprint"]
-        elif t == "budget":
-            self.budget = rec["b"]
-        elif t == "pause":
-            self.paused = True
-        elif t == "resume":
-            self.paused = False
-        if "ts" in rec:
-            self.updated = rec["ts"]
+        _FOLD[type(rec)](self, rec)
+        ts = getattr(rec, "ts", None)
+        if ts is not None:
+            self.updated = ts
 
-    def reopen(self) -> None:
+    def _done(self, rec: r.Ok | r.Err) -> None:
+        self.done[rec.path] = rec
+        if isinstance(rec, r.Ok) and rec.signal is not None:
+            self.signals.add(rec.signal)
+
+    def _advice(self, rec: r.Advice) -> None:
+        self.advisories[rec.advisory["code"]] = rec.advisory
+
+    def _pause(self, rec: r.Pause | r.Resume) -> None:
+        self.paused = isinstance(rec, r.Pause)
+
+    def _code(self, rec: r.Code) -> None:
+        self.fingerprint = rec.fingerprint
+
+    def _budget(self, rec: r.Budget) -> None:
+        self.budget = rec.budget
+
+    def _end(self, rec: r.End) -> None:
+        self.end = rec
+
+    def _claim(self, rec: r.Claim) -> None:
+        self.claim = rec
+
+    def reopen(self, rec: r.Reopen | None = None) -> None:
         """A failed run resumes: failed and compensated steps run again, with fresh attempts."""
-        for path in [p for p, r in self.done.items() if r["t"] == "err" or p in self.comps]:
+        for path in [p for p, d in self.done.items() if isinstance(d, r.Err) or p in self.comps]:
             del self.done[path]
             self.fails.pop(path, None)
             self.starts.pop(path, None)
@@ -113,24 +96,26 @@ class History:
         self.comps.clear()
         self.end = None
 
-    def reset(self, paths: list[str]) -> None:
+    def reset(self, paths: list[str] | r.Reset) -> None:
         """`retry --from-step`: the steps at `paths` run again (loops rewind past them); the run is open again."""
-        if self.end is not None and self.end.get("status") == "failed":
+        if isinstance(paths, r.Reset):
+            paths = paths.paths
+        if self.end is not None and self.end.status == "failed":
             self.reopen()
         drop = set(paths)
         for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps):
             for path in [p for p in table if p in drop]:
-                del table[path]
+                del table[path]  # type: ignore[attr-defined]
         for loop, snap in list(self.snaps.items()):
             inner = [q[len(loop) + 1:].partition(".")[0] for q in paths if q.startswith(f"{loop}.")]
-            if loop in drop or any(i.isdigit() and int(i) <= snap["i"] for i in inner):
+            if loop in drop or any(i.isdigit() and int(i) <= snap.iteration for i in inner):
                 del self.snaps[loop]
         self.end = None
 
     @property
     def attempt(self) -> int:
         """The workflow attempt: how many times a process has claimed the run."""
-        return self.claim["epoch"] if self.claim else 0
+        return self.claim.epoch if self.claim else 0
 
     def parked(self) -> str | None:
         """"waiting" or "sleeping" while a wait or sleep has no result yet, else None."""
@@ -144,8 +129,8 @@ class History:
         """Total charges per budget kind."""
         totals = dict.fromkeys(BUDGET_KINDS, 0.0)
         for rec in self.charges.values():
-            for kind, amount in rec["c"].items():
-                totals[kind] += amount
+            for kind, amount in rec.amounts.items():
+                totals[kind] = totals.get(kind, 0.0) + amount
         return totals
 
     def snapshotted(self, path: str) -> bool:
@@ -153,34 +138,71 @@ class History:
         for loop, snap in self.snaps.items():
             if path.startswith(loop + "."):
                 iteration = path[len(loop) + 1:].partition(".")[0]
-                if iteration.isdigit() and int(iteration) <= snap["i"]:
+                if iteration.isdigit() and int(iteration) <= snap.iteration:
                     return True
         return False
 
-    def compacted(self) -> list[dict[str, Any]]:
+    def compacted(self) -> list[Record]:
         """The fewest records that rebuild this same history (for log compaction)."""
-        out: list[dict[str, Any]] = [self.header]
-        if self.fingerprint != self.header.get("fingerprint"):
-            out.append({"t": "code", "fingerprint": self.fingerprint})
-        if self.budget != self.header.get("budget"):
-            out.append({"t": "budget", "b": self.budget})
+        out: list[Record] = [self.header]
+        if self.fingerprint != self.header.fingerprint:
+            out.append(r.Code(fingerprint=self.fingerprint))
+        if self.budget != self.header.budget:
+            out.append(r.Budget(budget=self.budget))
         if self.claim:
             out.append(self.claim)
-        out.extend(r for p, r in self.done.items() if not self.snapshotted(p))
+        out.extend(d for p, d in self.done.items() if not self.snapshotted(p))
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
-            out.extend(r for p, r in table.items() if p not in self.done)
+            out.extend(d for p, d in table.items() if p not in self.done)  # type: ignore[attr-defined]
         out.extend(self.graphs.values())
         out.extend(self.charges.values())
         out.extend(self.comps.values())
-        out.extend({"t": "adv", "a": a} for a in self.advisories.values())
+        out.extend(r.Advice(advisory=a) for a in self.advisories.values())
         if self.notes:
-            out.append({"t": "note", "n": self.notes})
+            out.append(r.Note(notes=self.notes))
         if self.end:
             out.append(self.end)
         if self.paused:
-            out.append({"t": "pause"})
+            out.append(r.Pause())
         return out
+
+
+def _keep(table: str) -> Callable[[History, Any], None]:
+    def fold(history: History, rec: Any) -> None:
+        getattr(history, table)[rec.path] = rec
+    return fold
+
+
+def _ignore(history: History, rec: Any) -> None:
+    """Records replay does not fold (a second header is rejected by `records.load`)."""
+
+
+_FOLD: dict[type, Callable[[History, Any], None]] = {
+    r.Ok: History._done,
+    r.Err: History._done,
+    r.Fail: _keep("fails"),
+    r.Start: _keep("starts"),
+    r.Stash: _keep("stashes"),
+    r.Charge: _keep("charges"),
+    r.Comp: _keep("comps"),
+    r.Wait: _keep("waits"),
+    r.Wake: _keep("wakes"),
+    r.Graph: _keep("graphs"),
+    r.Snap: _keep("snaps"),
+    r.Claim: History._claim,
+    r.Advice: History._advice,
+    r.Note: lambda h, rec: h.notes.update(rec.notes),
+    r.End: History._end,
+    r.Reopen: History.reopen,
+    r.Reset: History.reset,
+    r.Code: History._code,
+    r.Budget: History._budget,
+    r.Pause: History._pause,
+    r.Resume: History._pause,
+    r.Header: _ignore,
+}
+"""How each record kind folds into a `History` (one entry per kind of `records.Record`)."""
 
 
 def path_tuple(path: str) -> tuple[int, ...]:
@@ -250,16 +272,26 @@ class RunState:
         return data
 
 
+def _created(header: Header) -> datetime:
+    """When the run was created (from the header's ``created_at``, else its ``ts``)."""
+    if header.created_at:
+        try:
+            return datetime.fromisoformat(header.created_at)
+        except ValueError:
+            pass
+    return datetime.fromtimestamp(header.ts or 0, UTC)
+
+
 def _ts(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, UTC) if value is not None else None
 
 
 def run_status(history: History, held: bool) -> str:
     """completed / failed / cancelled from the end record; paused, waiting, sleeping; running while held; interrupted."""
-    if history.paused and (not history.end or history.end["status"] == "failed"):
+    if history.paused and (not history.end or history.end.status == "failed"):
         return "paused"
     if history.end:
-        return history.end["status"]
+        return history.end.status
     return history.parked() or ("running" if held else "interrupted")
 
 
@@ -267,16 +299,18 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
     """Build the `RunState` of a run from its history."""
     header = history.header
     state = RunState(
-        run_id=header["run_id"], status=run_status(history, held), workflow=header["workflow"],
-        key=header.get("key"), input=load_value(header.get("input")),
-        created_at=datetime.fromisoformat(header["created_at"]), updated_at=_ts(history.updated),
+        run_id=header.run_id, status=run_status(history, held), workflow=header.workflow,
+        key=header.key, input=load_value(header.input),
+        created_at=_created(header), updated_at=_ts(history.updated),
         attempt=history.attempt, advisories=list(history.advisories.values()), annotations=dict(history.notes),
-        script=header.get("script"), parent=header.get("parent"), budget=history.budget, spent=history.spent(), warnings=warnings or [],
+        script=header.script, parent=header.parent, budget=history.budget, spent=history.spent(),
+        warnings=warnings or [],
     )
     if history.end:
-        state.result = load_value(history.end.get("result"))
-        state.error = history.end.get("error")
-    state.children = [r["v"]["run_id"] for r in history.done.values() if r["l"] == "ctx.spawn" and r["t"] == "ok"]
+        state.result = load_value(history.end.result)
+        state.error = history.end.error
+    state.children = [d.value["run_id"] for d in history.done.values()
+                      if d.label == "ctx.spawn" and isinstance(d, r.Ok) and isinstance(d.value, dict)]
     if not steps:
         return state
     paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes)
@@ -284,27 +318,29 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
     for path in dict.fromkeys(paths):
         rec = history.done.get(path)
         fail = history.fails.get(path)
-        if rec is not None:
-            status = rec["t"]
-            step = StepState(path_tuple(path), rec["l"], "ok" if status == "ok" else "failed", rec.get("a", 1),
-                             rec.get("ms"), load_value(rec.get("v")), rec.get("e"), finished_at=_ts(rec.get("ts")))
+        if isinstance(rec, r.Ok):
+            step = StepState(path_tuple(path), rec.label, "ok", rec.attempt, rec.ms, load_value(rec.value),
+                             finished_at=_ts(rec.ts))
+        elif rec is not None:
+            step = StepState(path_tuple(path), rec.label, "failed", rec.attempt, rec.ms, None, rec.error,
+                             finished_at=_ts(rec.ts))
         elif path in history.waits:
             wait = history.waits[path]
             step = StepState(path_tuple(path), "ctx.wait_for", "waiting", 1,
-                             output={"signal": wait["name"], "deadline": wait["deadline"]})
+                             output={"signal": wait.name, "deadline": wait.deadline})
         elif path in history.wakes:
-            step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path]["at"]})
+            step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path].at})
         elif fail is not None:
-            step = StepState(path_tuple(path), fail["l"], "retrying", fail["a"], fail.get("ms"), error=fail["e"],
-                             finished_at=_ts(fail.get("ts")))
+            step = StepState(path_tuple(path), fail.label, "retrying", fail.attempt, fail.ms, error=fail.error,
+                             finished_at=_ts(fail.ts))
         else:
             start = history.starts[path]
-            step = StepState(path_tuple(path), start["l"], "interrupted", start.get("a", 1))
+            step = StepState(path_tuple(path), start.label, "interrupted", start.attempt)
         if path in history.stashes and step.status != "ok":
-            step.stashed = load_value(history.stashes[path]["v"])
+            step.stashed = load_value(history.stashes[path].value)
         comp = history.comps.get(path)
         if comp is not None:
-            step.compensation = "ok" if comp["ok"] else "failed"
+            step.compensation = "ok" if comp.ok else "failed"
         state.steps.append(step)
     state.steps.sort(key=lambda s: s.path)
     return state

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any
 
-from . import graphs
+from . import graphs, records
 from .advisories import AdvisoryTracker, RetryStormWindow, level_for
 from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
@@ -239,7 +239,7 @@ class RunKernel:
         self.storage = storage
         self.lease = lease
         self.history = history
-        self.run_id: str = history.header["run_id"]
+        self.run_id: str = history.header.run_id
         self.workflow = workflow
         self.input = input
         self.clock = clock
@@ -247,7 +247,7 @@ class RunKernel:
         self.on_step = on_step
         self.advisories = advisories
         self.done = history.done
-        self.code_changed = history.header.get("fingerprint") != workflow.fingerprint
+        self.code_changed = history.header.fingerprint != workflow.fingerprint
         self.budget: dict[str, float] | None = history.budget
         self.spent = history.spent()
         self.lock = threading.Lock()
@@ -280,7 +280,7 @@ class RunKernel:
         self.branches = 0
 
     # ---- writing -------------------------------------------------------------------------------
-    def write(self, rec: dict[str, Any]) -> None:
+    def write(self, rec: records.Record) -> None:
         """Append one record (thread-safe); in a crashed run nothing more is written."""
         if self.dead:
             raise Crash()
@@ -288,7 +288,7 @@ class RunKernel:
             return
         if self.lost is not None:
             raise self.lost
-        data = encode_line(rec)
+        data = records.encode(rec)
         with self.lock:
             try:
                 self.storage.append(self.lease, data)
@@ -334,7 +334,7 @@ class RunKernel:
             return
         emitted = self.advisories.report(code, level, msg)
         if emitted is not None and not self.dead:
-            self.write({"t": "adv", "a": emitted.to_dict()})
+            self.write(records.Advice(advisory=emitted.to_dict()))
 
     # ---- crash injection ----------------------------------------------------------------------
     @staticmethod
@@ -376,8 +376,8 @@ class RunKernel:
             ))
         return scope
 
-    def check_label(self, path: str, rec: dict[str, Any], label: str) -> None:
-        recorded = rec["l"]
+    def check_label(self, path: str, rec: records.Ok | records.Err, label: str) -> None:
+        recorded = rec.label
         if recorded == label:
             return
         where = f"step path {path_tuple(path)}: recorded as {recorded!r}, now called {label!r}"
@@ -418,25 +418,25 @@ class RunKernel:
             if count == 100 or count == 1000:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
-        if rec is not None and rec["l"] != label:
+        if rec is not None and rec.label != label:
             self.check_label(path, rec, label)
         scope.pending += 1
         if rec is not None:
             return self.replay(scope, path, rec, opts)
         return self.execute(scope, path, label, fn, args, opts)
 
-    async def replay(self, scope: Scope, path: str, rec: dict[str, Any], opts: StepOptions | _Schema,
+    async def replay(self, scope: Scope, path: str, rec: records.Ok | records.Err, opts: StepOptions | _Schema,
                      where: str = "output") -> Any:
         try:
             if self.on_step is not None:
-                self.emit(path, rec["l"], "replayed", rec.get("a", 1), rec.get("ms"))
-            if rec["t"] == "err":
-                raise load_error(rec["e"])
-            value = load_value(rec["v"])
+                self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
+            if isinstance(rec, records.Err):
+                raise load_error(rec.error)
+            value = load_value(rec.value)
             if opts.schema is not None:
                 value = opts.schema.convert(value, where)
             if opts.compensate is not None:
-                self.compensations[path] = (opts.compensate, value, rec["l"])
+                self.compensations[path] = (opts.compensate, value, rec.label)
             return value
         finally:
             scope.pending -= 1
@@ -468,17 +468,17 @@ class RunKernel:
         self.check_budget()
         nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
         prior = self.history.fails.get(path)
-        number = prior["a"] + 1 if prior else 1
+        number = prior.attempt + 1 if prior else 1
         if prior is not None:
-            await self.nap(from_iso(prior["next"]))
+            await self.nap(from_iso(prior.next))
         if opts.unsafe:
             started = self.history.starts.get(path)
-            if started is not None and (prior is None or started.get("a", 1) > prior["a"]):
+            if started is not None and (prior is None or started.attempt > prior.attempt):
                 error = StepInterruptedError(
                     f"step {label!r} at path {path_tuple(path)} started in an earlier process and never finished",
                     path=list(path_tuple(path)), label=label, operation_id=f"{self.run_id}/{path}")
-                self.write({"t": "err", "p": path, "l": label, "a": started.get("a", number), "e": dump_error(error),
-                            "ts": time.time()})
+                self.write(records.Err(path=path, label=label, attempt=started.attempt, error=dump_error(error),
+                                       ts=time.time()))
                 self.emit(path, label, "failed", number, error=error)
                 raise error
         return await self._attempts(scope, path, label, fn, args, opts, number, nth)
@@ -493,10 +493,10 @@ class RunKernel:
         is_async = _is_async(fn)
         while True:
             if opts.unsafe:
-                self.write({"t": "start", "p": path, "l": label, "a": number, "ts": time.time()})
+                self.write(records.Start(path=path, label=label, attempt=number, ts=time.time()))
                 self.sync()
             stash = self.history.stashes.get(path)
-            att = self.attempt_cls(self, path, number, load_value(stash["v"]) if stash else None)
+            att = self.attempt_cls(self, path, number, load_value(stash.value) if stash else None)
             token = current_attempt.set(att)
             self.executions[path] = self.executions.get(path, 0) + 1
             if self.on_step is not None:
@@ -583,7 +583,7 @@ class RunKernel:
                 await self._failed(path, label, opts, number, ms, error, att)
                 number += 1
                 continue
-            self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": number, "ms": ms, "ts": time.time()})
+            self.write(records.Ok(path=path, label=label, value=wire, attempt=number, ms=ms, ts=time.time()))
             self.step_done()
             if opts.compensate is not None:
                 self.compensations[path] = (opts.compensate, value, label)
@@ -620,15 +620,15 @@ class RunKernel:
             self.advise("STASH_SUGGESTED", ms / 1000,
                         f"step {label!r} ran {ms / 1000:.0f}s and failed without stashing progress")
         if retry is None or number >= retry.attempts or isinstance(exc, NOT_RETRYABLE):
-            self.write({"t": "err", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
-                        "ts": time.time()})
+            self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
+                                   ts=time.time()))
             self.step_done()
             self.emit(path, label, "failed", number, ms, exc)
             raise exc
         delay = retry.delay(number)
         wake = self.clock.now() + timedelta(seconds=delay)
-        self.write({"t": "fail", "p": path, "l": label, "a": number, "e": dump_error(exc), "ms": ms,
-                    "next": to_iso(wake), "ts": time.time()})
+        self.write(records.Fail(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
+                                next=to_iso(wake), ts=time.time()))
         self.emit(path, label, "retrying", number, ms, exc)
         await self.nap(wake)
 
@@ -649,7 +649,7 @@ class RunKernel:
             if name in ("$pause", "$resume"):
                 self.storage.ack(self.run_id, message["id"])
                 if self.history.paused != (name == "$pause"):
-                    self.write({"t": name[1:], "ts": time.time()})
+                    self.write(records.Pause(ts=time.time()) if name == "$pause" else records.Resume(ts=time.time()))
                     self.sync()
             elif name == "$cancel":
                 self.storage.ack(self.run_id, message["id"])
@@ -709,7 +709,7 @@ class RunKernel:
                 return
             info = self.storage.info(self.run_id)
             if info is not None and info.last.get("t") != "pause":
-                self.write({"t": "pause", "ts": time.time()})  # keeps `list`, which reads the last record, exact
+                self.write(records.Pause(ts=time.time()))  # keeps `list`, which reads the last record, exact
             if not self.wait:
                 raise Parked("paused", "paused")
             await asyncio.sleep(self.poll)
@@ -733,7 +733,7 @@ class RunKernel:
 
     def finish_cancelled(self, error: BaseException) -> None:
         """Record that the run ended cancelled (no compensation runs), sync the log, and stop attached children."""
-        self.write({"t": "end", "status": "cancelled", "error": dump_error(error), "ts": time.time()})
+        self.write(records.End(status="cancelled", error=dump_error(error), ts=time.time()))
         self.sync()
         for task in self.children:
             task.cancel()
@@ -759,15 +759,15 @@ class RunKernel:
         if wake is None:
             if self.shadow:
                 self.diverge(f"ctx.sleep at path {path_tuple(path)} ran again: the recorded run has no sleep there")
-            self.write({"t": "wake", "p": path, "at": to_iso(when), "ts": time.time()})
+            self.write(records.Wake(path=path, at=to_iso(when), ts=time.time()))
             self.sync()
         else:
-            when = from_iso(wake["at"])
+            when = from_iso(wake.at)
         if self.clock.now() < when:
             if not self.wait:
                 raise Parked("sleeping", f"sleeping until {to_iso(when)}")
             await self.nap(when, force=True)
-        self.write({"t": "ok", "p": path, "l": "ctx.sleep", "v": None, "a": 1, "ms": 0, "ts": time.time()})
+        self.write(records.Ok(attempt=1, path=path, label="ctx.sleep", value=None, ms=0, ts=time.time()))
         self.step_done()
 
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]:
@@ -794,19 +794,19 @@ class RunKernel:
                 self.diverge(f"ctx.wait_for({name!r}) at path {path_tuple(path)} ran again: "
                              "the recorded run has no wait there")
             deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
-            self.write({"t": "wait", "p": path, "name": name, "deadline": to_iso(deadline) if deadline else None,
-                        "ts": time.time()})
+            self.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
+                                    ts=time.time()))
             self.sync()
             if timeout is None:
                 self.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")
         else:
-            deadline = from_iso(opened["deadline"]) if opened["deadline"] else None
+            deadline = from_iso(opened.deadline) if opened.deadline else None
         while True:
             await self.boundary(force=True)
             signal = self.next_signal(name)
             if signal is not None:
-                self.write({"t": "ok", "p": path, "l": "ctx.wait_for", "v": signal.get("payload"), "a": 1, "ms": 0,
-                            "sig": signal["id"], "ts": time.time()})
+                self.write(records.Ok(attempt=1, path=path, label="ctx.wait_for", value=signal.get("payload"), ms=0,
+                                      signal=signal["id"], ts=time.time()))
                 self.step_done()
                 self.storage.ack(self.run_id, signal["id"])
                 value = load_value(signal.get("payload"))
@@ -815,8 +815,7 @@ class RunKernel:
             if deadline is not None and now >= deadline:
                 error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
                                          f"(deadline {to_iso(deadline)})", name=name, path=list(path_tuple(path)))
-                self.write({"t": "err", "p": path, "l": "ctx.wait_for", "a": 1, "e": dump_error(error),
-                            "ts": time.time()})
+                self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error), ts=time.time()))
                 self.step_done()
                 raise error
             if not self.wait:
@@ -862,13 +861,17 @@ class RunKernel:
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, "ctx.spawn")
-            run_id = rec["v"]["run_id"]
+            run_id = rec.value.get("run_id") if isinstance(rec, records.Ok) and isinstance(rec.value, dict) else None
+            if not isinstance(run_id, str):
+                raise self.replay_failed(PurityError(
+                    f"the record of ctx.spawn at path {path_tuple(path)} names no child run",
+                    hint="The log was edited; start over with fresh=True.", run_id=self.run_id))
         else:
             if self.shadow:
                 self.diverge(f"ctx.spawn at path {path_tuple(path)} ran again: the recorded run has no child there")
             run_id = self.engine.create_child(self.run_id, path, workflow, input, detached)
-            self.write({"t": "ok", "p": path, "l": "ctx.spawn", "v": {"run_id": run_id, "detached": detached},
-                        "a": 1, "ms": 0, "ts": time.time()})
+            self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
+                                  ms=0, ts=time.time()))
             self.step_done()
         if not self.shadow:
             task = self.engine.start_child(run_id, workflow)
@@ -900,10 +903,10 @@ class RunKernel:
         except (Crash, asyncio.CancelledError):
             raise
         except Exception as exc:
-            self.write({"t": "err", "p": path, "l": "ctx.join", "a": 1, "e": dump_error(exc), "ts": time.time()})
+            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()))
             self.step_done()
             raise
-        self.write({"t": "ok", "p": path, "l": "ctx.join", "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+        self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
         self.step_done()
         return load_value(wire)
 
@@ -925,8 +928,8 @@ class RunKernel:
         if recorded is None:
             if self.shadow:
                 self.diverge(f"ctx.graph at path {path_tuple(prefix)} ran again: the recorded run has no graph there")
-            self.write({"t": "graph", "p": prefix, "tasks": shape, "ts": time.time()})
-        elif recorded["tasks"] != shape:
+            self.write(records.Graph(path=prefix, tasks=shape, ts=time.time()))
+        elif recorded.tasks != shape:
             changed = StaleRunError if self.code_changed else PurityError
             raise self.replay_failed(changed(
                 f"ctx.graph at path {path_tuple(prefix)} was recorded with tasks {recorded['tasks']!r}, "
@@ -969,11 +972,13 @@ class RunKernel:
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, label)
-            return load_value(rec["v"])
+            if isinstance(rec, records.Err):
+                raise load_error(rec.error)
+            return load_value(rec.value)
         if self.shadow:
             self.diverge(f"{label}() at path {path_tuple(path)} ran again: the recorded run has no value there")
         wire = dump_value(make(), label)
-        self.write({"t": "ok", "p": path, "l": label, "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+        self.write(records.Ok(attempt=1, path=path, label=label, value=wire, ms=0, ts=time.time()))
         self.step_done()
         return load_value(wire)
 
@@ -1013,7 +1018,7 @@ class RunKernel:
             path = "$" + self.scope().alloc()
             if path in self.history.charges:
                 return
-        self.write({"t": "charge", "p": path, "c": amounts, "ts": time.time()})
+        self.write(records.Charge(path=path, amounts=amounts, ts=time.time()))
         for kind, amount in amounts.items():
             self.spent[kind] += amount
             if self.budget and kind in self.budget and self.budget[kind] > 0:
@@ -1024,7 +1029,7 @@ class RunKernel:
         """Attach JSON values to the run (shown by inspect); the latest value of a name wins."""
         wire = dump_value(values, "annotations")
         if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
-            self.write({"t": "note", "n": wire})
+            self.write(records.Note(notes=wire))
 
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
              max_iterations: int | None) -> Awaitable[Any]:
@@ -1052,7 +1057,7 @@ class RunKernel:
 
         snap = self.history.snaps.get(path)
         if snap is not None:
-            state, start = load_value(snap["s"]), snap["i"] + 1
+            state, start = load_value(snap.state), snap.iteration + 1
         else:
             state, start = load_value(dump_value(initial, "loop state")), 0
         i = start
@@ -1073,7 +1078,7 @@ class RunKernel:
                 wire = dump_value(out.value, "loop result")
                 if self.shadow and path not in self.done:
                     self.diverge(f"ctx.loop at path {path_tuple(path)} finished again: the recorded run has no result")
-                self.write({"t": "ok", "p": path, "l": "ctx.loop", "v": wire, "a": 1, "ms": 0, "ts": time.time()})
+                self.write(records.Ok(attempt=1, path=path, label="ctx.loop", value=wire, ms=0, ts=time.time()))
                 self.step_done()
                 return load_value(wire)
             wire = dump_value(out, f"loop state after iteration {i}")
@@ -1083,7 +1088,7 @@ class RunKernel:
                 if len(data) >= 256 * 1024:
                     self.advise("SNAPSHOT_HEAVY", len(data),
                                 f"ctx.loop at path {path_tuple(path)} snapshots {len(data) // 1024} KiB of state")
-                self.write({"t": "snap", "p": path, "i": i, "s": wire, "ts": time.time()})
+                self.write(records.Snap(path=path, iteration=i, state=wire, ts=time.time()))
                 self.step_done()
             i += 1
 
@@ -1153,11 +1158,11 @@ class RunKernel:
             except (Crash, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001 - recorded and reported, the others still run
-                self.write({"t": "comp", "p": path, "ok": False, "e": dump_error(exc), "ts": time.time()})
+                self.write(records.Comp(path=path, ok=False, error=dump_error(exc), ts=time.time()))
                 failures.append(f"compensation of step {label!r} at {path_tuple(path)} failed: "
                                 f"{type(exc).__name__}: {exc}")
                 continue
-            self.write({"t": "comp", "p": path, "ok": True, "ts": time.time()})
+            self.write(records.Comp(path=path, ok=True, ts=time.time()))
         for line in failures:
             error.add_note(line)
             print(f"durably: {line}", file=sys.stderr)
@@ -1203,7 +1208,7 @@ class RunKernel:
                     raise
                 raise cancelled from exc
             await self.compensate(exc)
-            self.write({"t": "end", "status": "failed", "error": dump_error(exc), "ts": time.time()})
+            self.write(records.End(status="failed", error=dump_error(exc), ts=time.time()))
             self.sync()
             raise
         if self.replay_error is not None:
@@ -1212,7 +1217,7 @@ class RunKernel:
             self.finish_cancelled(self.cancel_error)
             raise self.cancel_error
         self.result_wire = wire
-        self.write({"t": "end", "status": "completed", "result": wire, "ts": time.time()})
+        self.write(records.End(status="completed", result=wire, ts=time.time()))
         self.sync()
         return value
 

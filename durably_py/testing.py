@@ -162,8 +162,8 @@ class TestEngine:
         if workflow is None:
             raise RunNotFoundError(f"no run {run_id!r} was started by this TestEngine", run_id=run_id)
         kernel = await self.engine.shadow(workflow, run_id)
-        end = self._history(run_id).end or {}
-        recorded = end.get("result")
+        end = self._history(run_id).end
+        recorded = end.result if end is not None else None
         replayed = kernel.result_wire
         same_result = kernel.divergence is None and encode(recorded) == encode(replayed)
         if kernel.divergence is None and same_result:
@@ -236,7 +236,7 @@ class TestEngine:
         log = self.storage.read(run_id)
         if log is None:
             raise RunNotFoundError(f"no run {run_id!r} in this TestEngine's storage", run_id=run_id)
-        return History(log.records)
+        return History(log.records, log.where)
 
     async def _result(self, run_id: str, status: RunStatus, value: Any, error: BaseException | None) -> TestRunResult:
         state = await self.engine.inspect(run_id)
@@ -251,7 +251,7 @@ class TestEngine:
                 continue
             stash = history.stashes.get(".".join(map(str, path)))
             steps.append(TestStep(path, label, "interrupted", counts.get(path, 0), attempt,
-                                  stashed=load_value(stash["v"]) if stash else None))
+                                  stashed=load_value(stash.value) if stash else None))
         steps.sort(key=lambda s: s.path)
         return TestRunResult(run_id=run_id, status=status, result=value, error=error,
                              advisories=[Advisory.from_dict(a) for a in state.advisories], steps=steps)

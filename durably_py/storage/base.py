@@ -13,6 +13,7 @@ one while another holds the lease, or while no process runs the run at all.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
@@ -20,8 +21,14 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from ..errors import CorruptLogError, ValidationError
+from ..records import LOG_VERSION, Claim, Header, decode_fast
+from ..records import encode as encode_record
 
-LOG_VERSION = 1
+__all__ = ["LOG_VERSION", "Check", "Lease", "Log", "RunInfo", "Storage"]
+
+Check = Callable[[list[Any], str], list[Any]]
+"""A log check `claim` runs before writing anything: (records, where) -> the records the lease keeps.
+The engine passes `records.load`, so a damaged log raises before a claim record is appended."""
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 MAX_KEY_LEN = 512
 
@@ -135,8 +142,12 @@ def validate_header(run_id: str, header: object) -> dict[str, Any]:
     return record
 
 
-def parse_log(data: bytes, where: str) -> tuple[list[dict[str, Any]], int, str | None]:
+def parse_log(data: bytes, where: str) -> tuple[list[Any], int, str | None]:
     """Decode a log into (records, bytes of good lines, torn-tail message or None).
+
+    Records are typed (`durably_py.records`) when every line is a valid record of this log version, the
+    fast path a run's own log takes; otherwise they are plain JSON objects, left for `records.load` to
+    validate (adapters store records, they do not judge them).
 
     A last line without its newline, or that is not a JSON object, is torn: it is left out and described.
     Any bad line before the last raises `CorruptLogError` naming `where` and the 1-based line number.
@@ -144,6 +155,12 @@ def parse_log(data: bytes, where: str) -> tuple[list[dict[str, Any]], int, str |
     """
     good = data.rfind(b"\n") + 1
     tail = len(data) - good
+    typed = decode_fast(data if tail == 0 else data[:good])
+    if typed is not None:
+        if tail == 0:
+            return typed, good, None
+        line_no = data.count(b"\n", 0, good) + 1
+        return typed, good, f"dropped a torn last line ({tail} bytes) at line {line_no} of {where}"
     try:
         records = _RECORD_DECODER.decode_lines(data if tail == 0 else data[:good])
     except msgspec.DecodeError:
@@ -192,10 +209,13 @@ def validate_rewrite(run_id: str, data: object) -> bytes:
     return data
 
 
-def max_epoch(records: list[dict[str, Any]]) -> int:
+def max_epoch(records: list[Any]) -> int:
     """The highest claim epoch among `records` (0 when never claimed)."""
-    epochs = [r.get("epoch") for r in records if r.get("t") == "claim"]
-    return max((e for e in epochs if isinstance(e, int)), default=0)
+    if records and isinstance(records[0], Header):
+        epochs: list[Any] = [r.epoch for r in records if type(r) is Claim]
+    else:
+        epochs = [r.get("epoch") for r in records if isinstance(r, dict) and r.get("t") == "claim"]
+    return max((e for e in epochs if isinstance(e, int) and not isinstance(e, bool)), default=0)
 
 
 def iso_now() -> str:
@@ -205,7 +225,21 @@ def iso_now() -> str:
 
 def claim_line(epoch: int, owner: str) -> bytes:
     """The claim record every adapter appends on a successful claim, as one line."""
-    return msgspec.json.encode({"t": "claim", "epoch": epoch, "owner": owner, "at": iso_now()}) + b"\n"
+    return encode_record(Claim(epoch=epoch, owner=owner, at=iso_now()))
+
+
+def claimed(records: list[Any], epoch: int, owner: str) -> bytes:
+    """Append the claim record to `records` (typed, or a plain object when they are) and return its line."""
+    record = Claim(epoch=epoch, owner=owner, at=iso_now())
+    records.append(record if records and isinstance(records[0], Header) else msgspec.to_builtins(record))
+    return encode_record(record)
+
+
+def checked(records: list[Any], where: str, check: Check | None) -> list[Any]:
+    """`records` after the caller's `check` (before a claim writes anything), or as they are without one."""
+    if not records:
+        raise CorruptLogError(f"{where} has no header line", path=where, line=1, field=None)
+    return check(records, where) if check is not None else records
 
 
 def last_line(data: bytes) -> bytes:
@@ -221,16 +255,18 @@ class Lease:
     owner: str
     epoch: int
     state: dict[str, Any] = field(default_factory=dict)  # adapter-private fencing data
-    records: list[dict[str, Any]] = field(default_factory=list)  # the log as claimed, its claim record last
+    records: list[Any] = field(default_factory=list)  # the log as claimed, its claim record last
     torn: str | None = None  # a torn tail the claim trimmed, if any
+    where: str = ""  # the log's location, for error messages
 
 
 @dataclass
 class Log:
     """A run's records as read; `torn` describes a damaged last line that was dropped, if any."""
 
-    records: list[dict[str, Any]]
+    records: list[Any]  # typed records (`durably_py.records`), or plain JSON objects when not all decode
     torn: str | None = None
+    where: str = ""  # the log's location (file path or table), for error messages
 
 
 @dataclass
@@ -256,10 +292,11 @@ class Storage(Protocol):
         """All records of a run (None if unknown). A torn last line is dropped and named in `Log.torn`;
         damage before the last line raises `CorruptLogError` naming the line."""
 
-    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Take the run's lease (None while another live owner holds it). Appends a claim record
         ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail.
-        `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log."""
+        `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log,
+        or when `check(records, where)` raises; `Lease.records` are what `check` returned."""
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease; False when it was lost to another owner."""

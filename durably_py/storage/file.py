@@ -35,12 +35,14 @@ from typing import Any
 
 import msgspec
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    Check,
     Lease,
     Log,
     RunInfo,
-    claim_line,
+    checked,
+    claimed,
     decode_record,
     decode_signal,
     iso_now,
@@ -265,9 +267,9 @@ class FileStorage:
         except FileNotFoundError:
             return None
         records, _, torn = parse_log(data, str(log))
-        return Log(records, torn)
+        return Log(records, torn, str(log))
 
-    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock."""
         log = self._log(run_id)
         validate_owner(owner)
@@ -289,14 +291,14 @@ class FileStorage:
             else:
                 self._unregister(held)
                 return None
-            epoch, records, torn = self._open_claimed(held, owner)
+            epoch, records, torn = self._open_claimed(held, owner, check)
         except BaseException:
             self._drop(held)
             raise
         self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held}, records, torn)
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn, str(log))
 
-    def _open_claimed(self, held: _Held, owner: str) -> tuple[int, list[dict[str, Any]], str | None]:
+    def _open_claimed(self, held: _Held, owner: str, check: Check | None) -> tuple[int, list[Any], str | None]:
         """With the lock taken: check the log, cut a torn tail, append the claim record.
 
         Returns the epoch, the records with the claim record last, and the torn-tail message."""
@@ -309,19 +311,17 @@ class FileStorage:
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
         records, good, torn = parse_log(data, str(held.log))
-        if not records:
-            raise CorruptLogError(f"{held.log} has no header line", path=str(held.log), line=1)
+        records = checked(records, str(held.log), check)
         if good < len(data):
             os.ftruncate(fd, good)
         epoch = max(max_epoch(records), self._sidecar_epoch(held.run_id)) + 1
-        line = claim_line(epoch, owner)
+        line = claimed(records, epoch, owner)
         _write_all(fd, line)
         held.size = good + len(line)
         held.live = True
         self._write_sidecar(
             held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
         )
-        records.append(decode_record(line))
         return epoch, records, torn
 
     def _sidecar_epoch(self, run_id: str) -> int:

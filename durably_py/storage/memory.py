@@ -12,12 +12,14 @@ import threading
 import time
 from typing import Any
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    Check,
     Lease,
     Log,
     RunInfo,
-    claim_line,
+    checked,
+    claimed,
     decode_record,
     decode_signal,
     last_line,
@@ -82,9 +84,9 @@ class MemoryStorage:
                 return None
             data = bytes(run.data)
         records, _, torn = parse_log(data, f"memory run {run_id}")
-        return Log(records, torn)
+        return Log(records, torn, f"memory run {run_id}")
 
-    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Take the lease unless a live owner holds it; bumps the epoch and appends the claim record."""
         validate_run_id(run_id)
         validate_owner(owner)
@@ -95,16 +97,14 @@ class MemoryStorage:
             if run.owner is not None and run.expires >= now:
                 return None
             records, good, torn = parse_log(bytes(run.data), f"memory run {run_id}")
-            if not records:
-                raise CorruptLogError(f"memory run {run_id} has no header line", path=f"memory run {run_id}", line=1)
+            records = checked(records, f"memory run {run_id}", check)
             del run.data[good:]
             run.epoch += 1
             run.owner = owner
             run.expires = now + ttl
-            line = claim_line(run.epoch, owner)
+            line = claimed(records, run.epoch, owner)
             self._touch(run, line)
-            records.append(decode_record(line))
-            return Lease(run_id, owner, run.epoch, {"memory": self}, records, torn)
+            return Lease(run_id, owner, run.epoch, {"memory": self}, records, torn, f"memory run {run_id}")
 
     def _get(self, run_id: str) -> _Run:
         """The run, or `RunNotFoundError`."""

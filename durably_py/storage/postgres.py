@@ -27,12 +27,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    Check,
     Lease,
     Log,
     RunInfo,
-    claim_line,
+    checked,
+    claimed,
     decode_record,
     decode_signal,
     last_line,
@@ -255,9 +257,9 @@ class PostgresStorage:
         if not rows:
             return None
         records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id))
-        return Log(records, torn)
+        return Log(records, torn, self._where(run_id))
 
-    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Take the lease if it is free, released or expired (database clock); bumps the epoch, appends the claim."""
         validate_run_id(run_id)
         validate_owner(owner)
@@ -280,13 +282,12 @@ class PostgresStorage:
             )
             data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
             records, good, torn = parse_log(data, self._where(run_id))
-            if not records:
-                raise CorruptLogError(f"{self._where(run_id)} has no header line", path=self._where(run_id), line=1)
+            records = checked(records, self._where(run_id), check)
             if good < len(data):
                 cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
                 cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
             epoch += 1
-            line = claim_line(epoch, owner)
+            line = claimed(records, epoch, owner)
             cur.execute(
                 f"WITH claimed AS (UPDATE {self._runs} SET epoch = %s, owner = %s,"
                 " lease_expires = clock_timestamp() + make_interval(secs => %s),"
@@ -294,8 +295,7 @@ class PostgresStorage:
                 f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM claimed",
                 (epoch, owner, ttl, line, good + len(line), run_id, line),
             )
-        records.append(decode_record(line))
-        return Lease(run_id, owner, epoch, {"postgres": self}, records, torn)
+        return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id))
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now (database clock); False when it was lost."""

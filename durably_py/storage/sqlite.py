@@ -25,12 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    Check,
     Lease,
     Log,
     RunInfo,
-    claim_line,
+    checked,
+    claimed,
     decode_record,
     decode_signal,
     last_line,
@@ -149,13 +151,13 @@ class SqliteStorage:
                 return None
             data = self._log_bytes(db, run_id)
         records, _, torn = parse_log(data, self._where(run_id))
-        return Log(records, torn)
+        return Log(records, torn, self._where(run_id))
 
     def _where(self, run_id: str) -> str:
         """How errors name a run's log."""
         return f"run {run_id} in {self.path}"
 
-    def claim(self, run_id: str, owner: str, ttl: float) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Take the lease if it is free, released or expired; bumps the epoch and appends the claim record."""
         validate_run_id(run_id)
         validate_owner(owner)
@@ -170,21 +172,19 @@ class SqliteStorage:
                 return None
             data = self._log_bytes(db, run_id)
             records, good, torn = parse_log(data, self._where(run_id))
-            if not records:
-                raise CorruptLogError(f"{self._where(run_id)} has no header line", path=self._where(run_id), line=1)
+            records = checked(records, self._where(run_id), check)
             if good < len(data):
                 db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
             epoch += 1
-            line = claim_line(epoch, owner)
+            line = claimed(records, epoch, owner)
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
             db.execute(
                 "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
                 " WHERE run_id = ?",
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
-        records.append(decode_record(line))
-        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn)
+        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now; False when it was lost."""

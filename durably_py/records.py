@@ -1,0 +1,422 @@
+"""The run log's format: every record kind as a typed struct, its version, and how lines encode and decode.
+
+A run's log is JSON lines; each line is one record whose ``"t"`` names its kind, and the first is the
+``run`` header whose ``v`` is the log version. This module is the only place that knows record shapes:
+the kernel, the engine, history and the storage adapters build records here and read them through
+`load`, which validates a whole log (and migrates older versions) before anything interprets it.
+The attribute names are readable; the on-disk names stay short (``p``, ``l``, ``v`` ...) so existing
+logs keep loading. See docs/log-format.md for the table of kinds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import msgspec
+
+from .errors import CorruptLogError, LogVersionError
+
+__all__ = [
+    "LOG_VERSION",
+    "Advice",
+    "Budget",
+    "Charge",
+    "Claim",
+    "Code",
+    "Comp",
+    "End",
+    "Err",
+    "Fail",
+    "Graph",
+    "Header",
+    "Note",
+    "Ok",
+    "Pause",
+    "Record",
+    "Reopen",
+    "Reset",
+    "Resume",
+    "Signal",
+    "Snap",
+    "Start",
+    "Stash",
+    "Wait",
+    "Wake",
+    "decode_fast",
+    "encode",
+    "kind",
+    "load",
+    "load_one",
+]
+
+LOG_VERSION = 1
+"""The log version this code writes. Older versions are migrated on read; newer ones are refused."""
+
+
+class _Base(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
+    """Common base: readable attributes; ``rec["p"]`` / ``rec.get("p")`` also read by on-disk name."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "t":
+            return kind(self)
+        attr = _wire_names(type(self)).get(name)
+        if attr is None:
+            raise KeyError(name)
+        return getattr(self, attr)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The field stored on disk as `name` (``"t"``: the kind), else `default`."""
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
+_WIRE_NAMES: dict[type, dict[str, str]] = {}
+
+
+def _wire_names(cls: type) -> dict[str, str]:
+    names = _WIRE_NAMES.get(cls)
+    if names is None:
+        fields = cls.__struct_fields__  # type: ignore[attr-defined]
+        names = _WIRE_NAMES[cls] = dict(zip(cls.__struct_encode_fields__, fields, strict=True))  # type: ignore[attr-defined]
+    return names
+
+
+# ---- the header -------------------------------------------------------------------------------------------
+class Header(_Base, tag="run", omit_defaults=False):
+    """First line of every log: who the run is and what it was started with."""
+
+    v: int
+    run_id: str
+    workflow: str
+    created_at: str | None = None
+    fingerprint: str | None = None
+    key: str | None = None
+    input: Any = None
+    input_digest: str | None = None
+    identity: str | None = None
+    budget: dict[str, float] | None = None
+    script: str | None = None
+    module: str | None = None
+    parent: str | None = None
+    detached: bool = False
+    ts: float | None = None
+
+
+# ---- process and code -------------------------------------------------------------------------------------
+class Claim(_Base, tag="claim"):
+    """A process took the run's lease; `epoch` counts workflow attempts."""
+
+    epoch: int
+    owner: str
+    at: str
+
+
+class Code(_Base, tag="code"):
+    """The workflow's code fingerprint changed since the header (a resume with edited code)."""
+
+    fingerprint: str | None
+    ts: float | None = None
+
+
+class Budget(_Base, tag="budget"):
+    """The run's budget changed."""
+
+    budget: dict[str, float] | None = msgspec.field(name="b")
+    ts: float | None = None
+
+
+class Reopen(_Base, tag="reopen"):
+    """A failed run was resumed: its failed and compensated steps run again."""
+
+    ts: float | None = None
+
+
+class Reset(_Base, tag="reset"):
+    """`retry --from-step` invalidated the steps at `paths`."""
+
+    paths: list[str]
+    ts: float | None = None
+
+
+class Pause(_Base, tag="pause"):
+    """The run was paused."""
+
+    ts: float | None = None
+
+
+class Resume(_Base, tag="resume"):
+    """The run was resumed after a pause."""
+
+    ts: float | None = None
+
+
+class End(_Base, tag="end", omit_defaults=False):
+    """The run finished: `status` is completed, failed or cancelled."""
+
+    status: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+    ts: float | None = None
+
+
+# ---- steps ------------------------------------------------------------------------------------------------
+class Ok(_Base, tag="ok"):
+    """A step (or sleep, wait, spawn, join, loop) finished with `value` (wire form)."""
+
+    path: str = msgspec.field(name="p")
+    label: str = msgspec.field(name="l")
+    value: Any = msgspec.field(name="v")
+    attempt: int = msgspec.field(name="a")
+    ms: float | None = None
+    signal: str | None = msgspec.field(default=None, name="sig")
+    ts: float | None = None
+
+
+class Err(_Base, tag="err"):
+    """A step failed for good with `error` (see `codec.dump_error`)."""
+
+    path: str = msgspec.field(name="p")
+    label: str = msgspec.field(name="l")
+    error: dict[str, Any] = msgspec.field(name="e")
+    attempt: int = msgspec.field(name="a")
+    ms: float | None = None
+    ts: float | None = None
+
+
+class Fail(_Base, tag="fail"):
+    """An attempt failed; the step retries at `next`."""
+
+    path: str = msgspec.field(name="p")
+    label: str = msgspec.field(name="l")
+    attempt: int = msgspec.field(name="a")
+    error: dict[str, Any] = msgspec.field(name="e")
+    next: str
+    ms: float | None = None
+    ts: float | None = None
+
+
+class Start(_Base, tag="start"):
+    """An unsafe step began (a resume that finds no result refuses to run it again)."""
+
+    path: str = msgspec.field(name="p")
+    label: str = msgspec.field(name="l")
+    attempt: int = msgspec.field(name="a")
+    ts: float | None = None
+
+
+class Stash(_Base, tag="stash"):
+    """Partial progress a step stashed; its next attempt starts from `value`."""
+
+    path: str = msgspec.field(name="p")
+    value: Any = msgspec.field(name="v")
+    ts: float | None = None
+
+
+class Wake(_Base, tag="wake"):
+    """A durable sleep's wake time (`at`, ISO 8601)."""
+
+    path: str = msgspec.field(name="p")
+    at: str
+    ts: float | None = None
+
+
+class Wait(_Base, tag="wait", omit_defaults=False):
+    """A wait for signal `name`, until `deadline` (ISO 8601) if any."""
+
+    path: str = msgspec.field(name="p")
+    name: str
+    deadline: str | None = None
+    ts: float | None = None
+
+
+class Graph(_Base, tag="graph"):
+    """A `ctx.graph` definition: task id -> its workflow name and prerequisites, in definition order."""
+
+    path: str = msgspec.field(name="p")
+    tasks: dict[str, Any]
+    ts: float | None = None
+
+
+class Snap(_Base, tag="snap"):
+    """A `ctx.loop` snapshot: the state after iteration `iteration`."""
+
+    path: str = msgspec.field(name="p")
+    iteration: int = msgspec.field(name="i")
+    state: Any = msgspec.field(name="s")
+    ts: float | None = None
+
+
+class Charge(_Base, tag="charge"):
+    """Spend recorded at a step, per budget kind."""
+
+    path: str = msgspec.field(name="p")
+    amounts: dict[str, float] = msgspec.field(name="c")
+    ts: float | None = None
+
+
+class Comp(_Base, tag="comp"):
+    """A compensation ran for the step at `path` (`ok`, or failed with `error`)."""
+
+    path: str = msgspec.field(name="p")
+    ok: bool
+    error: dict[str, Any] | None = msgspec.field(default=None, name="e")
+    ts: float | None = None
+
+
+# ---- annotations ------------------------------------------------------------------------------------------
+class Advice(_Base, tag="adv"):
+    """An advisory the run raised (see `advisories.Advisory.to_dict`)."""
+
+    advisory: dict[str, Any] = msgspec.field(name="a")
+    ts: float | None = None
+
+
+class Note(_Base, tag="note"):
+    """Annotations set with `ctx.annotate`."""
+
+    notes: dict[str, Any] = msgspec.field(name="n")
+    ts: float | None = None
+
+
+Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
+    Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, End,
+    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Advice, Note,
+]
+"""Any record of a run's log."""
+
+KINDS: dict[str, type[_Base]] = {c.__struct_config__.tag: c for c in Record.__args__}  # type: ignore[attr-defined,misc]
+
+
+class Signal(msgspec.Struct, tag_field="t", tag="signal", kw_only=True):
+    """One message in a run's inbox (not its log): signal `name` with `payload`, or a `$`-control request."""
+
+    id: str
+    name: str
+    payload: Any = None
+    at: str | None = None
+
+
+# ---- encoding ---------------------------------------------------------------------------------------------
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+def encode(record: _Base | Signal) -> bytes:
+    """One record as a newline-terminated JSON line."""
+    return _encoder.encode(record) + b"\n"
+
+
+def kind(record: _Base) -> str:
+    """The record's kind, as stored in ``"t"``."""
+    return type(record).__struct_config__.tag  # type: ignore[return-value]
+
+
+def decode_fast(data: bytes) -> list[Any] | None:
+    """Every line of `data` as typed records, or None when any line is not a valid record of this version.
+
+    The fast path storage takes first; on None it falls back to plain JSON objects, which `load` then
+    validates line by line (and migrates when the header's version is older)."""
+    try:
+        return _decoder.decode_lines(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+# ---- validating and migrating -----------------------------------------------------------------------------
+MIGRATIONS: dict[int, Callable[[list[dict[str, Any]]], list[dict[str, Any]]]] = {}
+"""``MIGRATIONS[n]`` turns the records of a version-``n`` log into version ``n + 1`` (as plain dicts).
+
+Version 1 is the first, so the table is empty; a format change bumps `LOG_VERSION` and adds the step from
+the old version here, so every older log still loads through the chain."""
+
+_HINT_DAMAGED = (
+    "The log was edited or written by something else. Move the file aside (or restore it from a backup) to "
+    "make the run disappear; durably never rewrites a damaged log, and other runs are unaffected."
+)
+
+
+def _corrupt(where: str, line: int, message: str, field: str | None = None, hint: str = _HINT_DAMAGED) -> CorruptLogError:
+    return CorruptLogError(f"{where}, line {line}: {message}", hint=hint, path=where, line=line, field=field)
+
+
+def _field_of(error: msgspec.ValidationError) -> str | None:
+    """The field a msgspec validation message names (``... at `$.p` `` or ``missing required field `p` ``)."""
+    text = str(error)
+    if "`$." in text:
+        return text.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
+    if "field `" in text:
+        return text.split("field `", 1)[1].split("`", 1)[0]
+    if "`t`" in text or "tag" in text:
+        return "t"
+    return None
+
+
+def load_one(raw: Any, where: str = "record", line: int = 1) -> Record:
+    """One plain JSON object as a typed record of this version, else `CorruptLogError` naming the field."""
+    if not isinstance(raw, dict):
+        raise _corrupt(where, line, f"expected a JSON object, got {type(raw).__name__}")
+    try:
+        return msgspec.convert(raw, Record)  # type: ignore[arg-type]
+    except msgspec.ValidationError as exc:
+        tag = raw.get("t")
+        field = _field_of(exc)
+        if isinstance(tag, str) and tag not in KINDS:
+            message = f"unknown record kind {tag!r} (known: {', '.join(sorted(KINDS))})"
+            field = "t"
+        elif field is None or field == "t" and "t" not in raw:
+            message = f"record has no kind (\"t\"): {exc}"
+        else:
+            message = f"{tag or 'record'} record: {exc}"
+        raise _corrupt(where, line, message, field) from None
+
+
+def _check_header(first: Any, where: str) -> int:
+    """The version the first record declares, after checking it is a header with a run id."""
+    if isinstance(first, Header):
+        version, run_id = first.v, first.run_id
+    elif isinstance(first, dict) and first.get("t") == "run":
+        version, run_id = first.get("v"), first.get("run_id")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise _corrupt(where, 1, f"the header's version \"v\" is {version!r}, not an integer", "v")
+    else:
+        got = kind(first) if isinstance(first, _Base) else (first.get("t") if isinstance(first, dict) else first)
+        raise _corrupt(where, 1, f"the first line is not a run header (\"t\": \"run\"), it is {got!r}", "t")
+    if not isinstance(run_id, str) or not run_id:
+        raise _corrupt(where, 1, "the header has no run id (\"run_id\")", "run_id")
+    if version > LOG_VERSION:
+        raise LogVersionError(
+            f"{where} is log version {version}; this durably-py reads versions up to {LOG_VERSION}",
+            hint="Upgrade durably-py to the version that wrote this run (the log is left untouched).",
+            path=where, line=1, field="v", version=version)
+    if version < 1:
+        raise _corrupt(where, 1, f"log version {version} does not exist (the first is 1)", "v")
+    return version
+
+
+def load(records: list[Any], where: str) -> list[Record]:
+    """A whole log as validated typed records of `LOG_VERSION` (header first), or the error naming line and field.
+
+    `records` come from storage: typed already when every line decoded on the fast path, else plain JSON
+    objects. Raises `CorruptLogError` (empty log, no header, no run id, a record that does not decode) or
+    `LogVersionError` (a log newer than this code). Nothing is written either way."""
+    if not records:
+        raise CorruptLogError(f"{where} is empty: it has no run header", path=where, line=1, field=None,
+                              hint="A log whose header was never written holds nothing to resume; move the file "
+                                   "aside. Other runs are unaffected.")
+    version = _check_header(records[0], where)
+    if version == LOG_VERSION and isinstance(records[0], Header) and isinstance(records[-1], _Base):
+        return records  # storage decodes a log all typed or all plain, so the ends tell which
+    raw = [msgspec.to_builtins(r) if isinstance(r, _Base) else r for r in records]
+    while version < LOG_VERSION:
+        raw = MIGRATIONS[version](raw)
+        version += 1
+    out: list[Record] = []
+    for number, rec in enumerate(raw, 1):
+        typed = load_one(rec, where, number)
+        if number > 1 and isinstance(typed, Header):
+            raise _corrupt(where, number, "a second run header inside the log", "t")
+        out.append(typed)
+    return out
