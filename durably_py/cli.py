@@ -17,21 +17,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.spinner import Spinner
-from rich.table import Table
+from rich.console import Console
 from rich.text import Text
-from rich.tree import Tree
 
 from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
 from .history import RunState, StepState
 from .workflow import REGISTRY, Workflow, load_script
+
+if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs none of them
+    from rich.console import RenderableType
+    from rich.spinner import Spinner
+    from rich.tree import Tree
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -255,7 +256,7 @@ class Watcher:
         self.runs: dict[str, RunTally] = {}
         self.lock = threading.Lock()
         self.started = time.monotonic()
-        self.spinner = Spinner("dots", style="cyan")
+        self.spinner: Spinner | None = None
 
     def __call__(self, event: StepEvent) -> None:
         with self.lock:
@@ -286,6 +287,11 @@ class Watcher:
         return time.monotonic() - self.started
 
     def __rich__(self) -> RenderableType:
+        from rich.spinner import Spinner
+        from rich.table import Table
+
+        if self.spinner is None:
+            self.spinner = Spinner("dots", style="cyan")
         with self.lock:
             tallies = list(self.runs.values())
             rows = []
@@ -355,6 +361,8 @@ def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    from rich.live import Live
+
     console = Console(file=sys.stderr)
     both_tty = sys.stdout.isatty()
     live = Live(watcher, console=console, refresh_per_second=8, transient=True,
@@ -526,6 +534,8 @@ def list_runs(
         if not states:
             console.print(Text(f"no runs in {engine._where()}", "bright_black"))
             return
+        from rich.table import Table
+
         table = Table(show_edge=False, header_style="bold")
         table.add_column("run id", no_wrap=True)
         table.add_column("workflow")
@@ -559,6 +569,8 @@ def _step_line(step: StepState) -> Text:
 
 def step_tree(steps: list[StepState], title: str = "steps") -> Tree:
     """The steps as a tree: branches of a fan-out nest under the position of their `ctx.parallel`."""
+    from rich.tree import Tree
+
     root = Tree(Text(title, "bold"))
     nodes: dict[tuple[int, ...], Tree] = {(): root}
     per_branch: dict[tuple[int, ...], int] = {}
@@ -660,6 +672,8 @@ def inspect(
         if as_json:
             _print_json(state.to_dict())
             return
+        from rich.console import Group
+
         _out_console().print(Group(_header(state), Text(""),
                                    step_tree(state.steps, f"steps ({len(state.steps)})")))
 
@@ -680,6 +694,8 @@ def graph(
         if not states:
             _err_console().print(Text(f"{run} has no task graph (ctx.graph)", "yellow"))
             return
+        from rich.table import Table
+
         for state in states:
             table = Table(title=Text.assemble(f"graph at {_path(state.path)}  ", _status(state.status)),
                           title_justify="left")
@@ -887,10 +903,42 @@ def ui(
                                   docs="docs/ui.md") from None
 
 
+def _direct_run(argv: list[str]) -> bool:
+    """Run `durably run SCRIPT [ARGS...]` written without options by calling the command directly.
+
+    Typer's parser builds a validator per parameter on every start (it imports pydantic), which costs
+    more than the rest of a 1-step run; a command line without options needs none of it. Anything with
+    an option (`-x`, `--x`, before a `--`) goes through typer. Options that read an environment variable
+    (`--dir` from `$DURABLY_DIR`) take it as typer would. Returns False when the line is not of that shape."""
+    if argv[:1] != ["run"]:
+        return False
+    rest = argv[1:]
+    cut = rest.index("--") if "--" in rest else len(rest)
+    before, after = rest[:cut], rest[cut + 1:]
+    if not before or any(token.startswith("-") for token in before):
+        return False
+    import typing
+
+    values: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(run, include_extras=True).items():
+        for info in getattr(hint, "__metadata__", ()):
+            envvar = getattr(info, "envvar", None)
+            for var in [envvar] if isinstance(envvar, str) else envvar or []:
+                if os.environ.get(var):
+                    values[name] = os.environ[var]
+                    break
+    try:
+        run(Path(before[0]), before[1:] + after, **values)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    return True
+
+
 def main() -> None:
     """Entry point of the `durably` console script."""
     try:
-        app()
+        if not _direct_run(sys.argv[1:]):
+            app()
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
 
