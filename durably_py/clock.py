@@ -1,67 +1,104 @@
-"""Clocks: the real one, and a fake one tests advance by hand or automatically."""
+"""Clocks: the real one, and a fake one tests advance by hand or automatically.
+
+The clock rule: every durable deadline (a sleep's wake time, a `wait_for` deadline, a retry backoff) is
+recorded as a wall-clock instant, because only wall time means the same thing to another process or after a
+restart. A live process converts that instant to a span once, when it starts waiting, and waits the span out
+on the monotonic clock, so a wall-clock jump while it waits (NTP, a suspended laptop, an operator setting the
+date) ends no wait early or late.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import heapq
 import itertools
+import time
 from datetime import UTC, datetime, timedelta
 
 
 class Clock:
-    """Wall-clock time and durable waits measured in real seconds."""
+    """Wall-clock time for recorded instants; monotonic time for waiting them out."""
 
     busy = 0
 
     def now(self) -> datetime:
-        """The current time, timezone-aware (UTC)."""
+        """The current wall-clock time, timezone-aware (UTC)."""
         return datetime.now(UTC)
 
+    def monotonic(self) -> float:
+        """Seconds on a clock that never jumps (only differences mean anything)."""
+        return time.monotonic()
+
+    def deadline(self, when: datetime) -> float:
+        """The monotonic instant at which wall-clock instant `when` falls, as seen from now."""
+        return self.monotonic() + (when - self.now()).total_seconds()
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` of monotonic time."""
+        await asyncio.sleep(max(seconds, 0))
+
     async def sleep_until(self, when: datetime) -> None:
-        """Wait until `when` (returns at once if it has passed)."""
+        """Wait until wall-clock instant `when`, measured now and waited out on the monotonic clock."""
         delay = (when - self.now()).total_seconds()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self.sleep(delay)
 
 
 class FakeClock(Clock):
-    """Virtual time: waits complete when `advance()` passes them, or at once when `auto` and nothing else runs."""
+    """Virtual time: waits complete when `advance()` passes them, or at once when `auto` and nothing else runs.
+
+    `advance()` moves both clocks; `jump()` moves only the wall clock, as NTP or an operator would, and wakes
+    nothing."""
 
     def __init__(self, start: datetime | None = None, *, auto: bool = True) -> None:
-        self._now = start or datetime(2026, 1, 1, tzinfo=UTC)
+        self._start = start or datetime(2026, 1, 1, tzinfo=UTC)
+        self._mono = 0.0
+        self._skew = 0.0
         self.auto = auto
         self.busy = 0
-        self._sleepers: list[tuple[datetime, int, asyncio.Future[None]]] = []
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self._driver: asyncio.Task[None] | None = None
 
     def now(self) -> datetime:
-        """The virtual time."""
-        return self._now
+        """The virtual wall-clock time."""
+        return self._start + timedelta(seconds=self._mono + self._skew)
+
+    def monotonic(self) -> float:
+        """The virtual monotonic time."""
+        return self._mono
 
     def advance(self, seconds: float) -> None:
         """Move virtual time forward and wake every wait that is due."""
         if seconds < 0:
             raise ValueError("the clock only moves forward")
-        self._now += timedelta(seconds=seconds)
+        self._mono += seconds
         self._wake()
 
+    def jump(self, seconds: float) -> None:
+        """Move only the wall clock (either way): waits already under way are not shortened or lengthened."""
+        self._skew += seconds
+
     def _wake(self) -> None:
-        while self._sleepers and self._sleepers[0][0] <= self._now:
+        while self._sleepers and self._sleepers[0][0] <= self._mono:
             _, _, fut = heapq.heappop(self._sleepers)
             if not fut.done():
                 fut.set_result(None)
 
-    async def sleep_until(self, when: datetime) -> None:
-        """Wait in virtual time."""
-        if when <= self._now:
+    async def sleep(self, seconds: float) -> None:
+        """Wait in virtual monotonic time."""
+        if seconds <= 0:
             await asyncio.sleep(0)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (when, next(self._seq), fut))
+        heapq.heappush(self._sleepers, (self._mono + seconds, next(self._seq), fut))
         if self.auto and (self._driver is None or self._driver.done()):
             self._driver = asyncio.get_running_loop().create_task(self._drive())
         await fut
+
+    async def sleep_until(self, when: datetime) -> None:
+        """Wait in virtual time until wall-clock instant `when` (measured now)."""
+        await self.sleep((when - self.now()).total_seconds())
 
     async def _drive(self) -> None:
         """Jump to the earliest wake time whenever no step is executing and the loop has gone quiet."""
@@ -74,5 +111,5 @@ class FakeClock(Clock):
             self._sleepers = [s for s in self._sleepers if not s[2].done()]
             heapq.heapify(self._sleepers)
             if self._sleepers:
-                self._now = max(self._now, self._sleepers[0][0])
+                self._mono = max(self._mono, self._sleepers[0][0])
                 self._wake()

@@ -801,6 +801,7 @@ class RunKernel:
                 self.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")
         else:
             deadline = from_iso(opened.deadline) if opened.deadline else None
+        expires = self.clock.deadline(deadline) if deadline is not None else None
         while True:
             await self.boundary(force=True)
             signal = self.next_signal(name)
@@ -811,8 +812,7 @@ class RunKernel:
                 self.storage.ack(self.run_id, signal["id"])
                 value = load_value(signal.get("payload"))
                 return schema.convert(value, f"signal {name!r}") if schema is not None else value
-            now = self.clock.now()
-            if deadline is not None and now >= deadline:
+            if deadline is not None and expires is not None and self.clock.monotonic() >= expires:
                 error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
                                          f"(deadline {to_iso(deadline)})", name=name, path=list(path_tuple(path)))
                 self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error), ts=time.time()))
@@ -820,8 +820,8 @@ class RunKernel:
                 raise error
             if not self.wait:
                 raise Parked("waiting", f"waiting for signal {name!r}")
-            pause = self.poll if deadline is None else min(self.poll, (deadline - now).total_seconds())
-            await self.clock.sleep_until(now + timedelta(seconds=max(pause, 0)))
+            pause = self.poll if expires is None else min(self.poll, expires - self.clock.monotonic())
+            await self.clock.sleep(pause)
 
     def next_signal(self, name: str) -> dict[str, Any] | None:
         """The oldest unread signal `name` in the run's inbox (acknowledging ones already recorded)."""
