@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import runpy
+import signal as signals
 import sys
 import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -22,7 +24,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperCommand
 
+from . import config
 from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
@@ -39,6 +43,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PARKED = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused")
 COLOURS = {
@@ -57,16 +62,70 @@ Exit codes:
   2    usage or validation error (bad arguments, unknown run)
   3    the run is parked (waiting, sleeping or paused)
   130  interrupted by Ctrl-C
+  143  stopped by SIGTERM
 """
 
 app = typer.Typer(name="durably", help=HELP, no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
-DirOption = Annotated[str | None, typer.Option("--dir", envvar="DURABLY_DIR", show_default=False, metavar="DIR",
-                                               help="State dir (default .durably, or $DURABLY_DIR).")]
+DirOption = Annotated[str | None, typer.Option("--dir", show_default=False, metavar="DIR",
+                                               help="State dir (default: $DURABLY_DIR, the config, or the nearest "
+                                                    ".durably/ here or in a parent folder).")]
+StorageOption = Annotated[str | None, typer.Option("--storage", show_default=False, metavar="URL",
+                                                   help="Storage URL instead of a dir: sqlite:PATH, postgresql://... "
+                                                        "(or $DURABLY_STORAGE).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")]
+
+
+# ---- where the state is ---------------------------------------------------------------------------
+
+_engines: dict[str, Engine] = {}
+_color = True
+_terminated = False
+
+
+def settings_for(dir: str | None, storage: str | None) -> config.Settings:
+    """The effective settings of a command: its `--dir`/`--storage` flags, then env, config, discovery."""
+    global _color
+    found = config.resolve(dir, storage)
+    _color = found.color
+    return found
+
+
+def open_engine(settings: config.Settings) -> Engine:
+    """The engine over the state dir or storage URL the settings name (one per location per process)."""
+    if settings.storage is None:
+        return engine_for(settings.dir)
+    engine = _engines.get(settings.storage)
+    if engine is None:
+        try:
+            from .storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise ValidationError(f"cannot open storage {settings.storage!r}: this version reads only state dirs",
+                                  hint="Use --dir DIR.", docs="docs/cli.md#configuration") from None
+        engine = _engines[settings.storage] = Engine(open_storage(settings.storage))
+    return engine
+
+
+def engine_at(dir: str | None, storage: str | None) -> Engine:
+    """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls."""
+    return open_engine(settings_for(dir, storage))
+
+
+def _interrupted() -> int:
+    """The exit code and message after Ctrl-C or SIGTERM stopped a run."""
+    how = "stopped by SIGTERM" if _terminated else "interrupted"
+    _err_console().print(Text(f"{how}; run the same command again to resume where it stopped", "yellow"))
+    return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM stops a command the way Ctrl-C does (same clean-up), then exits 143."""
+    global _terminated
+    _terminated = True
+    signals.raise_signal(signals.SIGINT)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -103,12 +162,12 @@ def _print_json(value: Any) -> None:
 
 
 def _err_console() -> Console:
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True, no_color=not _color or None)
 
 
 def _out_console() -> Console:
     wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(file=sys.stdout, highlight=False, width=wide)
+    return Console(file=sys.stdout, highlight=False, width=wide, no_color=not _color or None)
 
 
 def _preview(value: Any, limit: int = 100) -> str:
@@ -169,7 +228,7 @@ def _guard(debug: bool) -> Iterator[None]:
         _report_durably_error(exc, debug)
         raise typer.Exit(_exit_code(exc, started=False)) from None
     except KeyboardInterrupt:
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 - shown as one red line, the traceback only with --debug
         _report_exception(exc, debug)
         raise typer.Exit(EXIT_FAILED) from None
@@ -242,27 +301,72 @@ class RunTally:
     running: dict[tuple[int, ...], str] = field(default_factory=dict)
     retrying: dict[tuple[int, ...], str] = field(default_factory=dict)
     status: str | None = None
+    detail: str | None = None
+
+    @property
+    def steps(self) -> int:
+        """Steps that ended (ran or replayed, ok or failed) in this process."""
+        return self.ran + self.replayed + self.failed
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for `durably run --json`."""
-        return {"run_id": self.run_id, "status": self.status, "ran": self.ran, "replayed": self.replayed,
-                "failed": self.failed, "retries": self.retries}
+        return {"run_id": self.run_id, "status": self.status, "detail": self.detail, "ran": self.ran,
+                "replayed": self.replayed, "failed": self.failed, "retries": self.retries}
+
+
+def parked_detail(state: RunState) -> str | None:
+    """What a parked run waits for: `waiting for 'approval' (deadline ...)`, `sleeping until ...`, `paused`."""
+    if state.status == "paused":
+        return "paused"
+    if state.status == "waiting":
+        waits = [s.output for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
+        parts = []
+        for wait in waits:
+            deadline = wait.get("deadline")
+            parts.append(f"{wait.get('signal')!r} (deadline {_when_text(deadline)})" if deadline
+                         else f"{wait.get('signal')!r} (no deadline)")
+        return "waiting for " + ", ".join(parts) if parts else "waiting"
+    if state.status == "sleeping":
+        wakes = [str(s.output.get("until")) for s in state.steps
+                 if s.status == "sleeping" and isinstance(s.output, dict)]
+        return f"sleeping until {_when_text(min(wakes))}" if wakes else "sleeping"
+    return None
+
+
+def _when_text(value: Any) -> str:
+    """A recorded ISO time (or datetime) in local time, as the rest of the CLI shows times."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return value
+    return _when(value) if isinstance(value, datetime) else str(value)
 
 
 class Watcher:
     """Receives every step event of the process and renders the live view from them."""
 
-    def __init__(self) -> None:
+    POLL = 0.5
+
+    def __init__(self, engine: Engine | None = None) -> None:
         self.runs: dict[str, RunTally] = {}
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.spinner: Spinner | None = None
+        self.engine = engine
+        self.polled = 0.0
+
+    def found(self, run_id: str) -> None:
+        """A run was found or created: it shows even before (or without) a step of its own."""
+        with self.lock:
+            self.runs.setdefault(run_id, RunTally(run_id))
 
     def __call__(self, event: StepEvent) -> None:
         with self.lock:
             tally = self.runs.get(event.run_id)
             if tally is None:
                 tally = self.runs[event.run_id] = RunTally(event.run_id)
+            tally.detail = None
             path = event.path
             if event.status == "running":
                 tally.retrying.pop(path, None)
@@ -286,12 +390,27 @@ class Watcher:
         """Seconds since the command started."""
         return time.monotonic() - self.started
 
+    def poll(self) -> None:
+        """Read the parked state (waiting, sleeping, paused) of the runs with no step in flight, twice a second."""
+        if self.engine is None or time.monotonic() - self.polled < self.POLL:
+            return
+        self.polled = time.monotonic()
+        with self.lock:
+            idle = [t for t in self.runs.values() if not t.running and not t.retrying]
+        for tally in idle[-8:]:
+            try:
+                state = asyncio.run(self.engine.inspect(tally.run_id))
+            except Exception:  # noqa: BLE001 - a run not readable yet shows without its parked state
+                continue
+            tally.detail = parked_detail(state)
+
     def __rich__(self) -> RenderableType:
         from rich.spinner import Spinner
         from rich.table import Table
 
         if self.spinner is None:
             self.spinner = Spinner("dots", style="cyan")
+        self.poll()
         with self.lock:
             tallies = list(self.runs.values())
             rows = []
@@ -309,26 +428,33 @@ class Watcher:
                 if labels:
                     shown = ", ".join(labels[:3]) + (f" +{len(labels) - 3}" if len(labels) > 3 else "")
                     line.append(f"  {shown}", "bright_black")
+                elif t.detail:
+                    line.append(f"  {t.detail}", "blue")
                 rows.append(line)
         if len(tallies) > 8:
             rows.insert(0, Text(f"… {len(tallies) - 8} earlier runs", "bright_black"))
         grid = Table.grid(padding=(0, 1))
         grid.add_column()
         grid.add_column()
-        grid.add_row(self.spinner, Text(f"durably  {_duration(self.elapsed)}", "bold"))
+        parked = bool(tallies) and all(t.detail for t in tallies[-8:])
+        grid.add_row(Text("⏸", "blue") if parked else self.spinner, Text(f"durably  {_duration(self.elapsed)}", "bold"))
         for row in rows:
             grid.add_row("", row)
         return grid
 
 
-def _settle(watcher: Watcher, dir: str | None) -> None:
-    """Read back the final status of every run the watcher saw."""
-    engine = engine_for(dir)
+def _settle(watcher: Watcher, engine: Engine | None) -> None:
+    """Read back the final status of every run the watcher saw (and what a parked one waits for)."""
     for tally in watcher.runs.values():
         try:
-            tally.status = asyncio.run(engine.inspect(tally.run_id)).status
+            if engine is None:
+                raise LookupError
+            state = asyncio.run(engine.inspect(tally.run_id))
         except Exception:  # noqa: BLE001 - a run recorded elsewhere (another dir=) keeps status None
-            tally.status = None
+            tally.status = tally.detail = None
+            continue
+        tally.status = state.status
+        tally.detail = parked_detail(state)
 
 
 def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
@@ -338,11 +464,11 @@ def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
         return
     console = _err_console()
     if not watcher.runs:
-        console.print(Text(f"durably: no durable step ran ({_duration(watcher.elapsed)})", "bright_black"))
+        console.print(Text(f"durably: no durable run started ({_duration(watcher.elapsed)})", "bright_black"))
         return
     for t in watcher.runs.values():
         mark, style = {"completed": ("✓", "green"), "failed": ("✗", "red")}.get(t.status or "", ("•", "yellow"))
-        steps = t.ran + t.replayed + t.failed
+        steps = t.steps
         line = Text.assemble((mark, style), " ", (t.run_id, "bold"), "  ", _status(t.status or "unknown"),
                              f"  {steps} step{'s' * (steps != 1)}: {t.ran} ran · {t.replayed} replayed")
         if t.failed:
@@ -350,9 +476,22 @@ def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
         if t.retries:
             line.append(f" · {t.retries} retr{'ies' if t.retries != 1 else 'y'}", "yellow")
         console.print(line)
+        if t.detail:
+            console.print(Text(f"  {t.detail}", "blue"))
         if t.status not in ("completed", None):
             console.print(Text(f"  see: durably inspect {t.run_id}", "bright_black"))
     console.print(Text(f"done in {_duration(watcher.elapsed)}", "bright_black"))
+
+
+def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error: BaseException | None) -> dict[str, Any]:
+    """The one JSON object `run --workflow`, `retry` and `restart` print with `--json`."""
+    tally = watcher.runs.get(run_id) if run_id is not None else None
+    failure = None
+    if error is not None:
+        failure = {"type": type(error).__name__, "message": getattr(error, "message", None) or str(error)}
+    return {"run_id": run_id, "status": tally.status if tally else None, "detail": tally.detail if tally else None,
+            "result": result if code == EXIT_OK else None, "error": failure, "exit_code": code,
+            "elapsed": round(watcher.elapsed, 3), "runs": [t.to_dict() for t in watcher.runs.values()]}
 
 
 @contextmanager
@@ -380,13 +519,15 @@ def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _environment(script: Path, dir: str | None, argv: list[str]) -> Iterator[None]:
-    """Set DURABLY_SCRIPT, DURABLY_DIR, sys.argv and sys.path as `python script.py` would see them."""
-    saved_env = {k: os.environ.get(k) for k in ("DURABLY_SCRIPT", "DURABLY_DIR")}
+def _environment(script: Path, settings: config.Settings, argv: list[str]) -> Iterator[None]:
+    """Set DURABLY_SCRIPT, DURABLY_DIR (or DURABLY_STORAGE), sys.argv and sys.path as the script should see them."""
+    saved_env = {k: os.environ.get(k) for k in ("DURABLY_SCRIPT", "DURABLY_DIR", "DURABLY_STORAGE")}
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     os.environ["DURABLY_SCRIPT"] = str(script)
-    if dir is not None:
-        os.environ["DURABLY_DIR"] = os.path.abspath(dir)
+    if settings.storage is not None:
+        os.environ["DURABLY_STORAGE"] = settings.storage
+    elif settings.dir is not None:
+        os.environ["DURABLY_DIR"] = os.path.abspath(settings.dir)
     sys.argv = [str(script), *argv]
     sys.path.insert(0, str(script.parent))
     try:
@@ -428,10 +569,39 @@ def _find_workflow(name: str, script: Path) -> Workflow:
                           hint="Pass --workflow with the name @workflow gave it (the function's name by default).")
 
 
+def _import_script(script: Path) -> None:
+    """Import the script for `--workflow`; a script that cannot be imported is reported as such."""
+    try:
+        load_script(script)
+    except SyntaxError as exc:
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else str(script)
+        raise ValidationError(f"cannot import {script.name}: SyntaxError: {exc.msg} at {where}",
+                              hint="Fix the syntax error; `python -m py_compile SCRIPT` shows it too.",
+                              docs="docs/cli.md#durably-run") from None
+    except ImportError as exc:
+        raise ValidationError(f"cannot import {script.name}: {type(exc).__name__}: {exc}",
+                              hint="Install the missing module in this environment, or fix the import.",
+                              docs="docs/cli.md#durably-run") from None
+
+
+class RunCommand(TyperCommand):
+    """`durably run`: an unknown option most likely belongs to the script, so say how to pass it."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as exc:
+            option = getattr(exc, "option_name", None)
+            if type(exc).__name__ == "NoSuchOption" and option:
+                exc.message = (f"No such option: {option}. Options for the script go after `--`: "  # type: ignore[attr-defined]
+                               f"durably run SCRIPT -- {option}")
+            raise
+
+
 # ---- commands ------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=RunCommand)
 def run(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The Python script to run.", show_default=False)],
     args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", show_default=False,
@@ -446,60 +616,106 @@ def run(
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or "
                                                              "a signal, instead of waiting (with --workflow).")] = False,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Run SCRIPT as __main__ under durably, with a live progress view on stderr; or one of its workflows."""
     args = list(args or [])
-    if not script.is_file():
-        _report_durably_error(ValidationError(f"no script file {str(script)!r}",
-                                              hint="Pass the path of a Python file, e.g. durably run job.py."), debug)
-        raise typer.Exit(EXIT_USAGE)
-    if workflow is None and (input is not None or key is not None or fresh or no_wait):
-        _report_durably_error(ValidationError("--input, --key, --fresh and --no-wait need --workflow NAME",
-                                              hint="Without --workflow the script's own run(...) calls decide "
-                                                   "input and key; pass them as script arguments after `--`."),
-                              debug)
-        raise typer.Exit(EXIT_USAGE)
+    with _guard(debug):
+        settings = settings_for(dir, storage)
+        if not script.is_file():
+            raise ValidationError(f"no script file {str(script)!r}",
+                                  hint="Pass the path of a Python file, e.g. durably run job.py.")
+        if workflow is None and (input is not None or key is not None or fresh or no_wait):
+            raise ValidationError("--input, --key, --fresh and --no-wait need --workflow NAME",
+                                  hint="Without --workflow the script's own run(...) calls decide input and key; "
+                                       "pass them as script arguments after `--`.")
     script = script.resolve()
-    watcher = Watcher()
+    engine: Engine | None = None
+    with contextlib.suppress(DurablyError):
+        engine = open_engine(settings)
+    watcher = Watcher(engine)
     live = not as_json and sys.stderr.isatty()
-    set_run_hook(RunHook(watcher))
+    main_run: list[str] = []
+    set_run_hook(RunHook(watcher, watcher.found))
     code = EXIT_OK
     result: Any = None
+    error: BaseException | None = None
     try:
-        with _environment(script, dir, args):
+        with _environment(script, settings, args):
             try:
                 with _live(watcher, live):
                     if workflow is None:
                         runpy.run_path(str(script), run_name="__main__")
                     else:
                         value = _parse_input(input)
-                        load_script(script)
+                        _import_script(script)
                         wf = _find_workflow(workflow, script)
-                        result = asyncio.run(engine_for(dir).run(wf, value, key=key, fresh=fresh, wait=not no_wait))
+                        result = asyncio.run(open_engine(settings).run(wf, value, key=key, fresh=fresh,
+                                                                       wait=not no_wait, on_run=main_run.append))
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_FAILED)
                 if exc.code is not None and not isinstance(exc.code, int):
                     _err_console().print(Text(str(exc.code), "red"))
             except KeyboardInterrupt:
-                code = EXIT_INTERRUPTED
-                _err_console().print(Text("interrupted; run the same command again to resume where it stopped",
-                                          "yellow"))
+                code = _interrupted()
             except DurablyError as exc:
-                code = _exit_code(exc, started=bool(watcher.runs))
+                code, error = _exit_code(exc, started=bool(watcher.runs)), exc
                 _report_durably_error(exc, debug)
             except Exception as exc:  # noqa: BLE001 - the script's own error, reported without a traceback
-                code = EXIT_FAILED
+                code, error = EXIT_FAILED, exc
                 _report_exception(exc, debug, "the script" if workflow is None else f"workflow {workflow!r}")
     finally:
         set_run_hook(None)
-    _settle(watcher, dir)
-    if workflow is not None and code == EXIT_OK:
-        _print_json(result)
-    if not (as_json and workflow is not None) and (watcher.runs or code != EXIT_USAGE):
-        _summary(watcher, code, as_json)
+    _settle(watcher, engine)
+    if workflow is not None and as_json:
+        if main_run or code != EXIT_USAGE:
+            _print_json(_outcome(watcher, main_run[0] if main_run else None, code, result, error))
+    else:
+        if workflow is not None and code == EXIT_OK:
+            _print_json(result)
+        if watcher.runs or code != EXIT_USAGE:
+            _summary(watcher, code, as_json)
     raise typer.Exit(code)
+
+
+ListColumn = tuple[str, Callable[[RunState], Text | str], dict[str, Any]]
+
+
+def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
+    """The columns of `durably list` that fit `width`: the run id always whole, then the most useful others."""
+    id_width = max(len(s.run_id) for s in states)
+    key_width = min(max((len(s.key or "") for s in states), default=0), 24)
+    columns: dict[str, ListColumn] = {
+        "run id": ("run id", lambda s: s.run_id, {"no_wrap": True, "min_width": id_width}),
+        "workflow": ("workflow", lambda s: s.workflow, {"overflow": "fold"}),
+        "key": ("key", lambda s: s.key or "", {"overflow": "fold"}),
+        "status": ("status", lambda s: _status(s.status), {"no_wrap": True}),
+        "attempt": ("attempt", lambda s: str(s.attempt or "-"), {"justify": "right", "no_wrap": True}),
+        "created": ("created", lambda s: _when(s.created_at), {"no_wrap": True}),
+        "updated": ("updated", lambda s: _when(s.updated_at or s.created_at), {"no_wrap": True}),
+    }
+    def widest(name: str, cells: list[str], cap: int = 24) -> int:
+        return min(max([len(name), *map(len, cells)]), cap)
+
+    widths = {"run id": id_width, "status": widest("status", [s.status for s in states]), "updated": 19,
+              "key": widest("key", [s.key or "" for s in states]),
+              "workflow": widest("workflow", [s.workflow for s in states]), "attempt": 7, "created": 19}
+    if not key_width:
+        del widths["key"]
+    chosen: set[str] = set()
+    used = 0
+    for name, need in widths.items():
+        need += 2 if chosen else 0
+        if not chosen or used + need <= width:
+            chosen.add(name)
+            used += need
+    return [column for name, column in columns.items() if name in chosen]
+
+
+def _filters_text(**filters: Any) -> str:
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in filters.items() if value is not None)
 
 
 @app.command("list")
@@ -514,6 +730,7 @@ def list_runs(
     limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, metavar="N",
                                               help="At most N runs (newest first).")] = None,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -522,7 +739,7 @@ def list_runs(
         if status is not None and status not in STATUSES:
             raise ValidationError(f"unknown status {status!r}", hint=f"Use one of: {', '.join(STATUSES)}.")
         cutoff = datetime.now(UTC) - timedelta(seconds=parse_duration(since)) if since is not None else None
-        engine = engine_for(dir)
+        engine = engine_at(dir, storage)
         states = asyncio.run(engine.list(status=status, workflow=workflow, key=key,
                                          limit=None if cutoff else limit))
         if cutoff is not None:
@@ -532,21 +749,20 @@ def list_runs(
             return
         console = _out_console()
         if not states:
-            console.print(Text(f"no runs in {engine._where()}", "bright_black"))
+            filters = _filters_text(status=status, workflow=workflow, key=key, since=since)
+            where = engine._where()
+            console.print(Text(f"no runs match {filters} in {where}" if filters else f"no runs in {where}",
+                               "bright_black"))
             return
+        from rich import box
         from rich.table import Table
 
-        table = Table(show_edge=False, header_style="bold")
-        table.add_column("run id", no_wrap=True)
-        table.add_column("workflow")
-        table.add_column("key")
-        table.add_column("status", no_wrap=True)
-        table.add_column("attempt", justify="right")
-        table.add_column("created", no_wrap=True)
-        table.add_column("updated", no_wrap=True)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, header_style="bold", pad_edge=False)
+        columns = _list_columns(console.width, states)
+        for name, _, options in columns:
+            table.add_column(name, **options)
         for s in states:
-            table.add_row(s.run_id, s.workflow, s.key or "", _status(s.status), str(s.attempt or "-"),
-                          _when(s.created_at), _when(s.updated_at))
+            table.add_row(*(cell(s) for _, cell, _ in columns))
         console.print(table)
 
 
@@ -663,12 +879,13 @@ def _header(state: RunState) -> Text:
 def inspect(
     run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
     with _guard(debug):
-        state = asyncio.run(engine_for(dir).inspect(run))
+        state = asyncio.run(engine_at(dir, storage).inspect(run))
         if as_json:
             _print_json(state.to_dict())
             return
@@ -682,12 +899,13 @@ def inspect(
 def graph(
     run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Show the task graphs of a run: each node's child run, status, and why it waits."""
     with _guard(debug):
-        states = asyncio.run(engine_for(dir).graph(run))
+        states = asyncio.run(engine_at(dir, storage).graph(run))
         if as_json:
             _print_json([s.to_dict() for s in states])
             return
@@ -715,15 +933,17 @@ def signal(
     payload: Annotated[str | None, typer.Argument(metavar="PAYLOAD", show_default=False,
                                                   help="JSON payload, or @file.json (default: null).")] = None,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
     with _guard(debug):
         value = _parse_input(payload, "PAYLOAD")
-        asyncio.run(engine_for(dir).signal(run, name, value))
+        engine = engine_at(dir, storage)
+        asyncio.run(engine.signal(run, name, value))
         if as_json:
-            _print_json({"run": run, "signal": name, "payload": value, "sent": True})
+            _print_json({"run_id": engine.resolve(run), "signal": name, "payload": value, "sent": True})
         else:
             _err_console().print(Text(f"sent {name!r} to {run}", "green"))
 
@@ -733,38 +953,62 @@ NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 
                                                                "signal (or is paused), instead of waiting.")]
 
 
-def parse_step(text: str) -> tuple[int, ...] | str:
-    """A `--from-step` value: a path written `2` or `3.1.0` becomes a tuple, anything else is a step label."""
+STEP_HINT = ("Pass a step path such as 2 or 2.0.1, a step label such as fetch, or label#N for the Nth step "
+             "with that label; `durably inspect RUN` shows paths and labels.")
+
+
+def parse_step(text: str) -> tuple[int, ...] | str | tuple[str, int]:
+    """A `--from-step` value: a path `2` or `3.1.0`, a label, or `label#nth` (the nth step with that label)."""
     spec = text.strip()
     if re.fullmatch(r"\d+(\.\d+)*", spec):
         return tuple(int(part) for part in spec.split("."))
     if not spec:
-        raise ValidationError("--from-step is empty", hint="Pass a step path such as 2 or 3.1.0, or a step label.")
+        raise ValidationError("--from-step is empty", hint=STEP_HINT, docs="docs/cli.md#durably-retry")
+    label, hash_, nth = spec.rpartition("#")
+    if hash_ and label and re.fullmatch(r"\d+", nth):
+        if int(nth) < 1:
+            raise ValidationError(f"--from-step {spec!r}: the N in label#N counts from 1", hint=STEP_HINT,
+                                  docs="docs/cli.md#durably-retry")
+        return (label, int(nth))
     return spec
 
 
-def _operate(dir: str | None, as_json: bool, debug: bool,
-             start: Callable[[Engine, Watcher, Callable[[str], Any]], Awaitable[Any]]) -> None:
+def _step_spec(path: tuple[int, ...]) -> str:
+    """A step path as `--from-step` takes it: 2 or 2.0.1."""
+    return ".".join(map(str, path))
+
+
+def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
+             start: Callable[[Engine, Watcher, Callable[[str], Any]], Coroutine[Any, Any, Any]]) -> None:
     """Run an operation that executes a run (retry, restart) under the live view; print its result and summary."""
-    watcher = Watcher()
+    with _guard(debug):
+        engine = engine_at(dir, storage)
+    watcher = Watcher(engine)
     seen: list[str] = []
+
+    def found(run_id: str) -> None:
+        seen.append(run_id)
+        watcher.found(run_id)
+
     code = EXIT_OK
     result: Any = None
+    error: BaseException | None = None
     try:
         with _live(watcher, not as_json and sys.stderr.isatty()):
-            result = asyncio.run(start(engine_for(dir), watcher, seen.append))
+            result = asyncio.run(start(engine, watcher, found))
     except KeyboardInterrupt:
-        code = EXIT_INTERRUPTED
-        _err_console().print(Text("interrupted; run the same command again to resume where it stopped", "yellow"))
+        code = _interrupted()
     except DurablyError as exc:
-        code = _exit_code(exc, started=bool(seen))
+        code, error = _exit_code(exc, started=bool(seen)), exc
         _report_durably_error(exc, debug)
     except Exception as exc:  # noqa: BLE001 - the workflow's own error, reported without a traceback
-        code = EXIT_FAILED
+        code, error = EXIT_FAILED, exc
         _report_exception(exc, debug, "the workflow")
-    for run_id in seen:
-        watcher.runs.setdefault(run_id, RunTally(run_id))
-    _settle(watcher, dir)
+    _settle(watcher, engine)
+    if as_json:
+        if seen or code != EXIT_USAGE:
+            _print_json(_outcome(watcher, seen[0] if seen else None, code, result, error))
+        raise typer.Exit(code)
     if code == EXIT_OK:
         _print_json(result)
     if watcher.runs or code != EXIT_USAGE:
@@ -780,7 +1024,7 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
     """Report whether an operation brought the run to `target`; exit 1 when it did not (yet)."""
     reached = state.status == target
     if as_json:
-        _print_json({"run_id": state.run_id, "status": state.status, target: reached})
+        _print_json({"run_id": state.run_id, "status": state.status, target: reached, "already": False})
     else:
         _err_console().print(Text(done, "green") if reached else Text(pending, "yellow"))
     if not reached:
@@ -792,12 +1036,22 @@ def cancel(
     run: RunArgument,
     timeout: TimeoutOption = "30s",
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
     with _guard(debug):
-        state = asyncio.run(engine_for(dir).cancel(run, timeout=parse_duration(timeout)))
+        engine = engine_at(dir, storage)
+        seconds = parse_duration(timeout)
+        before = asyncio.run(engine.inspect(run))
+        if before.status == "cancelled":
+            if as_json:
+                _print_json({"run_id": before.run_id, "status": "cancelled", "cancelled": True, "already": True})
+            else:
+                _err_console().print(Text(f"{before.run_id} was already cancelled", "yellow"))
+            return
+        state = asyncio.run(engine.cancel(run, timeout=seconds))
         _settled(state, "cancelled", as_json, f"cancelled {state.run_id}",
                  f"asked {state.run_id} to stop, but it is still {state.status} after {timeout}; "
                  "it stops at its next step boundary")
@@ -808,12 +1062,13 @@ def pause(
     run: RunArgument,
     timeout: TimeoutOption = "30s",
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
     with _guard(debug):
-        state = asyncio.run(engine_for(dir).pause(run, timeout=parse_duration(timeout)))
+        state = asyncio.run(engine_at(dir, storage).pause(run, timeout=parse_duration(timeout)))
         _settled(state, "paused", as_json, f"paused {state.run_id}; `durably resume {state.run_id}` continues it",
                  f"asked {state.run_id} to pause, but it is still {state.status} after {timeout}; "
                  "it pauses at its next step boundary")
@@ -823,12 +1078,13 @@ def pause(
 def resume(
     run: RunArgument,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
     with _guard(debug):
-        state = asyncio.run(engine_for(dir).resume(run))
+        state = asyncio.run(engine_at(dir, storage).resume(run))
         if as_json:
             _print_json({"run_id": state.run_id, "status": state.status, "resumed": state.status != "paused"})
         elif state.status in ("interrupted", "failed"):
@@ -843,11 +1099,12 @@ def resume(
 @app.command()
 def retry(
     run: RunArgument,
-    from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL",
-                                                  help="Run this step (a path like 2 or 3.1.0, or a label) and "
-                                                       "every step completed after it again.")] = None,
+    from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL[#N]",
+                                                  help="Run this step (a path like 2 or 2.0.1, a label, or "
+                                                       "label#N) and every step completed after it again.")] = None,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
@@ -857,8 +1114,21 @@ def retry(
     except ValidationError as exc:
         _report_durably_error(exc, debug)
         raise typer.Exit(EXIT_USAGE) from None
-    _operate(dir, as_json, debug, lambda engine, watcher, found: engine.retry(
-        run, from_step=selector, on_step=watcher, wait=not no_wait, on_run=found))
+
+    async def start(engine: Engine, watcher: Watcher, found: Callable[[str], Any]) -> Any:
+        try:
+            return await engine.retry(run, from_step=selector, on_step=watcher, wait=not no_wait, on_run=found)
+        except ValidationError as exc:
+            if selector is None or not exc.message.startswith("from_step="):
+                raise
+            state = await engine.inspect(run)
+            steps = [f"{_step_spec(s.path)} {s.label}" for s in state.steps if s.status in ("ok", "failed")]
+            listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")
+            raise ValidationError(f"--from-step {from_step} matches no recorded step of run {state.run_id}; its "
+                                  f"steps: {listed or 'none'}", hint=STEP_HINT, docs="docs/cli.md#durably-retry",
+                                  run_id=state.run_id) from None
+
+    _operate(dir, storage, as_json, debug, start)
 
 
 @app.command()
@@ -866,11 +1136,12 @@ def restart(
     run: RunArgument,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
+    storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
     """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
-    _operate(dir, as_json, debug, lambda engine, watcher, found: engine.restart(
+    _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
 
 
@@ -935,12 +1206,14 @@ def _direct_run(argv: list[str]) -> bool:
 
 
 def main() -> None:
-    """Entry point of the `durably` console script."""
+    """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        signals.signal(signals.SIGTERM, _on_sigterm)
     try:
         if not _direct_run(sys.argv[1:]):
-            app()
+            app(prog_name="durably")
     except KeyboardInterrupt:
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
 
 
 __all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json", "user_frame"]

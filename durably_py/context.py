@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
@@ -157,8 +158,13 @@ class WorkflowContext:
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any = None, replay: str = "safe") -> Awaitable[Any]:
+             schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
+        if unknown:
+            raise ValidationError(
+                f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
+                hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
+                     "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/authoring.md#steps")
         if (retry is None and timeout is None and compensate is None and concurrency_key is None
                 and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
             return self._kernel.step(fn, args, name, PLAIN)
@@ -235,8 +241,9 @@ class WorkflowContext:
         return self._kernel.uuid()
 
     def log(self, *values: Any, **print_kwargs: Any) -> None:
-        """print(), but only when the workflow is live, never while it replays recorded steps."""
+        """print() to stderr (stdout stays for results), only when live, never while replaying recorded steps."""
         if not self._kernel.replaying():
+            print_kwargs.setdefault("file", sys.stderr)
             print(*values, **print_kwargs)
 
     def complete(self, value: Any = None) -> NoReturn:

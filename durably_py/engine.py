@@ -99,6 +99,11 @@ def check_wait(timeout: Any, operation: str) -> None:
                               docs="docs/operations.md#pause-and-resume")
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def script_of(workflow: Workflow) -> str | None:
     """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
     script = os.environ.get("DURABLY_SCRIPT")
@@ -309,27 +314,44 @@ class Engine:
                                   docs="docs/advisories.md")
         if key is not None:
             validate_key(key)
-        if _run_hook is not None:
-            on_step = _run_hook.chain(on_step)
+        hook = _run_hook
+        if hook is not None:
+            on_step = hook.chain(on_step)
         lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
         if lease is None:
+            if hook is not None:
+                hook.started(history.header["run_id"])
             if on_run is not None:
                 on_run(history.header.run_id)
             return self._joined(workflow, history)
         run_id = lease.run_id
+        if hook is not None:
+            hook.started(run_id)
         if on_run is not None:
             on_run(run_id)
         try:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
                                        advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
         except Parked as parked:
-            hint = f"Resume it with `durably resume {run_id}`, then run it again; nothing is lost meanwhile." \
-                if parked.status == "paused" else f"Send the signal with `durably signal {run_id} NAME PAYLOAD`, " \
-                "or run it again after its wake time; nothing is lost meanwhile."
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
-                                 hint=hint) from None
+                                 hint=self._parked_hint(run_id, parked.status)) from None
         finally:
             self.storage.release(lease)
+
+    def _parked_hint(self, run_id: str, status: str) -> str:
+        """The next move for a parked run, naming the signals it waits for."""
+        if status == "paused":
+            return f"Resume it with `durably resume {run_id}`, then run it again; nothing is lost meanwhile."
+        if status == "sleeping":
+            return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
+        try:
+            history, _ = self._read(run_id)
+            names = [w["name"] for p, w in history.waits.items() if p not in history.done]
+        except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
+            names = []
+        sends = " or ".join(f"`durably signal {run_id} {name} PAYLOAD`" for name in names or ["NAME"])
+        return f"Send the signal with {sends} (then run it again if no process waits for it); " \
+               "nothing is lost meanwhile."
 
     async def _acquire(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
                        budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
@@ -357,6 +379,10 @@ class Engine:
         wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
         if schema is not None:
             wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
+        if input is not None and not workflow.takes_input:
+            raise ValidationError(f"workflow {workflow.name!r} takes no input, got {_short(input)}",
+                                  hint=f"Run it without input, or give it one: `async def {workflow.name}(ctx, "
+                                       "input)`.", docs="docs/running.md")
         input_digest = digest(load_value(wire_input))
         identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
         return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh)
@@ -949,8 +975,14 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
 class RunHook:
     """Lets the CLI watch every `run()` a script makes (its live progress view)."""
 
-    def __init__(self, listener: Callable[[StepEvent], Any]) -> None:
+    def __init__(self, listener: Callable[[StepEvent], Any], on_run: Callable[[str], Any] | None = None) -> None:
         self.listener = listener
+        self.on_run = on_run
+
+    def started(self, run_id: str) -> None:
+        """Tell the watcher a run was found or created (also runs that never reach a step of their own)."""
+        if self.on_run is not None:
+            self.on_run(run_id)
 
     def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
         def both(event: StepEvent) -> None:

@@ -71,6 +71,12 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
         self.value = value
 
 
+def timeout_hint(retry: Any) -> str:
+    """What to do about a step timeout, without suggesting `retry=` to a step that already has it."""
+    more = "give `retry=` more attempts" if retry is not None else "add `retry=`"
+    return f"Raise `timeout=`, {more}, or `attempt().stash()` progress so a retry resumes it."
+
+
 class Parked(BaseException):  # noqa: N818 - control flow, not an error
     """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait."""
 
@@ -545,7 +551,8 @@ class RunKernel:
                             raise
                         raise StepTimeoutError(
                             f"step {label!r} timed out after {opts.timeout:g}s (attempt {number})",
-                            path=list(path_tuple(path)), label=label, timeout=opts.timeout) from None
+                            path=list(path_tuple(path)), label=label, timeout=opts.timeout,
+                            hint=timeout_hint(opts.retry)) from None
                     finally:
                         self.watchdog.remove(watch)
                 outcome = True

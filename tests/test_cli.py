@@ -20,6 +20,14 @@ from durably_py.errors import ValidationError
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True)
+def no_user_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the user's own durably config and environment out of these tests."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "user-config"))
+    for name in ("DURABLY_DIR", "DURABLY_STORAGE", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def double(x: int) -> int:
     return x * 2
 
@@ -247,7 +255,9 @@ def test_run_workflow_with_input_prints_json(tmp_path: Path, script: Path) -> No
     (tmp_path / "input.json").write_text('{"n": 2}')
     as_json = durably(tmp_path, "run", "job.py", "-w", "steps", "-i", "@input.json", "--key", "two", "--json")
     assert as_json.returncode == 0, as_json.stderr
-    assert json.loads(as_json.stdout) == {"n": 2, "sum": 10}
+    outcome = json.loads(as_json.stdout)
+    assert outcome["result"] == {"n": 2, "sum": 10} and outcome["status"] == "completed"
+    assert outcome["run_id"].startswith("steps-") and outcome["exit_code"] == 0
     assert as_json.stderr == ""
     unknown = durably(tmp_path, "run", "job.py", "--workflow", "nope")
     assert unknown.returncode == 2 and "no workflow named 'nope'" in unknown.stderr and "steps" in unknown.stderr
@@ -345,12 +355,12 @@ def test_approval_example_parks_takes_a_signal_and_finishes(tmp_path: Path) -> N
             "--key", "exp-1"]
     parked = durably(tmp_path, *args, "--no-wait")
     assert parked.returncode == 3, parked.stderr
-    assert "waiting for the signal 'approval'" in parked.stdout
+    assert "waiting for the signal 'approval'" in parked.stderr  # ctx.log writes to stderr
     sent = durably(tmp_path, "signal", "exp-1", "approval", '{"ok": true, "by": "ana"}')
     assert sent.returncode == 0, sent.stderr
     done = durably(tmp_path, *args)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == "paid 420.00, approved by ana"
-    assert "waiting for the signal" not in done.stdout  # ctx.log stays quiet while a parked run resumes
+    assert "waiting for the signal" not in done.stderr  # ctx.log stays quiet while a parked run resumes
     rows = {r["workflow"]: r["status"] for r in json.loads(durably(tmp_path, "list", "--json").stdout)}
     assert rows == {"expense": "completed", "check_line": "completed"}

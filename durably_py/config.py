@@ -1,0 +1,176 @@
+"""Where the CLI keeps its state and how it prints: one resolution every command shares.
+
+Each setting comes from the first source that sets it: a command-line flag, then the environment
+(`DURABLY_DIR`, `DURABLY_STORAGE`, `NO_COLOR`), then the project's `.durably/config.toml` (the nearest
+`.durably/` folder in the current directory or a parent, found the way git finds `.git`), then the user's
+`config.toml` under `platformdirs.user_config_dir("durably")`. Without any of them the state dir is that
+nearest `.durably/`, else `./.durably`. The file keys are the flags' names: `dir`, `storage`, `color`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ValidationError
+
+STATE_DIR = ".durably"
+CONFIG_FILE = "config.toml"
+KEYS = ("dir", "storage", "color")
+
+EXAMPLE_CONFIG = """\
+# durably settings for this project. Every key is optional; command-line flags and the environment
+# (DURABLY_DIR, DURABLY_STORAGE, NO_COLOR) override them. `durably config` shows what is in effect.
+
+# The state dir, relative to the folder that holds this .durably/ folder (default: this .durably/ folder).
+# dir = ".durably"
+
+# A storage URL instead of a dir: a path, file:PATH, sqlite:PATH or postgresql://...
+# storage = "sqlite:.durably/runs.db"
+
+# false turns colours off, like NO_COLOR=1.
+# color = true
+"""
+
+EXAMPLE_GITIGNORE = """\
+# Run logs and other state stay out of git; config.toml and this file are meant to be committed.
+*
+!.gitignore
+!config.toml
+"""
+
+
+@dataclass
+class Settings:
+    """The effective settings and, for each, where it came from."""
+
+    dir: str | None = None
+    storage: str | None = None
+    color: bool = True
+    sources: dict[str, str] = field(default_factory=dict)
+    project: Path | None = None
+    user_file: Path | None = None
+
+    def location(self) -> str:
+        """The state dir or storage URL the commands use, as a user would type it."""
+        return self.storage if self.storage is not None else str(self.dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form for `durably config --json`."""
+        return {"dir": self.dir, "storage": self.storage, "color": self.color, "sources": dict(self.sources),
+                "project": str(self.project) if self.project else None,
+                "user_config": str(self.user_file) if self.user_file else None}
+
+
+def find_state_dir(start: Path | None = None) -> Path | None:
+    """The nearest `.durably/` folder in `start` (default: the current directory) or one of its parents."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / STATE_DIR
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def user_config_file() -> Path:
+    """The user's config file: `config.toml` under `platformdirs.user_config_dir("durably")`."""
+    import platformdirs  # only commands that resolve settings pay for it
+
+    return Path(platformdirs.user_config_dir("durably")) / CONFIG_FILE
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The settings in one config file (empty when it does not exist); unknown keys and bad values are errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ValidationError(f"cannot read config file {path}: {exc.strerror or exc}",
+                              hint="Fix the file's permissions, or remove it.", docs="docs/cli.md#configuration") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValidationError(f"config file {path} is not valid TOML: {exc}",
+                              hint='Write one key per line, e.g. dir = ".durably".',
+                              docs="docs/cli.md#configuration") from None
+    for name, value in data.items():
+        if name not in KEYS:
+            raise ValidationError(f"config file {path} has unknown key {name!r}",
+                                  hint=f"The keys are {', '.join(KEYS)}.", docs="docs/cli.md#configuration")
+        expected = bool if name == "color" else str
+        if not isinstance(value, expected):
+            raise ValidationError(f"config file {path}: {name} must be a {expected.__name__}, got {value!r}",
+                                  hint='e.g. dir = ".durably", color = false.', docs="docs/cli.md#configuration")
+    return data
+
+
+def _falsy(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
+def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | None = None,
+            environ: dict[str, str] | None = None) -> Settings:
+    """The effective settings: flags (`dir`, `storage`) > environment > project config > user config > discovery."""
+    env = os.environ if environ is None else environ
+    base = (cwd or Path.cwd()).resolve()
+    if dir is not None and storage is not None:
+        raise ValidationError("--dir and --storage name two different places", hint="Pass only one of them.",
+                              docs="docs/cli.md#configuration")
+    if dir is not None and Path(dir).exists() and not Path(dir).is_dir():
+        raise ValidationError(f"--dir {dir!r} is a file, not a directory",
+                              hint="Pass the state dir (a folder such as .durably), not a file in it.",
+                              docs="docs/cli.md#configuration")
+    project = find_state_dir(base)
+    user_file = user_config_file()
+    settings = Settings(project=project, user_file=user_file)
+    layers: list[tuple[str, dict[str, Any], Path]] = []
+    if dir is not None or storage is not None:
+        layers.append(("flag", {"dir": dir, "storage": storage}, base))
+    env_layer: dict[str, Any] = {"dir": env.get("DURABLY_DIR") or None, "storage": env.get("DURABLY_STORAGE") or None}
+    if "NO_COLOR" in env and env["NO_COLOR"] != "":
+        env_layer["color"] = False
+    elif env.get("DURABLY_COLOR"):
+        env_layer["color"] = not _falsy(env["DURABLY_COLOR"])
+    layers.append(("env", env_layer, base))
+    if project is not None:
+        layers.append((str(project / CONFIG_FILE), read_config(project / CONFIG_FILE), project.parent))
+    layers.append((str(user_file), read_config(user_file), base))
+
+    for source, values, root in layers:
+        if "dir" not in settings.sources and "storage" not in settings.sources:
+            if values.get("storage") is not None:
+                settings.storage = values["storage"]
+                settings.sources["storage"] = source
+            elif values.get("dir") is not None:
+                settings.dir = str((root / os.path.expanduser(values["dir"])).resolve())
+                settings.sources["dir"] = source
+        if "color" not in settings.sources and values.get("color") is not None:
+            settings.color = bool(values["color"])
+            settings.sources["color"] = source
+    if "dir" not in settings.sources and "storage" not in settings.sources:
+        settings.dir = str(project if project is not None else base / STATE_DIR)
+        settings.sources["dir"] = "found" if project is not None else "default"
+    settings.sources.setdefault("color", "default")
+    return settings
+
+
+def init_project(folder: Path) -> list[Path]:
+    """Create `.durably/` with an example `config.toml` and a `.gitignore` in `folder`; return what was created."""
+    state = folder / STATE_DIR
+    made = []
+    if not state.is_dir():
+        state.mkdir(parents=True)
+        made.append(state)
+    for name, text in ((CONFIG_FILE, EXAMPLE_CONFIG), (".gitignore", EXAMPLE_GITIGNORE)):
+        target = state / name
+        if not target.exists():
+            target.write_text(text, encoding="utf-8")
+            made.append(target)
+    return made
+
+
+__all__ = ["Settings", "find_state_dir", "init_project", "read_config", "resolve", "user_config_file"]

@@ -1,0 +1,311 @@
+"""The operator's CLI through real subprocesses: JSON-only stdout, every run in the summary, parked state,
+readable tables at 80 columns, `--from-step` syntax, SIGTERM, state-dir discovery and the small defects."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKFLOWS = textwrap.dedent('''
+    import os, sys, time
+    from durably_py import Retry, workflow
+
+    def maybe_fail(x):
+        if os.environ.get("FAIL"):
+            raise ValueError("told to fail")
+        return x
+
+    @workflow
+    async def resumable(ctx, n):
+        a = await ctx.step(add_one, n)
+        return await ctx.step(maybe_fail, a)
+
+    def add_one(x):
+        return x + 1
+
+    def nap(seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def slow_forever(x):
+        time.sleep(5)
+        return x
+
+    @workflow
+    async def loud(ctx, n):
+        ctx.log("hello from ctx.log")
+        return await ctx.step(add_one, n)
+
+    @workflow
+    async def nostep(ctx, n):
+        return n * 2
+
+    @workflow
+    async def early(ctx, n):
+        raise ValueError("broken before any step")
+
+    @workflow
+    async def noinput(ctx):
+        return "ok"
+
+    @workflow
+    async def waiter(ctx):
+        await ctx.step(add_one, 1)
+        return await ctx.wait_for("approval", timeout=3600)
+
+    @workflow
+    async def napper(ctx, n):
+        return [await ctx.step(nap, n) for _ in range(2)]
+
+    @workflow
+    async def twice(ctx, n):
+        a = await ctx.step(add_one, n, name="inc")
+        b = await ctx.step(add_one, a, name="inc")
+        return await ctx.step(add_one, b, name="last")
+
+    @workflow
+    async def bad_kwargs(ctx, n):
+        return await ctx.step(add_one, n, x=1)
+
+    @workflow
+    async def timing_out(ctx, n):
+        return await ctx.step(slow_forever, n, timeout=0.05, retry=Retry(2, base=0.01))
+
+    if __name__ == "__main__":
+        from durably_py import run
+        print(run(resumable, int(sys.argv[1])))
+''')
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project folder holding `wf.py`, with the user's config and durably environment kept out."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "user-config"))
+    for name in ("DURABLY_DIR", "DURABLY_STORAGE", "DURABLY_SCRIPT", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    root = tmp_path / "project"
+    (root / "sub").mkdir(parents=True)
+    (root / "wf.py").write_text(WORKFLOWS)
+    return root
+
+
+def durably(cwd: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in `cwd` at 80 columns."""
+    full_env = {**os.environ, "COLUMNS": "80", **env}
+    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def as_json(proc: subprocess.CompletedProcess[str]) -> Any:
+    return json.loads(proc.stdout)
+
+
+# ---- 1. --json keeps stdout JSON only --------------------------------------------------------------------
+
+
+def test_run_and_restart_json_is_one_object_with_the_run_id(project: Path) -> None:
+    proc = durably(project, "run", "wf.py", "--workflow", "loud", "--input", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = as_json(proc)
+    assert out["run_id"].startswith("loud-") and out["status"] == "completed" and out["result"] == 2
+    assert out["exit_code"] == 0 and out["error"] is None
+    assert [r["run_id"] for r in out["runs"]] == [out["run_id"]] and out["runs"][0]["ran"] == 1
+    assert "hello from ctx.log" in proc.stderr
+    again = durably(project, "restart", out["run_id"], "--json")
+    assert again.returncode == 0, again.stderr
+    restarted = as_json(again)
+    assert restarted["run_id"] != out["run_id"] and restarted["result"] == 2
+    failed = durably(project, "run", "wf.py", "--workflow", "early", "--input", "1", "--json")
+    assert failed.returncode == 1
+    body = as_json(failed)
+    assert body["status"] == "failed" and body["error"] == {"type": "ValueError", "message": "broken before any step"}
+
+
+# ---- 2. every run appears, also without a step of its own -------------------------------------------------
+
+
+def test_runs_without_steps_appear_in_the_summary(project: Path) -> None:
+    for name, code, status in (("nostep", 0, "completed"), ("early", 1, "failed")):
+        proc = durably(project, "run", "wf.py", "--workflow", name, "--input", "3")
+        assert proc.returncode == code, proc.stderr
+        run_id = json.loads(durably(project, "list", "--workflow", name, "--json").stdout)[0]["run_id"]
+        assert f"{run_id}  {status}  0 steps: 0 ran · 0 replayed" in proc.stderr
+        assert "no durable" not in proc.stderr
+
+
+def test_a_process_that_joins_a_live_run_reports_it(project: Path) -> None:
+    args = [sys.executable, "-m", "durably_py.cli", "run", "wf.py", "--workflow", "napper", "--input", "0.6"]
+    first = subprocess.Popen(args, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not list((project / ".durably" / "runs").glob("napper-*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    joined = durably(project, "run", "wf.py", "--workflow", "napper", "--input", "0.6")
+    first.communicate(timeout=30)
+    assert joined.returncode == 0, joined.stderr
+    assert json.loads(joined.stdout) == [0.6, 0.6]
+    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    assert f"{run_id}  completed" in joined.stderr
+
+
+# ---- 3 and 8. parked state in the live view; SIGTERM like Ctrl-C -------------------------------------------
+
+
+def _read_until(fd: int, needle: bytes, seconds: float) -> bytes:
+    seen = b""
+    deadline = time.monotonic() + seconds
+    while needle not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                break
+    return seen
+
+
+def test_live_view_shows_the_wait_and_sigterm_restores_the_terminal(project: Path) -> None:
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "COLUMNS": "100", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "wf.py", "--workflow", "waiter"],
+                            cwd=project, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=terminal, env=env)
+    os.close(terminal)
+    try:
+        seen = _read_until(controller, b"waiting for 'approval' (deadline", 20)
+        assert b"waiting for 'approval' (deadline" in seen, seen.decode(errors="replace")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 143
+        seen += _read_until(controller, b"done in", 5)
+    finally:
+        os.close(controller)
+        if proc.poll() is None:
+            proc.kill()
+    text = seen.decode(errors="replace")
+    assert "\x1b[?25h" in text  # the cursor is shown again
+    assert "stopped by SIGTERM; run the same command again to resume where it stopped" in text
+
+
+def test_sigterm_exits_143_and_the_run_resumes(project: Path) -> None:
+    args = [sys.executable, "-m", "durably_py.cli", "run", "wf.py", "--workflow", "napper", "--input", "1.5"]
+    proc = subprocess.Popen(args, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM; run the same command again to resume where it stopped" in err
+    assert "interrupted" in err and out == ""
+    again = durably(project, "run", "wf.py", "--workflow", "napper", "--input", "1.5")
+    assert again.returncode == 0 and "1 replayed" in again.stderr
+
+
+def test_no_wait_summary_says_what_the_run_waits_for(project: Path) -> None:
+    proc = durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait")
+    assert proc.returncode == 3
+    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    assert f"`durably signal {run_id} approval PAYLOAD`" in proc.stderr  # the real signal name
+    assert "waiting for 'approval' (deadline 20" in proc.stderr
+    out = as_json(durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--json"))
+    assert out["status"] == "waiting" and out["detail"].startswith("waiting for 'approval' (deadline ")
+    assert out["exit_code"] == 3 and out["error"]["type"] == "RunParkedError"
+
+
+# ---- 4. durably list at 80 columns ----------------------------------------------------------------------
+
+
+def test_list_fits_80_columns_with_whole_ids_and_names_the_empty_filter(project: Path) -> None:
+    for n in range(3):
+        durably(project, "run", "wf.py", "--workflow", "twice", "--input", str(n), "--key", f"key-number-{n}")
+    durably(project, "run", "wf.py", "--workflow", "early", "--input", "1")
+    table = durably(project, "list")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert lines[0].split() == ["run", "id", "workflow", "key", "status", "updated"]
+    for row in json.loads(durably(project, "list", "--json").stdout):
+        assert any(line.startswith(row["run_id"] + " ") for line in lines), row["run_id"]
+    empty = durably(project, "list", "--status", "cancelled", "--workflow", "twice")
+    assert empty.returncode == 0
+    assert empty.stdout.startswith("no runs match --status cancelled --workflow twice in ")
+
+
+# ---- 6. --from-step takes what its hint shows ---------------------------------------------------------------
+
+
+def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
+    run_id = as_json(durably(project, "run", "wf.py", "--workflow", "twice", "--input", "1", "--json"))["run_id"]
+    for spec, ran in (("1", 2), ("inc", 3), ("inc#2", 2), ("last", 1)):
+        proc = durably(project, "retry", run_id, "--from-step", spec, "--json")
+        assert proc.returncode == 0, (spec, proc.stderr)
+        out = as_json(proc)
+        assert out["result"] == 4 and out["runs"][0]["ran"] == ran, spec
+    bad = durably(project, "retry", run_id, "--from-step", "inc#3")
+    assert bad.returncode == 2
+    assert f"--from-step inc#3 matches no recorded step of run {run_id}; its steps: 0 inc, 1 inc, 2 last" in bad.stderr
+    assert "a step path such as 2 or 2.0.1" in bad.stderr and "label#N" in bad.stderr
+    assert "(3, 1, 0)" not in bad.stderr
+
+
+# ---- 9. the state dir is found like git finds .git ----------------------------------------------------------
+
+
+def test_state_dir_is_the_nearest_durably_folder(project: Path) -> None:
+    failed = durably(project, "run", "wf.py", "--workflow", "resumable", "--input", "5", FAIL="1")
+    assert failed.returncode == 1
+    from_sub = durably(project / "sub", "run", "../wf.py", "--workflow", "resumable", "--input", "5")
+    assert from_sub.returncode == 0 and json.loads(from_sub.stdout) == 6
+    assert "1 ran · 1 replayed" in from_sub.stderr
+    assert not (project / "sub" / ".durably").exists()
+    rows = json.loads(durably(project / "sub", "list", "--json").stdout)
+    assert len(rows) == 1 and rows[0]["workflow"] == "resumable" and rows[0]["status"] == "completed"
+    script = durably(project / "sub", "run", "../wf.py", "--", "7", FAIL="1")
+    assert script.returncode == 1
+    resumed = durably(project / "sub", "run", "../wf.py", "--", "7")
+    assert resumed.returncode == 0 and "1 ran · 1 replayed" in resumed.stderr
+    assert not (project / "sub" / ".durably").exists()
+    not_a_dir = durably(project, "list", "--dir", "wf.py")
+    assert not_a_dir.returncode == 2 and "--dir 'wf.py' is a file, not a directory" in not_a_dir.stderr
+
+
+# ---- 11. the small ones ----------------------------------------------------------------------------------------
+
+
+def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
+    durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate")
+    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    sent = as_json(durably(project, "signal", "gate", "other", "1", "--json"))
+    assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True}
+    first = durably(project, "cancel", "gate", "--json")
+    assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True, "already": False}
+    second = durably(project, "cancel", "gate")
+    assert second.returncode == 0 and second.stderr.strip() == f"{run_id} was already cancelled"
+
+    (project / "broken.py").write_text("def oops(:\n")
+    syntax = durably(project, "run", "broken.py", "--workflow", "x")
+    assert syntax.returncode == 2
+    assert "cannot import broken.py: SyntaxError:" in syntax.stderr and "broken.py:1" in syntax.stderr
+
+    option = durably(project, "run", "wf.py", "--verbose")
+    flat = " ".join(option.stderr.replace("│", " ").split())
+    assert option.returncode == 2 and "Options for the script go after `--`: durably run SCRIPT -- --verbose" in flat
+
+    no_input = durably(project, "run", "wf.py", "--workflow", "noinput", "--input", "1")
+    assert no_input.returncode == 2
+    assert "ValidationError: workflow 'noinput' takes no input, got 1" in no_input.stderr
+
+    kwargs = durably(project, "run", "wf.py", "--workflow", "bad_kwargs", "--input", "1")
+    assert kwargs.returncode == 1
+    assert "ValidationError: ctx.step() got unknown keyword argument(s) 'x'" in kwargs.stderr
+
+    timed = durably(project, "run", "wf.py", "--workflow", "timing_out", "--input", "1")
+    assert timed.returncode == 1 and "StepTimeoutError" in timed.stderr
+    assert "give `retry=` more attempts" in timed.stderr and "add `retry=`" not in timed.stderr
