@@ -81,7 +81,6 @@ DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks
 
 # ---- where the state is ---------------------------------------------------------------------------
 
-_engines: dict[str, Engine] = {}
 _color = True
 _terminated = False
 
@@ -96,17 +95,7 @@ def settings_for(dir: str | None, storage: str | None) -> config.Settings:
 
 def open_engine(settings: config.Settings) -> Engine:
     """The engine over the state dir or storage URL the settings name (one per location per process)."""
-    if settings.storage is None:
-        return engine_for(settings.dir)
-    engine = _engines.get(settings.storage)
-    if engine is None:
-        try:
-            from .storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            raise ValidationError(f"cannot open storage {settings.storage!r}: this version reads only state dirs",
-                                  hint="Use --dir DIR.", docs="docs/cli.md#configuration") from None
-        engine = _engines[settings.storage] = Engine(open_storage(settings.storage))
-    return engine
+    return engine_for(settings.dir, settings.storage)
 
 
 def engine_at(dir: str | None, storage: str | None) -> Engine:
@@ -1024,7 +1013,7 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
     """Report whether an operation brought the run to `target`; exit 1 when it did not (yet)."""
     reached = state.status == target
     if as_json:
-        _print_json({"run_id": state.run_id, "status": state.status, target: reached, "already": False})
+        _print_json({"run_id": state.run_id, "status": state.status, target: reached})
     else:
         _err_console().print(Text(done, "green") if reached else Text(pending, "yellow"))
     if not reached:
@@ -1047,7 +1036,7 @@ def cancel(
         before = asyncio.run(engine.inspect(run))
         if before.status == "cancelled":
             if as_json:
-                _print_json({"run_id": before.run_id, "status": "cancelled", "cancelled": True, "already": True})
+                _print_json({"run_id": before.run_id, "status": "cancelled", "cancelled": True})
             else:
                 _err_console().print(Text(f"{before.run_id} was already cancelled", "yellow"))
             return

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .codec import dump_value, load_value
-from .errors import ValidationError
+from .errors import ArgumentError, ValidationError
 from .history import BUDGET_KINDS
 from .kernel import PLAIN, Complete, RunHandle, StepOptions, current_attempt, label_of
 from .policies import check_timeout
@@ -161,10 +161,10 @@ class WorkflowContext:
              schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
         if unknown:
-            raise ValidationError(
+            raise ArgumentError(
                 f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
                 hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
-                     "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/authoring.md#steps")
+                     "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
         if (retry is None and timeout is None and compensate is None and concurrency_key is None
                 and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
             return self._kernel.step(fn, args, name, PLAIN)

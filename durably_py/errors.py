@@ -37,6 +37,10 @@ class ValidationError(DurablyError, ValueError):
     anchor = "validationerror"
 
 
+class ArgumentError(ValidationError, TypeError):
+    """A call got an argument it does not take (also a `TypeError`, as Python raises for unknown keywords)."""
+
+
 class SerializationError(DurablyError, TypeError):
     """A value crossing the durable boundary is not JSON plus datetime; `path` names where."""
 

@@ -285,7 +285,7 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
     sent = as_json(durably(project, "signal", "gate", "other", "1", "--json"))
     assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True}
     first = durably(project, "cancel", "gate", "--json")
-    assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True, "already": False}
+    assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True}
     second = durably(project, "cancel", "gate")
     assert second.returncode == 0 and second.stderr.strip() == f"{run_id} was already cancelled"
 
@@ -304,7 +304,7 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
 
     kwargs = durably(project, "run", "wf.py", "--workflow", "bad_kwargs", "--input", "1")
     assert kwargs.returncode == 1
-    assert "ValidationError: ctx.step() got unknown keyword argument(s) 'x'" in kwargs.stderr
+    assert "ArgumentError: ctx.step() got unknown keyword argument(s) 'x'" in kwargs.stderr
 
     timed = durably(project, "run", "wf.py", "--workflow", "timing_out", "--input", "1")
     assert timed.returncode == 1 and "StepTimeoutError" in timed.stderr

@@ -502,10 +502,10 @@ def test_log_prints_live_but_not_on_replay(capsys: pytest.CaptureFixture[str]) -
     async def main() -> None:
         engine = new_engine()
         await interrupted(engine, wf)
-        assert capsys.readouterr().out == "before fetch\nbetween-steps\n"
+        assert capsys.readouterr().err == "before fetch\nbetween-steps\n"
         stop[0] = False
         await engine.run(wf)
-        assert capsys.readouterr().out == "between-steps\nafter parse\n"
+        assert capsys.readouterr().err == "between-steps\nafter parse\n"
 
     go(main)
 
