@@ -346,7 +346,7 @@ class Engine:
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
             history, _ = self._read(run_id)
-            names = [w["name"] for p, w in history.waits.items() if p not in history.done]
+            names = [w.name for p, w in history.waits.items() if p not in history.done]
         except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
             names = []
         sends = " or ".join(f"`durably signal {run_id} {name} PAYLOAD`" for name in names or ["NAME"])
