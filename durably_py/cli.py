@@ -1152,7 +1152,7 @@ def ui(
     from . import ui as console
 
     with _guard(debug):
-        engine = engine_for(dir, storage)
+        engine = engine_at(dir, storage)
         token = os.environ.get("DURABLY_UI_TOKEN") or None
         try:
             console.serve(engine, host=host, port=port, open_browser=open_browser, token=token,
