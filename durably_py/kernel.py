@@ -57,6 +57,7 @@ NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceede
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
+LOOP_COMPACT_BYTES = 64 * 1024
 
 
 class Crash(BaseException):  # noqa: N818 - it is not an error but a simulated process death
@@ -284,6 +285,8 @@ class RunKernel:
         self.running: dict[AttemptContext, asyncio.Task[Any] | None] = {}
         self.step_running_since: float | None = None
         self.branches = 0
+        self.since_compaction = 0
+        self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
@@ -301,7 +304,33 @@ class RunKernel:
             except LeaseLostError as exc:
                 self.lost = exc
                 raise
-        self.history.add(rec)
+            self.history.add(rec)
+            self.since_compaction += len(data)
+
+    def compact_loops(self) -> None:
+        """After a loop snapshot: rewrite the log without the records snapshots cover, every
+        `LOOP_COMPACT_BYTES` written, so a resumed loop reads a bounded log however many iterations ran.
+
+        The in-memory history drops the same records, so each compaction costs what the log keeps, not
+        what the run wrote. Off when the storage does not compact (`compact_above_bytes=None`)."""
+        if self.shadow or self.dead or self.since_compaction < LOOP_COMPACT_BYTES \
+                or getattr(self.storage, "compact_above_bytes", None) is None:
+            return
+        with self.lock:
+            self.since_compaction = 0
+            history = self.history
+            covered = [p for p in history.done if history.snapshotted(p)]
+            if not covered:
+                return
+            kept = history.compacted()
+            self.storage.rewrite(self.lease, b"".join(records.encode(r) for r in kept))
+            for table in (history.fails, history.starts, history.stashes, history.waits, history.wakes):
+                for p in [p for p in table if p in history.done]:
+                    del table[p]  # type: ignore[attr-defined]
+            for p in covered:
+                if p in self.compensations:
+                    self.trimmed[p] = None
+                del history.done[p]
 
     def step_done(self) -> None:
         """Count a completed step and fsync when the checkpoint policy says so."""
@@ -1097,6 +1126,7 @@ class RunKernel:
                                 f"ctx.loop at path {path_tuple(path)} snapshots {len(data) // 1024} KiB of state")
                 self.write(records.Snap(path=path, iteration=i, state=wire, ts=time.time()))
                 self.step_done()
+                self.compact_loops()
             i += 1
 
     def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]:
@@ -1153,10 +1183,11 @@ class RunKernel:
     # ---- the whole run ------------------------------------------------------------------------
     async def compensate(self, error: BaseException) -> None:
         """Run the compensations of completed steps in reverse completion order, each once, durably."""
-        order = {p: i for i, p in enumerate(self.done)}
+        order = {p: i - len(self.trimmed) for i, p in enumerate(self.trimmed)}
+        order.update((p, i) for i, p in enumerate(self.done))
         failures = []
         for path in sorted(self.compensations, key=lambda p: order.get(p, -1), reverse=True):
-            if path in self.history.comps or path not in self.done:
+            if path in self.history.comps or path not in order:
                 continue
             fn, value, label = self.compensations[path]
             try:

@@ -157,3 +157,52 @@ def test_heavy_snapshots_are_advised() -> None:
 
     assert run(create_engine(MemoryStorage()), wf, advisories="silent", on_advisory=seen.append) == 300_000
     assert [a.code for a in seen] == ["SNAPSHOT_HEAVY"]
+
+
+def stopped_loop_log(tmp_path, iterations, **storage_options):
+    """The log of a loop (one step per iteration, snapshot every 10) stopped like a killed process."""
+    wf, calls = make(stop_at=iterations, snapshot_every=10)
+    engine = create_engine(FileStorage(tmp_path, **storage_options))
+    with pytest.raises(Stop):
+        run(engine, wf, iterations + 100, advisories="silent")
+    (log,) = tmp_path.glob("runs/*.jsonl")
+    return engine, wf, calls, log
+
+
+def test_a_long_loop_keeps_its_log_bounded_while_it_runs(tmp_path) -> None:
+    engine, wf, calls, log = stopped_loop_log(tmp_path / "long", 4000)
+    _, _, _, short = stopped_loop_log(tmp_path / "short", 1500)
+    # whatever the 1 MiB threshold, snapshotted iterations are compacted away as the loop goes
+    assert log.stat().st_size < 2 * 64 * 1024 and short.stat().st_size < 2 * 64 * 1024
+    calls["reducer"].clear()
+    calls["step"].clear()
+    assert run(engine, wf, 4100, advisories="silent") == sum(i * 10 for i in range(4100))
+    assert calls["reducer"] == list(range(4000, 4101))  # resumed from the snapshot of iteration 3999
+    assert calls["step"] == list(range(4000, 4100))
+
+
+def test_no_compaction_while_the_loop_runs_when_the_storage_does_not_compact(tmp_path) -> None:
+    _, _, _, log = stopped_loop_log(tmp_path, 1500, compact_above_bytes=None)
+    assert sum(1 for line in log.read_text().splitlines() if '"t":"ok"' in line) == 1500
+
+
+def test_compensations_of_compacted_iterations_still_run_when_the_workflow_fails() -> None:
+    undone = []
+
+    def charge(i):
+        return i
+
+    @workflow
+    async def loop_saga(ctx):
+        async def turn(total, it):
+            if it.number == 1500:
+                raise RuntimeError("boom")
+            return total + await it.step(charge, it.number, compensate=undone.append)
+
+        return await ctx.loop(0, turn, snapshot_every=10)
+
+    storage = MemoryStorage()
+    storage.compact_above_bytes = 1 << 20
+    with pytest.raises(RuntimeError):
+        run(create_engine(storage), loop_saga, advisories="silent")
+    assert undone == list(range(1499, -1, -1))
