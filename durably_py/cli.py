@@ -45,11 +45,11 @@ EXIT_PARKED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
-STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused")
+STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused", "corrupt")
 COLOURS = {
     "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
     "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
-    "sleeping": "blue", "paused": "blue",
+    "sleeping": "blue", "paused": "blue", "corrupt": "red",
 }
 USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
 
@@ -753,6 +753,9 @@ def list_runs(
         for s in states:
             table.add_row(*(cell(s) for _, cell, _ in columns))
         console.print(table)
+        for s in states:
+            if s.status == "corrupt":
+                console.print(Text(f"{s.run_id}: {'; '.join(s.warnings)}", "red"))
 
 
 def _step_line(step: StepState) -> Text:

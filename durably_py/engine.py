@@ -24,6 +24,7 @@ from .clock import Clock
 from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
 from .context import WorkflowContext
 from .errors import (
+    CorruptLogError,
     DurablyError,
     KeyConflictError,
     LeaseLostError,
@@ -46,6 +47,7 @@ from .timeline import Span, spans
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
+CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
 RESERVED_WAIT = 2.0
 
 
@@ -223,12 +225,18 @@ class Engine:
                 active = datetime.fromtimestamp(info.updated_at, UTC)
                 if (since is not None and active < since) or (until is not None and active > until):
                     continue
-            if status is not None and run_status(self._brief(info), info.held) != status:
+            damage: CorruptLogError | None = None
+            try:
+                brief: History | None = self._brief(info)
+            except CorruptLogError as exc:
+                brief, damage = None, exc
+            if status is not None and (run_status(brief, info.held) if brief is not None else CORRUPT) != status:
                 continue
             if skipped < offset:
                 skipped += 1
                 continue
-            state = describe(self._brief(info), held=info.held, steps=False)
+            state = self._damaged(info, damage) if damage is not None \
+                else describe(brief, held=info.held, steps=False)  # type: ignore[arg-type]
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
             out.append(state)
@@ -262,9 +270,40 @@ class Engine:
         return states
 
     def _status(self, run_id: str) -> str:
-        """A run's status as `list` tells it."""
+        """A run's status as `list` tells it ("corrupt" for a damaged log)."""
         info = self.storage.info(run_id)
-        return "pending" if info is None else run_status(self._brief(info), info.held)
+        if info is None:
+            return "pending"
+        try:
+            return run_status(self._brief(info), info.held)
+        except CorruptLogError:
+            return CORRUPT
+
+    def _valid(self, info: RunInfo) -> None:
+        """Raise the `CorruptLogError` naming file, line and field if the run's header or last record is damaged."""
+        try:
+            self._brief(info)
+        except CorruptLogError:
+            self._read(info.run_id)
+            raise
+
+    def _damaged(self, info: RunInfo, error: CorruptLogError) -> RunState:
+        """How `list` shows a run whose log does not validate: status "corrupt", the error and its hint.
+
+        The error of a full read is preferred (it names the file); the run's other runs are unaffected."""
+        try:
+            self._read(info.run_id)
+        except CorruptLogError as exc:
+            error = exc
+        except DurablyError:
+            pass
+        header = info.header if isinstance(info.header, dict) else {}
+        workflow, key = header.get("workflow"), header.get("key")
+        return RunState(
+            run_id=info.run_id, status=CORRUPT, workflow=workflow if isinstance(workflow, str) else "?",
+            key=key if isinstance(key, str) else None, input=None,
+            created_at=datetime.fromtimestamp(info.updated_at, UTC), updated_at=None, attempt=info.epoch,
+            error=dump_error(error), warnings=[f"{error.message} (hint: {error.hint})"])
 
     def _brief(self, info: RunInfo) -> History:
         """Enough history for a run's status: its header and last record (the whole log after a resume)."""
@@ -358,8 +397,9 @@ class Engine:
         """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease."""
         if run_id is None:
             run_id = await self._identify(workflow, input, key, fresh, budget)
+        check = _of_workflow(workflow)
         while True:
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=records.load)
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check)
             if lease is not None:
                 history = History(lease.records, lease.where)
                 if history.end is not None and history.end.status == "completed":
@@ -492,6 +532,7 @@ class Engine:
                 waited += JOIN_POLL / 5
                 continue
             if info is not None and not fresh:
+                self._valid(info)
                 if key is not None and info.header.get("input_digest") != input_digest:
                     bound = load_value(info.header.get("input"))
                     raise KeyConflictError(
@@ -916,6 +957,26 @@ def engine_for(dir: str | os.PathLike[str] | None, storage: str | None = None) -
     if engine is None:
         engine = _engines[root] = Engine(FileStorage(root))
     return engine
+
+
+def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], builtins.list[records.Record]]:
+    """The claim check for running `workflow`: the log validates and its header names this workflow.
+
+    Runs before the claim record is written, so resuming a damaged log, or another workflow's run,
+    writes nothing."""
+    def check(raw: builtins.list[Any], where: str) -> builtins.list[records.Record]:
+        typed = records.load(raw, where)
+        header = typed[0]
+        assert isinstance(header, records.Header)
+        if header.workflow != workflow.name:
+            raise ValidationError(
+                f"run {header.run_id} belongs to workflow {header.workflow!r}, not {workflow.name!r}",
+                hint=f"Resume it with its own workflow (`durably retry {header.run_id}` picks it), or use another "
+                     "key or run id for a new run of this one.",
+                docs="docs/operations.md#which-code-runs-an-old-run", run_id=header.run_id,
+                recorded=header.workflow, called=workflow.name)
+        return typed
+    return check
 
 
 def _cancelled_end(history: History) -> records.End | None:

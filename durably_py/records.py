@@ -338,6 +338,10 @@ _HINT_DAMAGED = (
 )
 
 
+_HINT_EMPTY = ("A log whose header was never completely written holds nothing to resume; move the file aside. "
+               "Other runs are unaffected.")
+
+
 def _corrupt(where: str, line: int, message: str, field: str | None = None, hint: str = _HINT_DAMAGED) -> CorruptLogError:
     return CorruptLogError(f"{where}, line {line}: {message}", hint=hint, path=where, line=line, field=field)
 
@@ -388,10 +392,10 @@ def _check_header(first: Any, where: str) -> int:
         raise _corrupt(where, 1, "the header has no run id (\"run_id\")", "run_id")
     if version > LOG_VERSION:
         raise LogVersionError(
-            f"{where} is log version {version}; this durably-py reads versions up to {LOG_VERSION}",
+            f"{where}, line 1: log version {version}; this durably-py reads versions up to {LOG_VERSION}",
             hint="Upgrade durably-py to the version that wrote this run (the log is left untouched).",
             path=where, line=1, field="v", version=version)
-    if version < 1:
+    if any(v not in MIGRATIONS for v in range(version, LOG_VERSION)):
         raise _corrupt(where, 1, f"log version {version} does not exist (the first is 1)", "v")
     return version
 
@@ -403,9 +407,8 @@ def load(records: list[Any], where: str) -> list[Record]:
     objects. Raises `CorruptLogError` (empty log, no header, no run id, a record that does not decode) or
     `LogVersionError` (a log newer than this code). Nothing is written either way."""
     if not records:
-        raise CorruptLogError(f"{where} is empty: it has no run header", path=where, line=1, field=None,
-                              hint="A log whose header was never written holds nothing to resume; move the file "
-                                   "aside. Other runs are unaffected.")
+        raise _corrupt(where, 1, "no header line: the log is empty, or its only line was cut short", None,
+                       hint=_HINT_EMPTY)
     version = _check_header(records[0], where)
     if version == LOG_VERSION and isinstance(records[0], Header) and isinstance(records[-1], _Base):
         return records  # storage decodes a log all typed or all plain, so the ends tell which

@@ -238,7 +238,8 @@ def claimed(records: list[Any], epoch: int, owner: str) -> bytes:
 def checked(records: list[Any], where: str, check: Check | None) -> list[Any]:
     """`records` after the caller's `check` (before a claim writes anything), or as they are without one."""
     if not records:
-        raise CorruptLogError(f"{where} has no header line", path=where, line=1, field=None)
+        raise CorruptLogError(f"{where}, line 1: no header line: the log is empty, or its only line was cut short",
+                              path=where, line=1, field=None)
     return check(records, where) if check is not None else records
 
 
