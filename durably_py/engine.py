@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
+import contextvars
 import importlib
 import inspect as pyinspect
 import itertools
@@ -13,7 +15,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -122,6 +124,41 @@ def new_run_id(workflow: str) -> str:
     """A readable unique id: the workflow's name, the date, and random hex."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
     return f"{slug}-{datetime.now(UTC):%Y%m%d}-{secrets.token_hex(4)}"
+
+
+class ChildSlot:
+    """The engine slot a child run holds while it runs; given back while every strand of it waits in a join."""
+
+    __slots__ = ("gate", "held", "joining")
+
+    def __init__(self, gate: asyncio.Semaphore) -> None:
+        self.gate = gate
+        self.held = False
+        self.joining = 0
+
+    async def take(self) -> None:
+        await self.gate.acquire()
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.gate.release()
+
+    @contextlib.asynccontextmanager
+    async def parked(self) -> AsyncIterator[None]:
+        self.joining += 1
+        if self.joining == 1:
+            self.give_back()
+        try:
+            yield
+        finally:
+            self.joining -= 1
+            if self.joining == 0 and not self.held:
+                await self.take()
+
+
+CHILD_SLOT: contextvars.ContextVar[ChildSlot | None] = contextvars.ContextVar("durably_child_slot", default=None)
 
 
 @dataclass
@@ -576,25 +613,39 @@ class Engine:
                      parent=parent, detached=detached)
         return run_id
 
-    def start_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any]:
-        """Run a child in this process (at most `concurrency` children at once); one task per child and loop."""
+    def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
+        """Run a child in this process (at most `concurrency` children at once); one task per child and loop.
+
+        A child that already ended is not run again, its end is its outcome; only `rerun_failed` (a failed
+        parent being retried joins it again) resumes a failed child at its failed step."""
         loop = self._bind_loop()
         task = self._children.get(run_id)
-        if task is None:
-            task = self._children[run_id] = loop.create_task(self._run_child(run_id, workflow))
+        if task is None or (rerun_failed and task.done() and not task.cancelled() and task.exception() is not None):
+            task = self._children[run_id] = loop.create_task(self._run_child(run_id, workflow, rerun_failed))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def _run_child(self, run_id: str, workflow: Workflow | None) -> Any:
+    async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
         info = self.storage.info(run_id)
-        if info is not None and info.last.get("t") == "end" and info.last.get("status") != "failed":
+        if info is not None and info.last.get("t") == "end" and (
+                info.last.get("status") != "failed" or not rerun_failed):
             return self._joined(workflow, History([info.header, info.last], f"run {run_id}"))
-        async with self._slots:
+        slot = ChildSlot(self._slots)
+        await slot.take()
+        CHILD_SLOT.set(slot)
+        try:
             return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
+        finally:
+            slot.give_back()
 
-    async def join_child(self, run_id: str, workflow: Workflow | None) -> Any:
+    async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""
-        return await asyncio.shield(self.start_child(run_id, workflow))
+        return await asyncio.shield(self.start_child(run_id, workflow, rerun_failed=rerun_failed))
+
+    def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the calling run waits in a join, the engine slot it runs in (if a child) is free for others."""
+        slot = CHILD_SLOT.get()
+        return slot.parked() if slot is not None else contextlib.nullcontext()
 
     def _joined(self, workflow: Workflow | None, history: History) -> Any:
         """The result of a run another process finished (or that had finished already)."""
@@ -633,6 +684,7 @@ class Engine:
                            wait=wait)
         if history.end is not None and history.end.status == "failed":
             kernel.write(records.Reopen(ts=time.time()))
+            kernel.retrying = True
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
             kernel.write(records.Code(fingerprint=workflow.fingerprint))
         if budget is not None and budget != history.budget:

@@ -275,6 +275,10 @@ class RunKernel:
         self.storm = RetryStormWindow()
         self.ctx: WorkflowContext | None = None
         self.children: list[asyncio.Future[Any]] = []
+        self.retrying = False
+        self.joining = 0
+        self.join_watch: asyncio.Task[None] | None = None
+        self.interrupted: asyncio.Future[None] | None = None
         self.next_control = 0.0
         self.cancel_error: RunCancelledError | None = None
         self.holding: asyncio.Future[None] | None = None
@@ -910,7 +914,7 @@ class RunKernel:
                                   ms=0, ts=time.time()))
             self.step_done()
         if not self.shadow:
-            task = self.engine.start_child(run_id, workflow)
+            task = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
             if not detached:
                 self.children.append(task)
         return RunHandle(run_id, workflow)
@@ -934,17 +938,61 @@ class RunKernel:
         if self.shadow:
             self.diverge(f"ctx.join at path {path_tuple(path)} ran again: the recorded run has no result there")
         try:
-            value = await self.engine.join_child(handle.run_id, handle.workflow)
+            value = await self.wait_child(handle)
             wire = dump_value(value, "child result")
         except (Crash, asyncio.CancelledError):
             raise
         except Exception as exc:
+            if exc is self.cancel_error or exc is self.lost:
+                raise
             self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()))
             self.step_done()
             raise
         self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
         self.step_done()
         return load_value(wire)
+
+    async def wait_child(self, handle: RunHandle) -> Any:
+        """Wait for a child to end, giving back this run's engine slot meanwhile; a cancel or pause request
+        for this run is acted on while it waits (one inbox watcher for all of the run's joins)."""
+        child = self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying)
+        await self.parked_on(child)
+        return await asyncio.shield(child)
+
+    async def parked_on(self, child: asyncio.Future[Any]) -> None:
+        """Wait until `child` is done, unless a cancel request (or a lost lease) for this run comes first."""
+        self.joining += 1
+        if self.join_watch is None or self.join_watch.done():
+            self.interrupted = asyncio.get_running_loop().create_future()
+            self.join_watch = asyncio.ensure_future(self._watch_joins(self.interrupted))
+        interrupted = self.interrupted
+        assert interrupted is not None
+        try:
+            async with self.engine.parked_in_join():
+                if not child.done():
+                    await asyncio.wait((child, interrupted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.joining -= 1
+            if self.joining == 0 and self.join_watch is not None:
+                self.join_watch.cancel()
+                self.join_watch = None
+        if not child.done() and interrupted.done():
+            interrupted.result()
+
+    async def _watch_joins(self, interrupted: asyncio.Future[None]) -> None:
+        """While any strand waits for a child: act on control requests every `poll` seconds."""
+        try:
+            while True:
+                await asyncio.sleep(self.poll)
+                if self.lost is not None:
+                    raise self.lost
+                self.control(force=True)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting join
+            if not interrupted.done():
+                interrupted.set_exception(exc)
+                interrupted.exception()
 
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order."""
@@ -1223,8 +1271,8 @@ class RunKernel:
                 result = await self.workflow(ctx, self.input)
             except Complete as done:
                 result = done.value
-            if self.children:
-                await asyncio.gather(*self.children, return_exceptions=True)
+            if self.children and self.cancel_error is None:
+                await self.parked_on(asyncio.gather(*self.children, return_exceptions=True))
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)

@@ -5,7 +5,16 @@ import time
 
 import pytest
 
-from durably_py import FileStorage, MemoryStorage, RunHandle, ValidationError, create_engine, is_ok, workflow
+from durably_py import (
+    FileStorage,
+    MemoryStorage,
+    RunCancelledError,
+    RunHandle,
+    ValidationError,
+    create_engine,
+    is_ok,
+    workflow,
+)
 from durably_py.testing import TestEngine
 
 executed: list[str] = []
@@ -315,3 +324,86 @@ def test_pausing_a_parent_pauses_its_attached_children_and_resume_resumes_them(t
     assert statuses() == {"kept": "paused", "loose": before["loose"]}
     assert asyncio.run(engine.resume(parent_id)).status != "paused"
     assert statuses()["kept"] != "paused"
+
+
+def test_a_child_the_parent_recorded_as_failed_is_not_run_again_when_the_parent_resumes() -> None:
+    executed.clear()
+    undone: list[str] = []
+
+    @workflow
+    async def saga_child(ctx, item):
+        await ctx.step(work, f"{item}-prep", name="prep", compensate=lambda v: undone.append(v))
+        return await ctx.step(work, item, name="work")
+
+    @workflow
+    async def tolerant(ctx, items):
+        results = await ctx.join_all(await ctx.spawn_all([(saga_child, item) for item in items]))
+        await ctx.step(work, "after", name="after")
+        await ctx.step(work, "last", name="last")
+        return [r.value if is_ok(r) else "failed" for r in results]
+
+    engine = TestEngine()
+    crashed = engine.sync.run(tolerant, ["ok", "bad"], crash_after="after")
+    assert crashed.status == "crashed"
+    assert executed.count("bad") == 1 and undone == ["BAD-PREP"]
+    done = engine.sync.resume(crashed.run_id)
+    assert done.result == ["OK", "failed"]
+    assert executed.count("bad") == 1 and executed.count("bad-prep") == 1
+    assert undone == ["BAD-PREP"]
+    assert engine.sync.resume(crashed.run_id).status == "completed"
+    assert executed.count("bad") == 1 and undone == ["BAD-PREP"]
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_nested_fan_out_wider_than_the_concurrency_completes(tmp_path, concurrency) -> None:
+    @workflow
+    async def leaf(ctx, n):
+        return await ctx.step(lambda: n * 10, name="leaf")
+
+    @workflow
+    async def middle(ctx, n):
+        results = await ctx.join_all(await ctx.spawn_all([(leaf, n * 10 + i) for i in range(3)]))
+        return sum(r.value for r in results)
+
+    @workflow
+    async def top(ctx, width):
+        handles = await ctx.spawn_all([(middle, i) for i in range(width)])
+        return [r.value for r in await ctx.join_all(handles)]
+
+    engine = create_engine(FileStorage(tmp_path), concurrency=concurrency)
+    result = asyncio.run(asyncio.wait_for(engine.run(top, 4, advisories="silent"), 30))
+    assert result == [sum((n * 10 + i) * 10 for i in range(3)) for n in range(4)]
+    assert all(r.status == "completed" for r in asyncio.run(engine.list()))
+
+
+def test_cancelling_a_parent_parked_in_join_all_cancels_it_and_its_attached_children(tmp_path) -> None:
+    @workflow
+    async def held_child(ctx, name):
+        return await ctx.wait_for(f"go-{name}", timeout=3600)
+
+    @workflow
+    async def waiting_parent(ctx):
+        handles = await ctx.spawn_all([(held_child, "a"), (held_child, "b")])
+        free = await ctx.spawn(held_child, "free", detached=True)
+        del free
+        return await ctx.join_all(handles)
+
+    runner = create_engine(FileStorage(tmp_path))
+    operator = create_engine(FileStorage(tmp_path))
+
+    async def scenario():
+        parent = asyncio.ensure_future(runner.run(waiting_parent))
+        while len(await operator.list()) < 4:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        parent_id = next(r.run_id for r in await operator.list() if r.workflow.endswith("waiting_parent"))
+        state = await operator.cancel(parent_id, timeout=10)
+        with pytest.raises(RunCancelledError):
+            await asyncio.wait_for(parent, 10)
+        return state
+
+    state = asyncio.run(scenario())
+    assert state.status == "cancelled"
+    after = {r.input: r.status for r in asyncio.run(operator.list()) if r.workflow.endswith("held_child")}
+    assert after["a"] == after["b"] == "cancelled"
+    assert after["free"] != "cancelled"
