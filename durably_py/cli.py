@@ -14,6 +14,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -758,24 +759,61 @@ def list_runs(
                 console.print(Text(f"{s.run_id}: {'; '.join(s.warnings)}", "red"))
 
 
-def _step_line(step: StepState) -> Text:
+def json_text(value: Any, limit: int = 100) -> str:
+    """A value as compact JSON (what `--input` and `signal` accept), cut to `limit` characters."""
+    text = json.dumps(value, ensure_ascii=False, default=_json_default, separators=(", ", ": "))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class StepExtras:
+    """What the timeline adds to a step in `inspect`: each failed attempt, and a sleep's or wait's real length."""
+
+    failures: list[str] = field(default_factory=list)
+    seconds: float | None = None
+
+
+def step_extras(spans: list[Any]) -> dict[tuple[int, ...], StepExtras]:
+    """Failed attempts (with their errors) and sleep/wait durations per step path, from `Engine.timeline`."""
+    out: dict[tuple[int, ...], StepExtras] = {}
+    for span in spans:
+        if span.kind == "attempt" and span.status == "failed":
+            took = f" after {_duration(span.end - span.start)}" if span.end is not None else ""
+            out.setdefault(span.path, StepExtras()).failures.append(
+                f"attempt {span.attempt} failed{took}: {span.detail or 'error'}")
+        elif span.kind in ("sleep", "wait") and span.end is not None:
+            out.setdefault(span.path, StepExtras()).seconds = span.end - span.start
+    return out
+
+
+def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
     line = Text.assemble((_path(step.path), "bright_black"), " ", (step.label, "bold"), "  ", _status(step.status))
     if step.attempts != 1:
         line.append(f"  {step.attempts} attempts", "yellow" if step.attempts > 1 else "")
-    if step.ms is not None:
+    if extras is not None and extras.seconds is not None:
+        line.append(f"  {_duration(extras.seconds)}", "bright_black")
+    elif step.ms is not None:
         line.append(f"  {_duration(step.ms / 1000)}", "bright_black")
-    preview = step.preview()
-    if preview:
-        line.append(f"  → {preview}", "red" if step.error else "")
+    if step.status == "waiting" and isinstance(step.output, dict):
+        deadline = step.output.get("deadline")
+        until = f" until {_when_text(deadline)}" if deadline else " (no deadline)"
+        line.append(f"  → waiting for signal {step.output.get('signal')!r}{until}", "blue")
+    elif step.status == "sleeping" and isinstance(step.output, dict):
+        line.append(f"  → sleeping until {_when_text(step.output.get('until'))}", "blue")
+    elif step.error:
+        line.append(f"  → {step.preview()}", "red")
+    elif step.status == "ok" and not (step.label == "ctx.sleep" and step.output is None):
+        line.append(f"  → {json_text(step.output)}")
     if step.stashed is not None:
-        line.append(f"  stashed: {_preview(step.stashed, 60)}", "yellow")
+        line.append(f"  stashed: {json_text(step.stashed, 60)}", "yellow")
     if step.compensation is not None:
         ok = step.compensation == "ok"
         line.append("  compensated" if ok else "  compensation failed", "yellow" if ok else "red")
     return line
 
 
-def step_tree(steps: list[StepState], title: str = "steps") -> Tree:
+def step_tree(steps: list[StepState], title: str = "steps",
+              extras: dict[tuple[int, ...], StepExtras] | None = None) -> Tree:
     """The steps as a tree: branches of a fan-out nest under the position of their `ctx.parallel`."""
     from rich.tree import Tree
 
@@ -801,16 +839,38 @@ def step_tree(steps: list[StepState], title: str = "steps") -> Tree:
         return made
 
     for step in sorted(steps, key=lambda s: s.path):
+        more = (extras or {}).get(step.path)
         existing = nodes.get(step.path)
         if existing is not None:
-            existing.label = _step_line(step)
+            existing.label = _step_line(step, more)
         else:
-            nodes[step.path] = node(step.path[:-1]).add(_step_line(step))
+            existing = nodes[step.path] = node(step.path[:-1]).add(_step_line(step, more))
+        for failure in more.failures if more is not None else ():
+            existing.add(Text(failure, "red"))
     return root
 
 
 def _money(kind: str, value: float) -> str:
     return f"${value:,.4g}" if kind == "usd" else f"{value:,.6g} {kind}"
+
+
+def _next_move(state: RunState) -> str | None:
+    """The command that moves a run on from where it stands (None for a finished or running run)."""
+    run_id = state.run_id
+    if state.status == "waiting":
+        names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
+        return " or ".join(f"durably signal {run_id} {name} PAYLOAD" for name in names or ["NAME"])
+    if state.status == "sleeping":
+        return f"durably retry {run_id} continues it after its wake time (a waiting process does it by itself)"
+    if state.status == "paused":
+        return f"durably resume {run_id}"
+    if state.status == "interrupted":
+        done = [s for s in state.steps if s.status in ("ok", "failed")]
+        after = f" (cut off after {_path(done[-1].path)} {done[-1].label})" if done else " (cut off before its first step)"
+        return f"durably retry {run_id} resumes it{after}"
+    if state.status == "failed":
+        return f"durably retry {run_id} resumes it at the failed step"
+    return None
 
 
 def _header(state: RunState) -> Text:
@@ -819,7 +879,7 @@ def _header(state: RunState) -> Text:
     if state.key is not None:
         rows.append(("key", state.key))
     if state.input is not None:
-        rows.append(("input", _preview(state.input, 200)))
+        rows.append(("input", json_text(state.input, 200)))
     rows += [("created", _when(state.created_at)), ("updated", _when(state.updated_at)),
              ("attempt", str(state.attempt))]
     if state.script:
@@ -852,7 +912,13 @@ def _header(state: RunState) -> Text:
         rows.append(("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
                                    f"{state.error.get('message', '')}", "red")))
     elif state.status == "completed":
-        rows.append(("result", _preview(state.result, 200)))
+        rows.append(("result", json_text(state.result, 200)))
+    detail = parked_detail(state)
+    if detail is not None:
+        rows.append(("parked", Text(detail, "blue")))
+    next_move = _next_move(state)
+    if next_move:
+        rows.append(("next", Text(next_move, "bright_black")))
     for warning in state.warnings:
         rows.append(("warning", Text(warning, "yellow")))
     width = max(len(name) for name, _ in rows) + 2
@@ -877,14 +943,18 @@ def inspect(
 ) -> None:
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
     with _guard(debug):
-        state = asyncio.run(engine_at(dir, storage).inspect(run))
+        engine = engine_at(dir, storage)
+        state = asyncio.run(engine.inspect(run))
         if as_json:
             _print_json(state.to_dict())
             return
         from rich.console import Group
 
-        _out_console().print(Group(_header(state), Text(""),
-                                   step_tree(state.steps, f"steps ({len(state.steps)})")))
+        extras = step_extras(asyncio.run(engine.timeline(state.run_id)))
+        ended = sum(s.status in ("ok", "failed") for s in state.steps)
+        still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
+        title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
+        _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, title, extras)))
 
 
 @app.command()

@@ -302,8 +302,9 @@ class Engine:
                 child = spawn.value.get("run_id") if isinstance(spawn, records.Ok) and isinstance(spawn.value, dict) \
                     else None
                 children[task_id] = child if isinstance(child, str) else None
+            ended = history.end.status if history.end is not None and not live else None
             states.append(graphs.describe(run_id, path_tuple(prefix), {"tasks": record.tasks}, children, self._status,
-                                          live))
+                                          live, ended))
         return states
 
     def _status(self, run_id: str) -> str:

@@ -150,10 +150,14 @@ FAILED = ("failed", "cancelled", "blocked")
 
 
 def describe(run_id: str, path: tuple[int, ...], record: dict[str, Any], children: Mapping[str, str | None],
-             status_of: Callable[[str], str], parent_live: bool) -> GraphState:
+             status_of: Callable[[str], str], parent_live: bool, parent_end: str | None = None) -> GraphState:
     """Each node's status (its child run's, or pending/blocked before it starts) and the reason it waits:
     `dependencies` (a prerequisite has not completed), `dependency_failed` (one failed, was cancelled or is
-    blocked), `capacity` (created, waiting for an engine slot) or the child's own parking state."""
+    blocked), `capacity` (created, waiting for an engine slot) or the child's own parking state.
+
+    Once the parent has ended (`parent_end` is its final status) nothing more starts: a node with no child
+    run whose prerequisites all completed failed to start (`input_failed`: its `Task.input` function
+    raised) when the parent completed, else it was `cancelled` with the parent (`parent_ended`)."""
     nodes: dict[str, NodeState] = {}
     tasks = record["tasks"]
     for task_id in topological({t: tuple(s["depends_on"]) for t, s in tasks.items()}):
@@ -165,6 +169,10 @@ def describe(run_id: str, path: tuple[int, ...], record: dict[str, Any], childre
             deps = [nodes[d].status if d in nodes else "pending" for d in spec["depends_on"]]
             if any(s in FAILED for s in deps):
                 status, wait = "blocked", "dependency_failed"
+            elif parent_end is not None:
+                ready = all(s == "completed" for s in deps)
+                status, wait = ("failed", "input_failed") if ready and parent_end == "completed" \
+                    else ("cancelled", "parent_ended")
             elif any(s != "completed" for s in deps):
                 wait = "dependencies"
         elif status == "interrupted" and parent_live:

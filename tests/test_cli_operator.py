@@ -74,6 +74,33 @@ WORKFLOWS = textwrap.dedent('''
         b = await ctx.step(add_one, a, name="inc")
         return await ctx.step(add_one, b, name="last")
 
+    def flaky(n):
+        from durably_py import attempt
+        if attempt().number < 3:
+            raise ConnectionError(f"try {attempt().number} failed")
+        return {"n": n, "ok": True}
+
+    @workflow
+    async def inspected(ctx, inp):
+        a = await ctx.step(flaky, inp["n"], retry=Retry(3, base=0.01))
+        await ctx.sleep(0.3)
+        if os.environ.get("CUT"):
+            os._exit(9)
+        return await ctx.wait_for("approval", timeout=3600)
+
+    @workflow
+    async def child(ctx, x):
+        return x
+
+    def missing_input(results):
+        raise KeyError("no such field")
+
+    @workflow
+    async def grapher(ctx):
+        from durably_py import Task
+        done = await ctx.graph({"a": Task(child, 1), "b": Task(child, missing_input, depends_on=["a"])})
+        return sorted(done)
+
     @workflow
     async def bad_kwargs(ctx, n):
         return await ctx.step(add_one, n, x=1)
@@ -253,6 +280,50 @@ def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
     assert f"--from-step inc#3 matches no recorded step of run {run_id}; its steps: 0 inc, 1 inc, 2 last" in bad.stderr
     assert "a step path such as 2 or 2.0.1" in bad.stderr and "label#N" in bad.stderr
     assert "(3, 1, 0)" not in bad.stderr
+
+
+# ---- 10. inspect ------------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_move(project: Path) -> None:
+    cut = durably(project, "run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', CUT="1")
+    assert cut.returncode == 9
+    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    shown = durably(project, "inspect", run_id, COLUMNS="200").stdout
+    assert "input     {\"n\": 1}" in shown and "status    interrupted" in shown
+    assert f"next      durably retry {run_id} resumes it (cut off after (1,) ctx.sleep)" in shown
+    parked = durably(project, "run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', "--no-wait")
+    assert parked.returncode == 3 and "2 steps: 0 ran · 2 replayed" in parked.stderr
+    lines = durably(project, "inspect", run_id, COLUMNS="200").stdout.splitlines()
+    assert any(line.startswith("parked    waiting for 'approval' (deadline 20") for line in lines)
+    assert f"next      durably signal {run_id} approval PAYLOAD" in lines
+    assert "steps (2 · 1 waiting)" in lines
+    flaky = next(line for line in lines if "(0,) flaky" in line)
+    assert flaky.endswith('→ {"n": 1, "ok": true}') and "3 attempts" in flaky
+    assert any(line.endswith("attempt 1 failed after " + line.split("after ")[-1].split(":")[0]
+                             + ": ConnectionError: try 1 failed") for line in lines)
+    assert sum("failed after" in line for line in lines) == 2
+    sleep = next(line for line in lines if "(1,) ctx.sleep" in line)
+    seconds = float(sleep.split()[-1].removesuffix("ms")) / 1000
+    assert 0.25 <= seconds < 5, sleep
+    wait = next(line for line in lines if "(2,) ctx.wait_for" in line)
+    assert "→ waiting for signal 'approval' until 20" in wait
+    state = json.loads(durably(project, "inspect", run_id, "--json").stdout)
+    assert state["input"] == {"n": 1} and state["status"] == "waiting"
+
+
+# ---- 5. graph truth after a Task.input function raised -----------------------------------------------------
+
+
+def test_graph_shows_a_task_whose_input_raised_as_failed(project: Path) -> None:
+    proc = durably(project, "run", "wf.py", "--workflow", "grapher", "--json")
+    out = as_json(proc)
+    assert out["status"] == "completed", proc.stderr
+    graph = as_json(durably(project, "graph", out["run_id"], "--json"))
+    assert [(n["id"], n["status"], n["wait"]) for n in graph[0]["nodes"]] == [
+        ("a", "completed", None), ("b", "failed", "input_failed")]
+    assert graph[0]["status"] != "running"
+    assert "running" not in durably(project, "graph", out["run_id"]).stdout
 
 
 # ---- 9. the state dir is found like git finds .git ----------------------------------------------------------
