@@ -12,11 +12,12 @@ import dataclasses
 import datetime as _dt
 import enum
 import hashlib
-import importlib
 import json
 import math
 import os
+import sys
 import traceback
+import types
 from types import TracebackType
 from typing import Any
 
@@ -430,13 +431,20 @@ def dump_error(exc: BaseException) -> dict[str, Any]:
 
 
 def _resolve(type_name: str) -> type[Exception]:
-    """The exception class named `module:qualname`; raises if it is gone or is not an `Exception` subclass."""
+    """The exception class named `module:qualname` in a module the program has already imported.
+
+    Raises if the module is not loaded, the class is gone, or it is not an `Exception` subclass. A log never
+    decides what code is imported: a recorded type from a module nobody imported stays a `StepFailedError`."""
     module_name, _, qualname = type_name.partition(":")
     if not module_name or not qualname:
         raise LookupError(type_name)
-    obj: Any = importlib.import_module(module_name)
+    obj: Any = sys.modules.get(module_name)
+    if obj is None:
+        raise LookupError(f"module {module_name!r} is not imported")
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        if not isinstance(obj, type | types.ModuleType):
+            raise LookupError(type_name)
+        obj = vars(obj).get(part) if isinstance(obj, types.ModuleType) else getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Exception)):
         raise TypeError(f"{type_name} is not an Exception subclass")
     return obj

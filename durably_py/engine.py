@@ -735,7 +735,7 @@ class Engine:
         """The workflow code that runs an existing run (by id or key): registered by name, else imported."""
         run_id = self.resolve(run)
         header = self._read(run_id)[0].header
-        name, module, script = header.get("workflow"), header.get("module"), header.get("script")
+        name, module, script = header.workflow, header.module, header.script
         found = REGISTRY.get(name)
         if found is None and module and module != "__main__" and module not in sys.modules:
             try:

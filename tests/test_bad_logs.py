@@ -255,3 +255,79 @@ def test_bad_log_through_the_cli(tmp_path: Path, case: str) -> None:
     assert resumed.returncode != 0 and "Traceback" not in resumed.stderr
     assert "CorruptLogError" in resumed.stderr or "LogVersionError" in resumed.stderr
     assert victim.read_bytes() == before and mark.read_text() == marks
+
+
+# ---- a log never decides what code is imported ---------------------------------------------------------------
+PLANTED = """
+from pathlib import Path
+Path(__file__).with_name("planted-was-imported").write_text("yes")
+
+class Boom(Exception):
+    pass
+"""
+
+
+def plant(tmp_path: Path, name: str) -> Path:
+    """A module on sys.path whose import leaves a marker file; returns the marker path."""
+    folder = tmp_path / "planted"
+    folder.mkdir()
+    (folder / f"{name}.py").write_text(PLANTED)
+    return folder / "planted-was-imported"
+
+
+def with_recorded_error(victim: Path, type_name: str) -> None:
+    """Rewrite the victim's log so its first step failed for good with an error of class `type_name`."""
+    header, *rest = interrupted_log(victim)
+    ok = rest[-1]
+    err = {"t": "err", "p": ok["p"], "l": ok["l"], "a": 1, "ts": ok["ts"],
+           "e": {"type": type_name, "message": "planted", "traceback": "", "attrs": {}, "args": ["planted"]}}
+    write_lines(victim, [header, *rest[:-1], err])
+
+
+def test_a_recorded_error_never_imports_its_module(state: tuple[Any, Path, Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from durably_py.errors import StepFailedError
+
+    engine, victim, _ = state
+    marker = plant(tmp_path, "durably_planted_api")
+    monkeypatch.syspath_prepend(str(marker.parent))
+    with_recorded_error(victim, "durably_planted_api:Boom")
+    run_id = victim.name[:-6]
+
+    assert asyncio.run(engine.inspect(run_id)).steps[0].error["type"] == "durably_planted_api:Boom"
+    assert any(s.run_id == run_id for s in asyncio.run(engine.list()))
+    with pytest.raises(StepFailedError) as raised:  # the replayed failure, not the planted class
+        asyncio.run(engine.run(saga, 1, key="victim"))
+    assert raised.value.type_name == "durably_planted_api:Boom"
+    assert not marker.exists() and "durably_planted_api" not in sys.modules
+    assert CALLS == []
+
+
+def test_a_recorded_error_of_an_imported_module_is_rebuilt(state: tuple[Any, Path, Path]) -> None:
+    engine, victim, _ = state
+    with_recorded_error(victim, "builtins:KeyError")
+    with pytest.raises(KeyError):
+        asyncio.run(engine.run(saga, 1, key="victim"))
+
+
+def test_cli_never_imports_a_module_a_log_names(tmp_path: Path) -> None:
+    script = tmp_path / "saga.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    state = tmp_path / "state"
+    assert cli("run", str(script), str(tmp_path / "mark.txt"), "victim", "--dir", str(state), cwd=tmp_path).returncode == 0
+    (victim,) = (state / "runs").glob("*.jsonl")
+    marker = plant(tmp_path, "durably_planted_cli")
+    with_recorded_error(victim, "durably_planted_cli:Boom")
+    run_id = victim.name[:-6]
+    env_path = str(marker.parent)
+
+    def cli_planted(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([env_path, *sys.path])}
+        return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--dir", str(state)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    assert cli_planted("inspect", run_id).returncode == 0
+    assert cli_planted("list").returncode == 0
+    resumed = cli_planted("run", str(script), str(tmp_path / "mark.txt"), "victim")
+    assert resumed.returncode == 1 and "durably_planted_cli:Boom" in resumed.stderr
+    assert not marker.exists()
