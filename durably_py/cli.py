@@ -66,9 +66,23 @@ Exit codes:
   143  stopped by SIGTERM
 """
 
-app = typer.Typer(name="durably", help=HELP, no_args_is_help=True, add_completion=False,
+app = typer.Typer(name="durably", help=HELP, no_args_is_help=True, add_completion=True,
                   pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"durably {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    pass
 
 DirOption = Annotated[str | None, typer.Option("--dir", show_default=False, metavar="DIR",
                                                help="State dir (default: $DURABLY_DIR, the config, or the nearest "
@@ -197,11 +211,52 @@ def _exit_code(exc: BaseException, started: bool) -> int:
     return EXIT_FAILED
 
 
+DOCS_DIR = Path(__file__).parent / "docs"
+
+
+def docs_location(pointer: str) -> str:
+    """A `docs/page.md#anchor` pointer as the installed page's path and the command that prints it."""
+    page, _, anchor = pointer.partition("#")
+    target = DOCS_DIR / Path(page).name
+    if not page.endswith(".md") or not target.is_file():
+        return pointer
+    topic = target.stem + (f"#{anchor}" if anchor else "")
+    return f"{target}  (`durably docs {topic}` prints it)"
+
+
+def _anchor(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def docs_text(topic: str) -> str:
+    """A shipped docs page (`errors`), or one section of it (`errors#runnotfounderror`)."""
+    name, _, anchor = topic.partition("#")
+    pages = sorted(p.stem for p in DOCS_DIR.glob("*.md"))
+    if name.removesuffix(".md") not in pages:
+        raise ValidationError(f"no docs page {name!r}", hint=f"The pages are: {', '.join(pages)}.",
+                              docs="docs/cli.md#durably-docs")
+    text = (DOCS_DIR / f"{name.removesuffix('.md')}.md").read_text(encoding="utf-8")
+    if not anchor:
+        return text
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        level = len(line) - len(line.lstrip("#"))
+        if 0 < level <= 6 and _anchor(line[level:]) == anchor.lower():
+            end = next((j for j in range(i + 1, len(lines))
+                        if 0 < (depth := len(lines[j]) - len(lines[j].lstrip("#"))) <= level
+                        and lines[j][depth:depth + 1] == " "), len(lines))
+            return "\n".join(lines[i:end]).rstrip() + "\n"
+    sections = [_anchor(line.lstrip("#")) for line in lines if line.startswith("#")]
+    raise ValidationError(f"docs page {name!r} has no section {anchor!r}",
+                          hint=f"Its sections: {', '.join(sections)}.", docs="docs/cli.md#durably-docs")
+
+
 def _report_durably_error(exc: DurablyError, debug: bool) -> None:
     console = _err_console()
     if debug:
         console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
-    console.print(Text(exc.describe(), style="red"))
+    console.print(Text(exc.describe().replace(f"docs: {exc.docs}", f"docs: {docs_location(exc.docs)}"), style="red"))
     for note in getattr(exc, "__notes__", None) or []:
         if debug or not note.startswith("recorded traceback:"):
             console.print(Text(f"  note: {note}", style="red"))
@@ -1234,6 +1289,22 @@ def ui(
             raise ValidationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                                   hint="Pick another port with --port (or --port 0 for any free one).",
                                   docs="docs/ui.md") from None
+
+
+@app.command("docs")
+def docs_command(
+    topic: Annotated[str | None, typer.Argument(metavar="PAGE[#SECTION]", show_default=False,
+                                                help="A page such as errors, or a section: errors#runparkederror.")]
+    = None,
+    debug: DebugOption = False,
+) -> None:
+    """Print a page of the documentation shipped with durably (the pages error messages point to)."""
+    with _guard(debug):
+        if topic is None:
+            pages = sorted(p.stem for p in DOCS_DIR.glob("*.md"))
+            sys.stdout.write(f"docs in {DOCS_DIR}:\n" + "".join(f"  durably docs {p}\n" for p in pages))
+            return
+        sys.stdout.write(docs_text(topic))
 
 
 def _direct_run(argv: list[str]) -> bool:
