@@ -104,7 +104,8 @@ class Console:
                     found = await self.engine.inspect(child)
                 except DurablyError:
                     continue
-                children.append({"run_id": child, "workflow": found.workflow, "status": found.status})
+                children.append({"run_id": child, "workflow": found.workflow, "status": found.status,
+                                 "created_at": found.created_at, "updated_at": found.updated_at})
             return {"run": state.to_dict(), "timeline": [s.to_dict() for s in spans],
                     "graphs": [g.to_dict() for g in graphs], "children": children, "now": time.time()}
         return await self.read(gather)

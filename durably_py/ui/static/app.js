@@ -226,6 +226,7 @@ function runPage(runRef) {
           h("span", {}, h("i", { style: "background: var(--ok)" }), "attempt ok"),
           h("span", {}, h("i", { style: "background: var(--fail)" }), "attempt failed"),
           h("span", {}, h("i", { class: "bar k-backoff", style: "position: static; display: inline-block" }), "backoff"),
+          h("span", {}, h("i", { class: "bar k-child", style: "position: static; display: inline-block" }), "child run"),
           h("span", {}, h("i", { style: "background: var(--sleep)" }), "sleep"),
           h("span", {}, h("i", { style: "background: var(--wait)" }), "wait for signal"))),
         waterfall.el);
@@ -244,7 +245,7 @@ function runPage(runRef) {
     const created = Date.parse(run.created_at);
     const updated = run.updated_at ? Date.parse(run.updated_at) : created;
     const dur = ENDED.has(run.status) || run.status === "interrupted" ? (updated - created) / 1000 : view.snap.now - created / 1000;
-    const fact = (label, value) => value === null || value === undefined || value === "" ? null : h("div", {}, h("span", {}, label), h("b", {}, value));
+    const fact = (label, value, wide) => value === null || value === undefined || value === "" ? null : h("div", { class: wide ? "wide" : null }, h("span", {}, label), h("b", {}, value));
     const done = run.steps.filter((st) => st.status === "ok").length;
     const spent = run.spent && Object.entries(run.spent).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`).join(", ");
     const budget = run.budget && Object.entries(run.budget).map(([k, v]) => `${k} ${v}`).join(", ");
@@ -255,7 +256,7 @@ function runPage(runRef) {
         fact("duration", fmtDuration(dur)), fact("steps done", `${done} of ${run.steps.length}`),
         fact("workflow attempt", run.attempt ? String(run.attempt) : null),
         run.parent ? h("div", {}, h("span", {}, "parent run"), h("a", { href: `/runs/${encodeURIComponent(run.parent)}` }, run.parent)) : null,
-        fact("budget", budget), fact("spent", spent), fact("script", run.script)),
+        fact("budget", budget), fact("spent", spent), fact("script", run.script, true)),
       run.error ? h("div", { class: "banner bad" }, h("b", {}, (run.error.type || "").split(":").pop()), ": ", run.error.message || "") : null,
       run.status === "completed" ? h("details", {}, h("summary", {}, "result"), h("pre", { class: "json" }, json(run.result))) : null,
       h("details", {}, h("summary", {}, "input"), h("pre", { class: "json" }, json(run.input))),
@@ -469,6 +470,16 @@ function rowsOf(snap) {
   };
   for (const st of snap.run.steps) { const r = row(st.path); r.step = st; r.label = st.label; r.status = st.status; }
   for (const sp of snap.timeline) { const r = row(sp.path); r.spans.push(sp); if (!r.label) { r.label = sp.label; r.status = sp.status; } }
+  // A spawn's row also shows its child run's lifetime: the time a join of it waits.
+  const children = Object.fromEntries((snap.children || []).map((c) => [c.run_id, c]));
+  for (const r of rows.values()) {
+    const child = r.step && r.step.label === "ctx.spawn" && r.step.output && children[r.step.output.run_id];
+    if (!child) continue;
+    const open = !ENDED.has(child.status) && child.status !== "interrupted";
+    r.spans.push({ path: r.path, label: child.workflow, kind: "child", status: child.status, attempt: 1,
+      start: Date.parse(child.created_at) / 1000, end: open ? null : Date.parse(child.updated_at || child.created_at) / 1000,
+      detail: `child run ${child.run_id} (${child.workflow})` });
+  }
   const cmp = (a, b) => { for (let i = 0; i < Math.min(a.length, b.length); i++) if (a[i] !== b[i]) return a[i] - b[i]; return a.length - b.length; };
   return [...rows.values()].sort((a, b) => cmp(a.path, b.path));
 }
@@ -509,9 +520,10 @@ function makeWaterfall(onPick) {
   function paintTicks() {
     const span = wf.t1 - wf.t0;
     const steps = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 43200, 86400];
-    const step = steps.find((x) => span / x <= 6) || span / 5;
+    const most = Math.max(2, Math.min(6, Math.floor((ticks.clientWidth || 480) / 80)));
+    const step = steps.find((x) => span / x <= most) || span / most;
     const nodes = [];
-    for (let t = 0; t <= span + 1e-9; t += step) nodes.push(h("span", { style: `left: ${(t / span) * 100}%` }, t === 0 ? "0" : `+${fmtDuration(t)}`));
+    for (let t = 0; t <= span * 0.93; t += step) nodes.push(h("span", { style: `left: ${(t / span) * 100}%` }, t === 0 ? "0" : `+${fmtDuration(t)}`));
     ticks.replaceChildren(...nodes.slice(0, 8));
     wf.tickStep = step;
   }

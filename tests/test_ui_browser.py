@@ -1,0 +1,235 @@
+"""The web console in headless Chromium: real `durably ui` and `durably run` processes, a real browser.
+
+Debian's Chromium (`apt-get install chromium`, as .ci/run does) is driven by Playwright through
+`executable_path`; no browser is downloaded. Set DURABLY_UI_SCREENSHOTS=docs/img to refresh the
+screenshots docs/ui.md shows (otherwise they go to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+FLOWS = Path(__file__).parent / "ui_flows.py"
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", "--disable-sync"]
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "durably_py.cli", *args]
+
+
+def run_flow(state: Path, workflow: str, input: Any, *extra: str) -> subprocess.Popen[str]:
+    """Start `durably run tests/ui_flows.py --workflow WORKFLOW` in its own process."""
+    return subprocess.Popen(cli("run", str(FLOWS), "--workflow", workflow, "--input", json.dumps(input),
+                                "--dir", str(state), *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with a parallel run with retries, a task graph with its child runs, and a failed run."""
+    state = tmp_path_factory.mktemp("browser") / ".durably"
+    for workflow, input, extra in (("checkout", 129.9, ("--key", "order-7731")), ("pipeline", None, ()),
+                                   ("fanout", 9, ("--key", "crawl-2026-05")),
+                                   ("approval", 75, ("--key", "expense-11", "--no-wait"))):
+        run_flow(state, workflow, input, *extra).wait(timeout=60)
+    return state
+
+
+@pytest.fixture(scope="module")
+def server(state: Path) -> Iterator[str]:
+    """`durably ui` over the store, in its own process; yields its URL."""
+    proc = subprocess.Popen(cli("ui", "--dir", str(state), "--port", "0"), stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    found = re.search(r"http://\S+", line)
+    assert found, f"durably ui printed {line!r}"
+    yield found.group(0).rstrip("/")
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser(server: str) -> Iterator[Any]:
+    if CHROMIUM is None:
+        reason = "Chromium is not installed (apt-get install chromium); the console's browser tests did not run"
+        warnings.warn(reason, stacklevel=1)
+        print(f"\nSKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    profile = Path(os.environ.get("TMPDIR", "/tmp")) / f"durably-ui-chromium-{os.getpid()}"
+    with playwright_api.sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, args=FLAGS,
+                                                       headless=True, viewport={"width": 1280, "height": 800})
+        yield context
+        context.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    refusal = re.compile(r"status of (400|409) ")  # an operation the server refused, shown with its hint
+
+    def console(msg: Any) -> None:
+        if msg.type == "error" and not refusal.search(msg.text):
+            errors.append(msg.text)
+    page.on("console", console)
+    yield page
+    page.close()
+    assert not errors, errors
+
+
+def shots(tmp_path: Path) -> Path:
+    target = Path(os.environ.get("DURABLY_UI_SCREENSHOTS") or tmp_path)
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def wait_for_status(page: Any, status: str, timeout: float = 20) -> None:
+    page.wait_for_selector(f".runhead .badge[data-status='{status}']", timeout=timeout * 1000)
+
+
+def wait_until(predicate: Any, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def exists(state: Path, key: str, status: str | None = None) -> bool:
+    done = subprocess.run(cli("list", "--key", key, "--json", "--dir", str(state)), capture_output=True, text=True)
+    runs = json.loads(done.stdout or "[]")
+    return bool(runs) and (status is None or runs[0]["status"] == status)
+
+
+def fits(page: Any) -> bool:
+    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1"))
+
+
+def test_run_page_shows_the_waterfall_of_a_parallel_run_with_retries(page: Any, server: str, tmp_path: Path) -> None:
+    page.goto(f"{server}/runs/crawl-2026-05")
+    wait_for_status(page, "completed")
+    rows = page.locator(".wf-row")
+    assert rows.count() == 11  # nine fetches, the sleep, the total
+    retried = page.locator(".wf-row[data-path='1']")
+    assert retried.locator(".bar.k-attempt.st-failed").count() == 2
+    assert retried.locator(".bar.k-backoff").count() == 2
+    assert page.locator(".wf-row[data-path='9'] .bar.k-sleep").count() == 1
+    retried.click()
+    assert page.locator(".detail h2").inner_text() == "fetch 1"
+    assert "ConnectionError" in page.locator(".detail").inner_text()
+    page.screenshot(path=str(shots(tmp_path) / "ui-run.png"))
+    page.emulate_media(color_scheme="dark")
+    page.screenshot(path=str(shots(tmp_path) / "ui-run-dark.png"))
+    page.set_viewport_size({"width": 390, "height": 800})
+    assert fits(page)
+
+
+def test_graph_links_to_child_runs(page: Any, server: str, state: Path, tmp_path: Path) -> None:
+    page.goto(f"{server}/")
+    page.locator("tr[data-run] a", has_text="pipeline-").click()
+    wait_for_status(page, "completed")
+    nodes = page.locator(".graph .node")
+    assert nodes.count() == 5
+    assert page.locator(".graph .node.s-completed").count() == 5
+    assert page.locator(".wf-row[data-path='0.0.0'] .bar.k-child").count() == 1  # the child run's lifetime
+    page.screenshot(path=str(shots(tmp_path) / "ui-graph.png"), full_page=True)
+    page.locator(".graph a", has=page.locator("[data-node='train']")).click()
+    wait_for_status(page, "completed")
+    assert page.locator(".runhead h1").inner_text() == "stage"
+    assert "parent run" in page.locator(".facts").inner_text()
+
+
+def test_follows_a_live_run_to_completion(page: Any, server: str, state: Path) -> None:
+    proc = run_flow(state, "slow", {"n": 10, "delay": 0.3}, "--key", "live-1")
+    try:
+        wait_until(lambda: exists(state, "live-1"))
+        page.goto(f"{server}/runs/live-1")
+        wait_for_status(page, "running")
+        seen = page.locator(".wf-row").count()
+        assert seen < 10
+        wait_for_status(page, "completed", timeout=30)
+        assert page.locator(".wf-row").count() == 10  # the rows arrived live, with no reload
+        assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_signal_through_the_form_completes_the_waiting_run(page: Any, server: str, state: Path) -> None:
+    proc = run_flow(state, "approval", 420, "--key", "expense-12")
+    try:
+        wait_until(lambda: exists(state, "expense-12", "waiting"))
+        page.goto(f"{server}/runs/expense-12")
+        wait_for_status(page, "waiting")
+        page.click("button[data-op='signal']")
+        dialog = page.locator("dialog[open]")
+        assert dialog.locator("input[name='name']").input_value() == "approval"  # the signal the run waits for
+        dialog.locator("textarea").fill('{"ok": true, "by": ')
+        assert "not valid JSON" in dialog.locator(".invalid").inner_text()
+        assert dialog.locator("button[data-confirm]").is_disabled()
+        dialog.locator("textarea").fill('{"ok": true, "by": "ana"}')
+        dialog.locator("button[data-confirm]").click()
+        page.wait_for_selector("[data-result='signal']")
+        wait_for_status(page, "completed", timeout=30)
+        assert "paid 420.00, approved by ana" in proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+
+
+def test_cancel_a_running_run(page: Any, server: str, state: Path) -> None:
+    proc = run_flow(state, "slow", {"n": 60, "delay": 0.2}, "--key", "batch-99")
+    try:
+        wait_until(lambda: exists(state, "batch-99", "running"))
+        page.goto(f"{server}/runs/batch-99")
+        wait_for_status(page, "running")
+        page.click("button[data-op='cancel']")
+        page.locator("dialog[open] button[data-confirm]").click()
+        page.wait_for_selector("[data-result='cancel']", timeout=20000)
+        wait_for_status(page, "cancelled")
+        assert proc.wait(timeout=20) != 0
+        page.click("button[data-op='retry']")
+        page.locator("dialog[open] button[data-confirm]").click()
+        failure = page.wait_for_selector("[data-result='retry-failed']")
+        assert "restart" in failure.inner_text()  # the refusal shows its hint
+    finally:
+        proc.kill()
+
+
+def test_runs_page_filters_and_searches(page: Any, server: str, tmp_path: Path) -> None:
+    page.goto(f"{server}/")
+    page.wait_for_selector("tr[data-run]")
+    assert page.locator("tr[data-run]").count() >= 8
+    page.screenshot(path=str(shots(tmp_path) / "ui-runs.png"))
+    page.select_option("select[name='status']", "failed")
+    playwright_api.expect(page.locator("tr[data-run]")).to_have_count(1)
+    assert "order-7731" in page.locator("tr[data-run]").inner_text()
+    assert "status=failed" in page.url
+    page.select_option("select[name='status']", "")
+    page.fill("input[name='q']", "crawl")
+    playwright_api.expect(page.locator("tr[data-run]")).to_have_count(1)
+    assert "fanout" in page.locator("tr[data-run]").inner_text()
+    page.fill("input[name='q']", "")
+    page.fill("input[name='workflow']", "stage")
+    playwright_api.expect(page.locator("tr[data-run]")).to_have_count(5)
+    page.set_viewport_size({"width": 390, "height": 800})
+    assert fits(page)
