@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -263,6 +264,38 @@ def test_cli_serves_a_storage_url(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_cli_off_loopback_makes_and_prints_a_token_unless_one_is_set(tmp_path: Path) -> None:
+    import re
+
+    import httpx
+
+    def start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "ui", "--dir", str(tmp_path), "--host",
+                                 "0.0.0.0", "--port", "0"], stderr=subprocess.PIPE, text=True, env={**{k: v for k, v in os.environ.items() if k != "DURABLY_UI_TOKEN"}, **env})
+        assert proc.stderr is not None
+        found = re.search(r"http://\S+", proc.stderr.readline())
+        assert found is not None
+        return proc, found.group(0)
+
+    proc, url = start({})
+    try:
+        made = re.search(r"\?token=([\w-]{20,})$", url)
+        assert made is not None, url
+        port = url.split(":")[2].split("/")[0]
+        assert httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=10).status_code == 401
+        assert httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=10,
+                         headers={"Authorization": f"Bearer {made.group(1)}"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    proc, url = start({"DURABLY_UI_TOKEN": "mine-0123456789abcdefghij"})
+    try:
+        assert url.endswith("?token=mine-0123456789abcdefghij")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_cli_says_what_to_install_without_the_extra(tmp_path: Path) -> None:
