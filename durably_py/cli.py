@@ -603,6 +603,13 @@ def _parse_input(text: str | None, option: str = "--input") -> Any:
         raise ValidationError(f"{source} is not valid JSON: {exc}",
                               hint=f"Pass JSON, e.g. {option} '{{\"n\": 3}}', or {option} @file.json (strings "
                                    "need quotes: '\"yes\"').") from None
+    except RecursionError:
+        raise ValidationError(f"{source} is JSON nested too deeply to record",
+                              hint="Flatten the structure; values nested hundreds of levels deep are not supported."
+                              ) from None
+    except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
+        raise ValidationError(f"{source} cannot be read: {exc}",
+                              hint="Pass a big number as a JSON string and convert it in the workflow.") from None
 
 
 def _find_workflow(name: str, script: Path) -> Workflow:

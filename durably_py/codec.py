@@ -135,10 +135,20 @@ def _reject_other(value: Any) -> _Reject:
     return _Reject(what, _GENERIC_HINT)
 
 
+_INT_BOUND = 10**4000  # ints must stay below Python's int/str conversion limit (4300 digits) to be written
+
+
+def _huge(v: int) -> _Reject:
+    return _Reject(f"an integer of about {v.bit_length() * 30103 // 100000 + 1} digits, too large to record",
+                   "Record a big number as a string (str(n)) and convert it back in the workflow.")
+
+
 def _walk(v: Any, depth: int, seen: set[int] | None) -> Any:
     """Wire form of `v`; `seen` is None on the fast walk and holds ids of containers on the path otherwise."""
     t = type(v)
     if t in _SCALARS:
+        if t is int and not -_INT_BOUND < v < _INT_BOUND:
+            raise _huge(v)
         return v
     if t is float:
         if _isfinite(v):
@@ -178,7 +188,9 @@ def _walk_container(v: Any, t: type, depth: int, seen: set[int] | None) -> Any:
                     if not isinstance(k, str):
                         raise _non_str_key(k)
                     k = str.__str__(k)
-                out[k] = x if type(x) in scalars else _walk(x, depth, seen)
+                tx = type(x)
+                out[k] = x if tx in scalars and (tx is not int or -_INT_BOUND < x < _INT_BOUND) \
+                    else _walk(x, depth, seen)
         except _Reject as exc:
             if isinstance(k, str):
                 exc.segments.append(_key_segment(k))
@@ -186,12 +198,15 @@ def _walk_container(v: Any, t: type, depth: int, seen: set[int] | None) -> Any:
         if len(out) == 1 and (DT_TAG in out or ESC_TAG in out):
             return {ESC_TAG: out}
         return out
-    if scalars.issuperset(map(type, v)):
+    kinds = set(map(type, v))
+    if scalars.issuperset(kinds) and (int not in kinds or all(-_INT_BOUND < x < _INT_BOUND for x in v
+                                                                if type(x) is int)):
         return list(v)
     items = []
     append = items.append
     for i, x in enumerate(v):
-        if type(x) in scalars:
+        tx = type(x)
+        if tx in scalars and (tx is not int or -_INT_BOUND < x < _INT_BOUND):
             append(x)
             continue
         try:
@@ -214,6 +229,8 @@ def _non_str_key(key: Any) -> _Reject:
 def _walk_other(v: Any, depth: int, seen: set[int] | None) -> Any:
     """Wire form of a subclass of a supported type (converted to the plain type); refuses everything else."""
     if isinstance(v, int):
+        if not -_INT_BOUND < v < _INT_BOUND:
+            raise _huge(v)
         return int.__int__(v)
     if isinstance(v, str):
         return str.__str__(v)
@@ -248,7 +265,7 @@ def _walk_sub(original: Any, plain: Any, depth: int, seen: set[int]) -> Any:
 def dump_value(value: Any, where: str = "value") -> Any:
     """Validate `value` and return its wire form (JSON types, tagged datetimes), else raise `SerializationError`."""
     t = type(value)
-    if t is str or t is int or t is bool or value is None:
+    if t is str or t is bool or value is None or (t is int and -_INT_BOUND < value < _INT_BOUND):
         return value
     if t is float and _isfinite(value):
         return value

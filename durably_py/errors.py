@@ -151,6 +151,16 @@ class CorruptLogError(DurablyError):
     anchor = "corruptlogerror"
 
 
+class StorageFullError(DurablyError, OSError):
+    """The disk (or quota, or file size limit) is full: a record could not be written.
+
+    Nothing partial is left behind: a cut line is undone, so the run resumes once there is space."""
+
+    default_hint = ("Free disk space (or raise the quota or file size limit), then run the same command again: "
+                    "the run resumes from its last complete record.")
+    anchor = "storagefullerror"
+
+
 class LogVersionError(CorruptLogError):
     """A run's log was written by a newer durably-py than this one (its header's version is higher)."""
 

@@ -12,6 +12,7 @@ one while another holds the lease, or while no process runs the run at all.
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from ..errors import CorruptLogError, ValidationError
+from ..errors import CorruptLogError, StorageFullError, ValidationError
 from ..records import LOG_VERSION, Claim, Header, decode_fast
 from ..records import encode as encode_record
 
@@ -216,6 +217,18 @@ def max_epoch(records: list[Any]) -> int:
     else:
         epochs = [r.get("epoch") for r in records if isinstance(r, dict) and r.get("t") == "claim"]
     return max((e for e in epochs if isinstance(e, int) and not isinstance(e, bool)), default=0)
+
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+def storage_full(exc: OSError, what: str, where: str) -> StorageFullError | OSError:
+    """`StorageFullError` for a write refused for lack of space or size (ENOSPC, EFBIG, EDQUOT), else `exc`."""
+    if isinstance(exc, StorageFullError) or exc.errno not in FULL_ERRNOS:
+        return exc
+    error = StorageFullError(f"could not {what} {where}: {exc.strerror or exc}", path=where)
+    error.errno = exc.errno
+    return error
 
 
 def iso_now() -> str:

@@ -48,6 +48,7 @@ from .base import (
     iso_now,
     max_epoch,
     parse_log,
+    storage_full,
     validate_header,
     validate_identity,
     validate_lines,
@@ -220,6 +221,10 @@ class FileStorage:
             _write_all(fd, data)
             if durable:
                 self._fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            tmp.unlink()
+            raise storage_full(exc, "write", str(directory)) from exc
         except BaseException:
             os.close(fd)
             tmp.unlink()
@@ -232,7 +237,10 @@ class FileStorage:
         log = self._log(run_id)
         validate_header(run_id, header)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
+        try:
+            tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
+        except OSError as exc:
+            raise storage_full(exc, "create", str(log)) from exc
         try:
             try:
                 os.link(tmp, log)
@@ -316,12 +324,19 @@ class FileStorage:
             os.ftruncate(fd, good)
         epoch = max(max_epoch(records), self._sidecar_epoch(held.run_id)) + 1
         line = claimed(records, epoch, owner)
-        _write_all(fd, line)
-        held.size = good + len(line)
+        try:
+            _write_all(fd, line)
+            held.size = good + len(line)
+            self._write_sidecar(
+                held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
+            )
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, good)  # a claim line cut short (or left without its sidecar) is undone
+            except OSError:
+                pass
+            raise storage_full(exc, "claim", str(held.log)) from exc
         held.live = True
-        self._write_sidecar(
-            held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
-        )
         return epoch, records, torn
 
     def _sidecar_epoch(self, run_id: str) -> int:
@@ -397,9 +412,9 @@ class FileStorage:
             held.check()
             try:
                 _write_all(held.fd, data)
-            except OSError:
+            except OSError as exc:
                 self._undo_partial_write(held)
-                raise
+                raise storage_full(exc, "append to", str(held.log)) from exc
             held.size += len(data)
 
     def _undo_partial_write(self, held: _Held) -> None:
