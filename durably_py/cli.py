@@ -45,6 +45,7 @@ EXIT_USAGE = 2
 EXIT_PARKED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+DEFAULT_PAGE = 20
 
 STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused", "corrupt")
 COLOURS = {
@@ -91,6 +92,9 @@ StorageOption = Annotated[str | None, typer.Option("--storage", show_default=Fal
                                                    help="Storage URL instead of a dir: sqlite:PATH, postgresql://... "
                                                         "(or $DURABLY_STORAGE).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+OutputOption = Annotated[str | None, typer.Option("--output", "-o", metavar="FORMAT", show_default=False,
+                                                  help="table (default), json, or jsonl (one JSON value per "
+                                                       "line); --json is -o json.")]
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")]
 
 
@@ -98,6 +102,7 @@ DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks
 
 _color = True
 _terminated = False
+_jsonl = False
 
 
 def settings_for(dir: str | None, storage: str | None) -> config.Settings:
@@ -161,7 +166,10 @@ def to_json(value: Any) -> str:
 
 
 def _print_json(value: Any) -> None:
-    sys.stdout.write(to_json(value) + "\n")
+    if _jsonl:
+        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=_json_default) + "\n")
+    else:
+        sys.stdout.write(to_json(value) + "\n")
     sys.stdout.flush()
 
 
@@ -670,9 +678,11 @@ def run(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Run SCRIPT as __main__ under durably, with a live progress view on stderr; or one of its workflows."""
+    as_json = _json_output(as_json, output, debug)
     args = list(args or [])
     with _guard(debug):
         settings = settings_for(dir, storage)
@@ -770,38 +780,109 @@ def _filters_text(**filters: Any) -> str:
     return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in filters.items() if value is not None)
 
 
+def parse_when(text: str, option: str) -> datetime:
+    """A `--since`/`--until` value: a duration meaning that long ago (`2h`, `1d`), or an ISO 8601 time."""
+    try:
+        return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
+    except ValidationError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValidationError(f"{option} {text!r} is neither a duration nor an ISO time",
+                              hint=f"Write {option} 2h (that long ago), {option} 1d12h, or "
+                                   f"{option} 2026-11-30T09:00 (local time unless it names a zone).",
+                              docs="docs/cli.md#durably-list") from None
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+OUTPUTS = ("table", "json", "jsonl")
+
+
+def output_mode(as_json: bool, output: str | None) -> str:
+    """The output format a command prints in: `-o` wins, `--json` means json, else table."""
+    if output is not None and output not in OUTPUTS:
+        raise ValidationError(f"unknown output format {output!r}", hint=f"Use one of: {', '.join(OUTPUTS)}.",
+                              docs="docs/cli.md#output-formats")
+    return output or ("json" if as_json else "table")
+
+
+def _json_output(as_json: bool, output: str | None, debug: bool) -> bool:
+    """Whether a command prints JSON (`--json`, `-o json`, `-o jsonl`); jsonl prints each value on one line."""
+    global _jsonl
+    with _guard(debug):
+        mode = output_mode(as_json, output)
+    _jsonl = mode == "jsonl"
+    return mode != "table"
+
+
+def _emit(value: Any, mode: str) -> None:
+    """Print a command's JSON result: indented (`json`) or on one line (`jsonl`; a list one item per line)."""
+    if mode == "jsonl":
+        items = value if isinstance(value, list) else [value]
+        sys.stdout.write("".join(json.dumps(v, ensure_ascii=False, default=_json_default) + "\n" for v in items))
+        sys.stdout.flush()
+    else:
+        _print_json(value)
+
+
+StatusOption = Annotated[list[str] | None, typer.Option(
+    "--status", "-s", metavar="STATUS", show_default=False,
+    help=f"Only runs with this status; repeat for any of several ({', '.join(STATUSES)}).")]
+
+
 @app.command("list")
 def list_runs(
-    status: Annotated[str | None, typer.Option("--status", "-s", metavar="STATUS",
-                                               help=f"Only runs with this status ({', '.join(STATUSES)}).")] = None,
+    status: StatusOption = None,
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
                                                  help="Only runs of this workflow.")] = None,
-    key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Only the run with this key.")] = None,
-    since: Annotated[str | None, typer.Option("--since", metavar="DURATION",
-                                              help="Only runs updated within this long: 30s, 5m, 2h, 1d.")] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="PREFIX",
+                                            help="Only runs whose key starts with PREFIX.")] = None,
+    since: Annotated[str | None, typer.Option("--since", metavar="WHEN",
+                                              help="Only runs active since WHEN: 2h (that long ago), 1d, or an "
+                                                   "ISO time.")] = None,
+    until: Annotated[str | None, typer.Option("--until", metavar="WHEN",
+                                              help="Only runs last active before WHEN (a duration ago, or an ISO "
+                                                   "time).")] = None,
     limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, metavar="N",
-                                              help="At most N runs (newest first).")] = None,
+                                              help="At most N runs (default 20 on a terminal, all when piped or "
+                                                   "JSON).")] = None,
+    offset: Annotated[int, typer.Option("--offset", min=0, metavar="N",
+                                        help="Skip the first N matching runs.")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only run ids, one per line (for xargs).")] = False,
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first: `durably list -q --status failed | xargs -n1 durably retry`."""
     with _guard(debug):
-        if status is not None and status not in STATUSES:
-            raise ValidationError(f"unknown status {status!r}", hint=f"Use one of: {', '.join(STATUSES)}.")
-        cutoff = datetime.now(UTC) - timedelta(seconds=parse_duration(since)) if since is not None else None
+        mode = output_mode(as_json, output)
+        for one in status or []:
+            if one not in STATUSES:
+                raise ValidationError(f"unknown status {one!r}", hint=f"Use one of: {', '.join(STATUSES)}.")
+        after = parse_when(since, "--since") if since is not None else None
+        before = parse_when(until, "--until") if until is not None else None
         engine = engine_at(dir, storage)
-        states = asyncio.run(engine.list(status=status, workflow=workflow, key=key,
-                                         limit=None if cutoff else limit))
-        if cutoff is not None:
-            states = [s for s in states if (s.updated_at or s.created_at) >= cutoff][:limit]
-        if as_json:
-            _print_json([s.to_dict() for s in states])
+        page = limit
+        if page is None and mode == "table" and not quiet and sys.stdout.isatty():
+            page = DEFAULT_PAGE
+        counted = mode == "table" and not quiet  # a table says how many more runs match past the page
+        found = asyncio.run(engine.list(status=status or None, workflow=workflow, key_prefix=key, since=after,
+                                        until=before, offset=offset, limit=None if counted else page))
+        states = found[:page] if page is not None else found
+        more = len(found) - len(states)
+        if quiet:
+            sys.stdout.write("".join(f"{s.run_id}\n" for s in states))
+            return
+        if mode != "table":
+            _emit([s.to_dict() for s in states], mode)
             return
         console = _out_console()
         if not states:
-            filters = _filters_text(status=status, workflow=workflow, key=key, since=since)
+            filters = _filters_text(status=" --status ".join(status) if status else None, workflow=workflow,
+                                    key=key, since=since, until=until, offset=offset or None)
             where = engine._where()
             console.print(Text(f"no runs match {filters} in {where}" if filters else f"no runs in {where}",
                                "bright_black"))
@@ -819,6 +900,9 @@ def list_runs(
         for s in states:
             if s.status == "corrupt":
                 console.print(Text(f"{s.run_id}: {'; '.join(s.warnings)}", "red"))
+        if more:
+            console.print(Text(f"{more} more (--offset {offset + len(states)} shows the next page, --limit N "
+                               "more at once)", "bright_black"))
 
 
 def json_text(value: Any, limit: int = 100) -> str:
@@ -1001,9 +1085,11 @@ def inspect(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         engine = engine_at(dir, storage)
         state = asyncio.run(engine.inspect(run))
@@ -1025,9 +1111,11 @@ def graph(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Show the task graphs of a run: each node's child run, status, and why it waits."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         states = asyncio.run(engine_at(dir, storage).graph(run))
         if as_json:
@@ -1059,9 +1147,11 @@ def signal(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         value = _parse_input(payload, "PAYLOAD")
         engine = engine_at(dir, storage)
@@ -1162,9 +1252,11 @@ def cancel(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         engine = engine_at(dir, storage)
         seconds = parse_duration(timeout)
@@ -1188,9 +1280,11 @@ def pause(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).pause(run, timeout=parse_duration(timeout)))
         _settled(state, "paused", as_json, f"paused {state.run_id}; `durably resume {state.run_id}` continues it",
@@ -1204,9 +1298,11 @@ def resume(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
+    as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).resume(run))
         if as_json:
@@ -1230,9 +1326,11 @@ def retry(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON."""
+    as_json = _json_output(as_json, output, debug)
     try:
         selector = parse_step(from_step) if from_step is not None else None
     except ValidationError as exc:
@@ -1262,9 +1360,11 @@ def restart(
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
+    output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
+    as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
 

@@ -15,7 +15,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -237,15 +237,19 @@ class Engine:
         history, torn = self._read(run_id)
         return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
 
-    async def list(self, *, status: str | None = None, workflow: str | None = None, key: str | None = None,
+    async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                   key: str | None = None, key_prefix: str | None = None,
                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
                    limit: int | None = None, offset: int = 0) -> builtins.list[RunState]:
         """Runs newest first, filtered by status, workflow name, key, last activity time and a search text.
 
-        `since`/`until` bound a run's last activity (its `updated_at`, else its `created_at`); `search` matches
-        a case-insensitive substring of the run id, workflow or key; `offset` skips that many matching runs
-        and `limit` keeps at most that many. Each run is read from its first and last records only."""
+        `status` is one status or several (any of them matches); `key` matches exactly, `key_prefix` the
+        start of the key; `since`/`until` bound a run's last activity (its `updated_at`, else its
+        `created_at`); `search` matches a case-insensitive substring of the run id, workflow or key; `offset`
+        skips that many matching runs and `limit` keeps at most that many. Each run is read from its first
+        and last records only."""
         check_page(limit, offset, since, until)
+        statuses = None if status is None else {status} if isinstance(status, str) else set(status)
         needle = search.lower() if search else None
         out = []
         skipped = 0
@@ -254,6 +258,9 @@ class Engine:
             if workflow is not None and header.get("workflow") != workflow:
                 continue
             if key is not None and header.get("key") != key:
+                continue
+            if key_prefix is not None and not str(header.get("key") or "").startswith(key_prefix) \
+                    or key_prefix is not None and header.get("key") is None:
                 continue
             if needle is not None and not any(needle in str(header.get(f) or "").lower()
                                               for f in ("run_id", "workflow", "key")):
@@ -267,7 +274,8 @@ class Engine:
                 brief: History | None = self._brief(info)
             except CorruptLogError as exc:
                 brief, damage = None, exc
-            if status is not None and (run_status(brief, info.held) if brief is not None else CORRUPT) != status:
+            if statuses is not None and (run_status(brief, info.held) if brief is not None else CORRUPT) \
+                    not in statuses:
                 continue
             if skipped < offset:
                 skipped += 1

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -380,3 +381,36 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
     timed = durably(project, "run", "wf.py", "--workflow", "timing_out", "--input", "1")
     assert timed.returncode == 1 and "StepTimeoutError" in timed.stderr
     assert "give `retry=` more attempts" in timed.stderr and "add `retry=`" not in timed.stderr
+
+
+# ---- list filters, paging, -q and -o ------------------------------------------------------------------------
+
+
+def test_list_filters_pages_and_quiet_ids_feed_xargs(project: Path) -> None:
+    for n in range(3):
+        durably(project, "run", "wf.py", "--workflow", "resumable", "--input", str(n), "--key", f"night-{n}",
+                FAIL="1" if n else "")
+    durably(project, "run", "wf.py", "--workflow", "twice", "--input", "1", "--key", "day-1")
+    rows = json.loads(durably(project, "list", "--json").stdout)
+    assert len(rows) == 4
+    failed = durably(project, "list", "-q", "--status", "failed")
+    assert sorted(failed.stdout.split()) == sorted(r["run_id"] for r in rows if r["status"] == "failed")
+    both = durably(project, "list", "-q", "--status", "failed", "--status", "completed", "--key", "night-")
+    assert len(both.stdout.split()) == 3
+    page = [json.loads(line) for line in durably(project, "list", "-o", "jsonl", "--limit", "2", "--offset", "1")
+            .stdout.splitlines()]
+    assert [r["run_id"] for r in page] == [r["run_id"] for r in rows[1:3]]
+    table = durably(project, "list", "--limit", "3").stdout
+    assert table.rstrip().endswith("1 more (--offset 3 shows the next page, --limit N more at once)")
+    future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    assert durably(project, "list", "-q", "--since", future).stdout == ""
+    assert len(durably(project, "list", "-q", "--since", "1h", "--until", future).stdout.split()) == 4
+    assert durably(project, "list", "-q", "--until", "1h").stdout == ""
+    assert durably(project, "list", "--since", "yesterday").returncode == 2
+
+    cli = f"{sys.executable} -m durably_py.cli"
+    retried = subprocess.run(f"{cli} list -q --status failed | xargs -n1 {cli} retry", shell=True, cwd=project,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+    assert retried.returncode == 0, retried.stderr
+    statuses = {r["status"] for r in json.loads(durably(project, "list", "--json").stdout)}
+    assert statuses == {"completed"}
