@@ -285,11 +285,31 @@ def dump_value(value: Any, where: str = "value") -> Any:
         ) from None
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def load_value(wire: Any) -> Any:
-    """Rebuild the value from its wire form: tagged datetimes become `datetime`, escaped dicts are unwrapped."""
+    """Rebuild the value from its wire form: tagged datetimes become `datetime`, escaped dicts are unwrapped.
+
+    A flat dict or list of scalars (the common step output) is copied as is: only a one-key dict can be a
+    tag, and only a nested container can hold one."""
     t = type(wire)
-    if t in _SCALARS or t is float:
+    if t in _PLAIN:
         return wire
+    if t is dict:
+        if len(wire) == 1 and (DT_TAG in wire or ESC_TAG in wire):
+            return _load(wire)
+        plain = _PLAIN
+        for x in wire.values():
+            if type(x) not in plain:
+                return _load(wire)
+        return wire.copy()
+    if t is list:
+        plain = _PLAIN
+        for x in wire:
+            if type(x) not in plain:
+                return _load(wire)
+        return wire.copy()
     return _load(wire)
 
 

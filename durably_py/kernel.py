@@ -110,12 +110,40 @@ current_attempt: contextvars.ContextVar[AttemptContext] = contextvars.ContextVar
 
 Selector = tuple[int, ...] | str | tuple[str, int]
 
+_current_tasks: dict[Any, asyncio.Task[Any]] | None = getattr(asyncio.tasks, "_current_tasks", None)
+_running_loop = asyncio.events._get_running_loop
+
+
+def _current_task_311() -> asyncio.Task[Any] | None:
+    """`asyncio.current_task()` on 3.11, where it is written in Python: the same table, a third of the cost."""
+    return _current_tasks.get(_running_loop())  # type: ignore[union-attr]
+
+
+current_task: Callable[[], asyncio.Task[Any] | None] = (
+    asyncio.current_task if sys.version_info >= (3, 12) or _current_tasks is None else _current_task_311)
+
+
+_LABELS: dict[Any, str] = {}
+
 
 def label_of(fn: Callable[..., Any]) -> str:
     """The default step label: the callable's qualified name, without the enclosing function's."""
+    try:
+        return _LABELS[fn]
+    except (KeyError, TypeError):
+        pass
     target = getattr(fn, "func", fn)
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
-    return name.rpartition("<locals>.")[2]
+    label: str = name.rpartition("<locals>.")[2]
+    try:
+        if len(_LABELS) >= 4096:
+            _LABELS.clear()
+        _LABELS[fn] = label
+    except TypeError:  # an unhashable callable: computed every time
+        pass
+    return label
+
+
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -447,7 +475,7 @@ class RunKernel:
                                   hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
                                   docs="docs/authoring.md#steps")
         scope = current_scope.get(None)
-        if scope is None or (scope.owner is not None and scope.owner is not asyncio.current_task()):
+        if scope is None or (scope.owner is not None and scope.owner is not current_task()):
             scope = self.scope()
         path = f"{scope.prefix}{scope.n}"
         scope.n += 1
@@ -457,12 +485,24 @@ class RunKernel:
             if count == 100 or count == 1000:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
-        if rec is not None and rec.label != label:
-            self.check_label(path, rec, label)
         scope.pending += 1
-        if rec is not None:
-            return self.replay(scope, path, rec, opts)
-        return self.execute(scope, path, label, fn, args, opts)
+        if rec is None:
+            return self.execute(scope, path, label, fn, args, opts)
+        if rec.label != label:
+            self.check_label(path, rec, label)
+        if opts is PLAIN and self.on_step is None and type(rec) is records.Ok:
+            return self.replayed(scope, rec.value)
+        return self.replay(scope, path, rec, opts)
+
+    async def replayed(self, scope: Scope, wire: Any) -> Any:
+        """A recorded `Ok` of a step with no options: the fewest operations between the record and its value.
+
+        (A coroutine that never suspends costs less to create and await on CPython than a done Future or
+        a hand-made ready awaitable, measured: 0.1 us against 0.2 and 0.5 us.)"""
+        try:
+            return load_value(wire)
+        finally:
+            scope.pending -= 1
 
     async def replay(self, scope: Scope, path: str, rec: records.Ok | records.Err, opts: StepOptions | _Schema,
                      where: str = "output") -> Any:
@@ -548,7 +588,7 @@ class RunKernel:
             self.clock.busy += 1
             if not self.running:
                 self.step_running_since = time.monotonic()
-            self.running[att] = asyncio.current_task()
+            self.running[att] = current_task()
             started = time.perf_counter()
             try:
                 for gate in gates:
@@ -1308,4 +1348,4 @@ class RunKernel:
         return value
 
 
-STEP_CODES = frozenset({RunKernel.execute.__code__, RunKernel.replay.__code__})
+STEP_CODES = frozenset({RunKernel.execute.__code__, RunKernel.replay.__code__, RunKernel.replayed.__code__})

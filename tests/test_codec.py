@@ -759,3 +759,16 @@ def test_validation_error_is_rebuilt_as_itself() -> None:
 def test_module_exports() -> None:
     for name in codec.__all__:
         assert callable(getattr(codec, name))
+
+
+def test_load_value_copies_flat_containers_and_still_decodes_tags() -> None:
+    from datetime import UTC, datetime
+
+    from durably_py.codec import dump_value, load_value
+
+    for wire in ({"a": 1, "b": "x", "c": 2.5, "d": None, "e": True}, [1, "x", 2.5, None], {"i": 1}):
+        value = load_value(wire)
+        assert value == wire and value is not wire  # the caller may mutate what a step returned
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    assert load_value(dump_value({"at": when})) == {"at": when}
+    assert load_value(dump_value([when, {"$dt": "not a tag"}])) == [when, {"$dt": "not a tag"}]
