@@ -31,7 +31,7 @@ from . import config
 from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
-from .history import RunState, StepState
+from .history import RunState, StepState, path_tuple
 from .workflow import REGISTRY, Workflow, load_script
 
 if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs none of them
@@ -1396,6 +1396,114 @@ def ui(
             raise ValidationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                                   hint="Pick another port with --port (or --port 0 for any free one).",
                                   docs="docs/ui.md") from None
+
+
+def _record_time(rec: dict[str, Any]) -> str:
+    ts = rec.get("ts")
+    if isinstance(ts, int | float):
+        when: datetime | None = datetime.fromtimestamp(ts, UTC)
+    else:
+        stamp = rec.get("at") if rec.get("t") == "claim" else rec.get("created_at")
+        try:
+            when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else None
+        except ValueError:
+            when = None
+    return when.astimezone().strftime("%H:%M:%S.%f")[:-3] if when else " " * 12
+
+
+def _record_error(error: Any) -> str:
+    if not isinstance(error, dict):
+        return "error"
+    return f"{str(error.get('type', '')).rpartition(':')[2]}: {error.get('message', '')}"
+
+
+def record_line(rec: dict[str, Any]) -> Text:
+    """One log record as a line of `durably logs`: its time, the step it is about, and what happened."""
+    kind = str(rec.get("t"))
+    step = f"{_path(path_tuple(rec['p']))} {rec.get('l', '')}".rstrip() + "  " if isinstance(rec.get("p"), str) \
+        and rec.get("p") else ""
+    line = Text.assemble((_record_time(rec), "bright_black"), "  ")
+    if kind == "run":
+        line.append(f"run {rec.get('run_id')} of {rec.get('workflow')} created", "bold")
+        if rec.get("key") is not None:
+            line.append(f"  key {rec['key']}")
+        if rec.get("input") is not None:
+            line.append(f"  input {json_text(rec['input'], 80)}")
+    elif kind == "claim":
+        line.append(f"attempt {rec.get('epoch')} started by {rec.get('owner')}", "cyan")
+    elif kind == "ok":
+        line.append(step, "bold")
+        line.append("ok", "green")
+        if isinstance(rec.get("ms"), int | float):
+            line.append(f"  {_duration(rec['ms'] / 1000)}", "bright_black")
+        if rec.get("sig") is not None:
+            line.append(f"  signal {rec['sig']!r}", "blue")
+        if rec.get("v") is not None:
+            line.append(f"  → {json_text(rec['v'], 80)}")
+    elif kind in ("err", "fail"):
+        line.append(step, "bold")
+        line.append(f"attempt {rec.get('a', 1)} failed: {_record_error(rec.get('e'))}", "red")
+        if kind == "fail" and rec.get("next"):
+            line.append(f"  retry at {_when_text(rec['next'])}", "yellow")
+    elif kind == "start":
+        line.append(step, "bold")
+        line.append(f"attempt {rec.get('a', 1)} started", "cyan")
+    elif kind == "wake":
+        line.append(step, "bold")
+        line.append(f"sleeping until {_when_text(rec.get('at'))}", "blue")
+    elif kind == "wait":
+        line.append(step, "bold")
+        deadline = f" (deadline {_when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
+        line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
+    elif kind == "end":
+        status = str(rec.get("status"))
+        line.append(f"run {status}", COLOURS.get(status, "bold"))
+        if rec.get("error"):
+            line.append(f"  {_record_error(rec['error'])}", "red")
+        elif status == "completed":
+            line.append(f"  → {json_text(rec.get('result'), 80)}")
+    else:
+        rest = {k: v for k, v in rec.items() if k not in ("t", "p", "l", "ts")}
+        line.append(step, "bold")
+        line.append(kind, "yellow")
+        if rest:
+            line.append(f"  {json_text(rest, 100)}", "bright_black")
+    return line
+
+
+@app.command()
+def logs(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as any process appends "
+                                                                 "them, until the run ends or parks.")] = False,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON record per line, as in the log.")] = False,
+    output: OutputOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end); --follow tails it live."""
+    with _guard(debug):
+        mode = output_mode(as_json, output)
+        engine = engine_at(dir, storage)
+        console = _out_console()
+
+        def show(rec: dict[str, Any]) -> None:
+            if mode == "table":
+                console.print(record_line(rec), soft_wrap=True)
+            else:
+                sys.stdout.write(json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n")
+                sys.stdout.flush()
+
+        async def tail() -> None:
+            if follow:
+                async for rec in engine.follow(run):
+                    show(rec)
+            else:
+                for rec in await engine.records(run):
+                    show(rec)
+
+        asyncio.run(tail())
 
 
 @app.command("docs")

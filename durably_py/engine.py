@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from . import graphs, records
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
@@ -93,6 +95,14 @@ def check_page(limit: Any, offset: Any, since: Any = None, until: Any = None) ->
             raise ValidationError(f"{name}= must be an integer >= {low}, got {value!r}",
                                   hint="list(limit=50, offset=100) gives the third page of 50 runs.",
                                   docs="docs/operations.md#listing-runs")
+
+
+FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)
+
+
+def _plain(record: Any) -> dict[str, Any]:
+    """A log record as the JSON object it is on disk."""
+    return msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else dict(record)
 
 
 def check_wait(timeout: Any, operation: str) -> None:
@@ -296,6 +306,31 @@ class Engine:
         if log is None:
             raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
         return spans(log.records)
+
+    async def records(self, run: str) -> builtins.list[dict[str, Any]]:
+        """A run's log (by id or key) as plain JSON objects, header first, exactly as recorded."""
+        run_id = self.resolve(run)
+        log = self.storage.read(run_id)
+        if log is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
+        return [_plain(rec) for rec in log.records]
+
+    async def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
+        """A run's records (by id or key) as plain JSON objects, then each record appended later by any
+        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
+        run_id = self.resolve(run)
+        seen = 0
+        while True:
+            log = self.storage.read(run_id)
+            found = log.records if log is not None else []
+            if len(found) < seen:  # compacted meanwhile: what it kept was already shown
+                seen = len(found)
+            for rec in found[seen:]:
+                yield _plain(rec)
+            seen = len(found)
+            if self._status(run_id) in FOLLOW_STOPS:
+                return
+            await asyncio.sleep(poll)
 
     async def graph(self, run: str) -> builtins.list[GraphState]:
         """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""

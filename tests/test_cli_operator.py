@@ -414,3 +414,36 @@ def test_list_filters_pages_and_quiet_ids_feed_xargs(project: Path) -> None:
     assert retried.returncode == 0, retried.stderr
     statuses = {r["status"] for r in json.loads(durably(project, "list", "--json").stdout)}
     assert statuses == {"completed"}
+
+
+# ---- durably logs ----------------------------------------------------------------------------------------------
+
+
+def test_logs_follow_prints_what_another_process_appends_until_the_run_ends(project: Path) -> None:
+    args = [sys.executable, "-m", "durably_py.cli", "run", "wf.py", "--workflow", "napper", "--input", "0.8"]
+    writer = subprocess.Popen(args, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runs = project / ".durably" / "runs"
+    deadline = time.monotonic() + 20
+    while not list(runs.glob("napper-*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run_id = next(runs.glob("napper-*.jsonl")).stem
+    started = time.time()
+    followed = durably(project, "logs", run_id, "--follow", "--json")
+    writer.communicate(timeout=30)
+    assert followed.returncode == 0, followed.stderr
+    records = [json.loads(line) for line in followed.stdout.splitlines()]
+    assert records[0]["t"] == "run" and records[0]["run_id"] == run_id
+    assert records[-1]["t"] == "end" and records[-1]["status"] == "completed"
+    oks = [r for r in records if r["t"] == "ok"]
+    assert [r["l"] for r in oks] == ["nap", "nap"] and any(r["ts"] > started for r in oks)
+    assert records == [json.loads(line) for line in durably(project, "logs", run_id, "-o", "jsonl").stdout.splitlines()]
+    shown = durably(project, "logs", run_id, COLUMNS="200").stdout.splitlines()
+    assert f"run {run_id} of napper created  input 0.8" in shown[0]
+    assert "(0,) nap  ok" in shown[2] and shown[-1].endswith("run completed  → [0.8, 0.8]")
+
+
+def test_logs_follow_stops_when_the_run_parks(project: Path) -> None:
+    durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate")
+    followed = durably(project, "logs", "gate", "--follow", timeout=20)
+    assert followed.returncode == 0
+    assert "waiting for signal 'approval' (deadline " in followed.stdout.splitlines()[-1]
