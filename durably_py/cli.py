@@ -1506,6 +1506,61 @@ def logs(
         asyncio.run(tail())
 
 
+@app.command("config")
+def config_command(
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    output: OutputOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Print the effective settings (state dir or storage, colour) and where each one came from."""
+    as_json = _json_output(as_json, output, debug)
+    with _guard(debug):
+        settings = settings_for(dir, storage)
+        if as_json:
+            _print_json(settings.to_dict())
+            return
+        rows = [("storage", settings.storage, settings.sources.get("storage")) if settings.storage is not None
+                else ("dir", settings.dir, settings.sources.get("dir")),
+                ("color", "true" if settings.color else "false", settings.sources.get("color"))]
+        out = Text()
+        for name, value, source in rows:
+            out.append(f"{name:<8}", "bold")
+            out.append(f"{value}")
+            out.append(f"  ({source})\n", "bright_black")
+        project = settings.project / config.CONFIG_FILE if settings.project else None
+        for name, path in (("project", project), ("user", settings.user_file)):
+            out.append(f"{name:<8}", "bold")
+            if path is None:
+                out.append("no .durably/ here or in a parent folder (`durably init` makes one)\n", "bright_black")
+            else:
+                out.append(f"{path}")
+                out.append("\n" if path.is_file() else "  (not there)\n", "bright_black")
+        out.rstrip()
+        _out_console().print(out, soft_wrap=True)
+
+
+@app.command("init")
+def init_command(
+    folder: Annotated[Path, typer.Argument(metavar="FOLDER", show_default=False,
+                                           help="The project folder (default: the current one).")] = Path("."),
+    debug: DebugOption = False,
+) -> None:
+    """Create .durably/ in a project: an example config.toml and a .gitignore that keeps run state out of git."""
+    with _guard(debug):
+        if not folder.is_dir():
+            raise ValidationError(f"{str(folder)!r} is not a folder", hint="Pass the project folder, or run it there.",
+                                  docs="docs/cli.md#durably-init")
+        made = config.init_project(folder)
+        console = _err_console()
+        for path in made:
+            console.print(Text(f"created {path}", "green"))
+        if not made:
+            console.print(Text(f"{folder / config.STATE_DIR} already has config.toml and .gitignore; nothing to do",
+                               "yellow"))
+
+
 @app.command("docs")
 def docs_command(
     topic: Annotated[str | None, typer.Argument(metavar="PAGE[#SECTION]", show_default=False,

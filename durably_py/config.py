@@ -127,33 +127,35 @@ def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | N
     project = find_state_dir(base)
     user_file = user_config_file()
     settings = Settings(project=project, user_file=user_file)
-    layers: list[tuple[str, dict[str, Any], Path]] = []
+    layers: list[tuple[dict[str, str], dict[str, Any], Path]] = []
     if dir is not None or storage is not None:
-        layers.append(("flag", {"dir": dir, "storage": storage}, base))
+        layers.append(({"dir": "--dir", "storage": "--storage"}, {"dir": dir, "storage": storage}, base))
     env_layer: dict[str, Any] = {"dir": env.get("DURABLY_DIR") or None, "storage": env.get("DURABLY_STORAGE") or None}
+    env_names = {"dir": "$DURABLY_DIR", "storage": "$DURABLY_STORAGE", "color": "$NO_COLOR"}
     if "NO_COLOR" in env and env["NO_COLOR"] != "":
         env_layer["color"] = False
     elif env.get("DURABLY_COLOR"):
         env_layer["color"] = not _falsy(env["DURABLY_COLOR"])
-    layers.append(("env", env_layer, base))
-    if project is not None:
-        layers.append((str(project / CONFIG_FILE), read_config(project / CONFIG_FILE), project.parent))
-    layers.append((str(user_file), read_config(user_file), base))
+        env_names["color"] = "$DURABLY_COLOR"
+    layers.append((env_names, env_layer, base))
+    files = [(project / CONFIG_FILE, project.parent)] if project is not None else []
+    for path, root in [*files, (user_file, base)]:
+        layers.append((dict.fromkeys(KEYS, str(path)), read_config(path), root))
 
-    for source, values, root in layers:
+    for names, values, root in layers:
         if "dir" not in settings.sources and "storage" not in settings.sources:
             if values.get("storage") is not None:
                 settings.storage = values["storage"]
-                settings.sources["storage"] = source
+                settings.sources["storage"] = names["storage"]
             elif values.get("dir") is not None:
                 settings.dir = str((root / os.path.expanduser(values["dir"])).resolve())
-                settings.sources["dir"] = source
+                settings.sources["dir"] = names["dir"]
         if "color" not in settings.sources and values.get("color") is not None:
             settings.color = bool(values["color"])
-            settings.sources["color"] = source
+            settings.sources["color"] = names["color"]
     if "dir" not in settings.sources and "storage" not in settings.sources:
         settings.dir = str(project if project is not None else base / STATE_DIR)
-        settings.sources["dir"] = "found" if project is not None else "default"
+        settings.sources["dir"] = "nearest .durably/" if project is not None else "default"
     settings.sources.setdefault("color", "default")
     return settings
 

@@ -447,3 +447,57 @@ def test_logs_follow_stops_when_the_run_parks(project: Path) -> None:
     followed = durably(project, "logs", "gate", "--follow", timeout=20)
     assert followed.returncode == 0
     assert "waiting for signal 'approval' (deadline " in followed.stdout.splitlines()[-1]
+
+
+# ---- configuration: flags > env > project config > user config > nearest .durably/ ---------------------------
+
+
+def config_of(cwd: Path, *args: str, **env: str) -> dict[str, Any]:
+    proc = durably(cwd, "config", "--json", *args, **env)
+    assert proc.returncode == 0, proc.stderr
+    return as_json(proc)
+
+
+def test_settings_come_from_flags_env_project_and_user_config_in_that_order(project: Path, tmp_path: Path) -> None:
+    sub = project / "sub"
+    assert config_of(sub)["sources"] == {"dir": "default", "color": "default"}
+    made = durably(project, "init")
+    assert made.returncode == 0 and "created .durably/config.toml" in made.stderr.replace(str(project) + "/", "")
+    assert (project / ".durably" / ".gitignore").read_text().splitlines()[1:] == ["*", "!.gitignore", "!config.toml"]
+    found = config_of(sub)
+    assert found["dir"] == str(project / ".durably") and found["sources"]["dir"] == "nearest .durably/"
+
+    user = tmp_path / "user-config" / "durably" / "config.toml"
+    user.parent.mkdir(parents=True)
+    user.write_text('dir = "/tmp/from-user"\ncolor = false\n')
+    from_user = config_of(sub)
+    assert from_user["dir"] == "/tmp/from-user" and from_user["sources"] == {"dir": str(user), "color": str(user)}
+    (project / ".durably" / "config.toml").write_text('dir = "state"\n')
+    from_project = config_of(sub)
+    assert from_project["dir"] == str(project / "state")
+    assert from_project["sources"] == {"dir": str(project / ".durably" / "config.toml"), "color": str(user)}
+    from_env = config_of(sub, DURABLY_DIR=str(tmp_path / "env-dir"), NO_COLOR="1")
+    assert from_env["dir"] == str(tmp_path / "env-dir") and from_env["sources"] == {"dir": "$DURABLY_DIR",
+                                                                                    "color": "$NO_COLOR"}
+    from_flag = config_of(sub, "--storage", "sqlite:runs.db", DURABLY_DIR=str(tmp_path / "env-dir"))
+    assert from_flag["storage"] == "sqlite:runs.db" and from_flag["dir"] is None
+    assert from_flag["sources"]["storage"] == "--storage"
+    shown = durably(sub, "config").stdout.splitlines()
+    assert shown[0] == f"dir     {project / 'state'}  ({project / '.durably' / 'config.toml'})"
+
+    ran = durably(sub, "run", "../wf.py", "--workflow", "twice", "--input", "1")
+    assert ran.returncode == 0 and list((project / "state" / "runs").glob("twice-*.jsonl"))
+
+    (project / ".durably" / "config.toml").write_text('dri = "state"\n')
+    bad = durably(sub, "list")
+    assert bad.returncode == 2 and "has unknown key 'dri'" in bad.stderr and "dir, storage, color" in bad.stderr
+
+
+def test_this_repository_commits_an_example_durably_folder() -> None:
+    from durably_py.config import read_config
+
+    root = Path(__file__).resolve().parent.parent
+    assert read_config(root / ".durably" / "config.toml") == {}  # every key is an example, commented out
+    kept = [line for line in (root / ".durably" / ".gitignore").read_text().splitlines() if not line.startswith("#")]
+    assert kept == ["*", "!.gitignore", "!config.toml"]
+    assert "!/.durably/config.toml" in (root / ".gitignore").read_text()
