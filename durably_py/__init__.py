@@ -1,10 +1,17 @@
-"""durably-py: local-first durable execution for Python scripts and AI workflows."""
+"""durably-py: local-first durable execution for Python scripts and AI workflows.
+
+The public surface is exactly `__all__` (plus `durably_py.testing`, `durably_py.records` for the log format,
+and the `durably_py.storage` adapters); every other module is internal (docs/architecture.md).
+"""
+
+from typing import TYPE_CHECKING
 
 from .advisories import Advisory
 from .clock import Clock, FakeClock
 from .context import AttemptContext, BudgetView, WorkflowContext, attempt
 from .engine import Engine, create_engine, durably, engine_for, run, run_async
 from .errors import (
+    ArgumentError,
     BudgetExceededError,
     CircuitOpenError,
     CorruptLogError,
@@ -12,6 +19,7 @@ from .errors import (
     DurablyError,
     KeyConflictError,
     LeaseLostError,
+    LogVersionError,
     LoopLimitError,
     PurityError,
     RunCancelledError,
@@ -22,6 +30,7 @@ from .errors import (
     StepFailedError,
     StepInterruptedError,
     StepTimeoutError,
+    StorageFullError,
     ValidationError,
     WaitTimeoutError,
     WorkflowFailedError,
@@ -36,6 +45,9 @@ from .result import Err, Ok, is_ok, partition
 from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
 from .workflow import Workflow, workflow
 
+if TYPE_CHECKING:
+    from .storage.postgres import PostgresStorage
+
 __version__ = "0.1.0"
 
 
@@ -47,12 +59,65 @@ def __getattr__(name: str) -> object:
         return PostgresStorage
     raise AttributeError(f"module 'durably_py' has no attribute {name!r}")
 
+
 __all__ = [
-    "Advisory", "AttemptContext", "Breaker", "RateLimit", "Resource", "resource", "durably", "BudgetExceededError", "BudgetView", "CircuitOpenError", "Clock",
-    "CorruptLogError", "DependencyFailedError", "GraphState", "NodeState", "Task", "DurablyError", "Engine", "Err", "FakeClock", "FileStorage", "KeyConflictError",
-    "LeaseLostError", "LoopLimitError", "MemoryStorage", "Ok", "PurityError", "Retry", "RunCancelledError", "RunHandle", "RunNotFoundError", "RunParkedError",
-    "RunState", "SerializationError", "SqliteStorage", "StaleRunError", "StepEvent", "StepFailedError",
-    "StepInterruptedError", "StepState", "StepTimeoutError", "Storage", "ValidationError", "WaitTimeoutError", "Workflow",
-    "WorkflowContext", "WorkflowFailedError", "attempt", "create_engine", "engine_for", "is_ok", "partition",
-    "run", "run_async", "workflow",
+    "Advisory",
+    "ArgumentError",
+    "AttemptContext",
+    "Breaker",
+    "BudgetExceededError",
+    "BudgetView",
+    "CircuitOpenError",
+    "Clock",
+    "CorruptLogError",
+    "DependencyFailedError",
+    "DurablyError",
+    "Engine",
+    "Err",
+    "FakeClock",
+    "FileStorage",
+    "GraphState",
+    "KeyConflictError",
+    "LeaseLostError",
+    "LogVersionError",
+    "LoopLimitError",
+    "MemoryStorage",
+    "NodeState",
+    "Ok",
+    "PostgresStorage",
+    "PurityError",
+    "RateLimit",
+    "Resource",
+    "Retry",
+    "RunCancelledError",
+    "RunHandle",
+    "RunNotFoundError",
+    "RunParkedError",
+    "RunState",
+    "SerializationError",
+    "SqliteStorage",
+    "StaleRunError",
+    "StepEvent",
+    "StepFailedError",
+    "StepInterruptedError",
+    "StepState",
+    "StepTimeoutError",
+    "Storage",
+    "StorageFullError",
+    "Task",
+    "ValidationError",
+    "WaitTimeoutError",
+    "Workflow",
+    "WorkflowContext",
+    "WorkflowFailedError",
+    "attempt",
+    "create_engine",
+    "durably",
+    "engine_for",
+    "is_ok",
+    "partition",
+    "resource",
+    "run",
+    "run_async",
+    "workflow",
 ]

@@ -202,7 +202,7 @@ def _walk_container(v: Any, t: type, depth: int, seen: set[int] | None) -> Any:
     if scalars.issuperset(kinds) and (int not in kinds or all(-_INT_BOUND < x < _INT_BOUND for x in v
                                                                 if type(x) is int)):
         return list(v)
-    items = []
+    items: list[Any] = []
     append = items.append
     for i, x in enumerate(v):
         tx = type(x)
@@ -539,7 +539,7 @@ def load_error(data: dict[str, Any]) -> BaseException:
             except Exception:
                 continue
     try:
-        exc.remote_traceback = tb
+        exc.remote_traceback = tb  # type: ignore[attr-defined]
         if tb:
             exc.add_note("recorded traceback:\n" + tb.rstrip("\n"))
     except Exception:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
 
 from .codec import dump_value, load_value
 from .errors import ArgumentError, ValidationError
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from .graphs import Task
     from .kernel import RunKernel
 
+
+T = TypeVar("T")
 
 _EVENT_LOCK = threading.Lock()
 _OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
@@ -155,6 +157,24 @@ class WorkflowContext:
         """The workflow attempt: 1 for the first process, +1 for every resume."""
         return self._kernel.history.attempt
 
+    @overload
+    def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
+             retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+             schema: None = None, replay: str = "safe") -> Awaitable[T]: ...
+
+    @overload
+    def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
+             timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+             schema: None = None, replay: str = "safe") -> Awaitable[T]: ...
+
+    @overload
+    def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+             timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+             schema: Any, replay: str = "safe") -> Awaitable[Any]: ...
+
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
@@ -173,7 +193,7 @@ class WorkflowContext:
         try:
             opts = _OPTIONS.get(key)
         except TypeError:
-            key, opts = None, None
+            key, opts = None, None  # type: ignore[assignment]
         if opts is None:
             opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
                                replay)

@@ -553,7 +553,7 @@ class Engine:
             await asyncio.gather(*[f for f in self._queued.values() if not f.done()], return_exceptions=True)
             await asyncio.sleep(0)
 
-    async def stop(self) -> list[str]:
+    async def stop(self) -> builtins.list[str]:
         """Stop the queue: runs not started stay created and resumable; running ones are interrupted (their
         completed steps are kept). Returns the ids of the runs that did not finish."""
         stopped = [item.run_id for item in self._waiting]

@@ -10,6 +10,12 @@ DOCS = "docs/errors.md"
 class DurablyError(Exception):
     """Base of every operational error; `hint` says what to do next, `docs` where to read more."""
 
+    message: str
+    hint: str
+    docs: str
+    details: dict[str, Any]
+    run_id: str | None
+
     default_hint = "See the docs for this error."
     anchor = "durablyerror"
 
@@ -44,6 +50,8 @@ class ArgumentError(ValidationError, TypeError):
 class SerializationError(DurablyError, TypeError):
     """A value crossing the durable boundary is not JSON plus datetime; `path` names where."""
 
+    path: str
+
     default_hint = (
         "Convert the value at the step boundary to JSON types (dict with str keys, list, str, int, "
         "float, bool, None) or a timezone-aware datetime."
@@ -54,12 +62,19 @@ class SerializationError(DurablyError, TypeError):
 class StepTimeoutError(DurablyError, TimeoutError):
     """A step attempt ran longer than its `timeout=`; retryable."""
 
+    path: list[int]
+    label: str
+    timeout: float
+
     default_hint = "Raise `timeout=`, add `retry=`, or `attempt().stash()` progress so a retry resumes it."
     anchor = "steptimeouterror"
 
 
 class WaitTimeoutError(DurablyError, TimeoutError):
     """No signal arrived before a `ctx.wait_for(..., timeout=)` deadline."""
+
+    name: str
+    path: list[int]
 
     default_hint = "Catch it in the workflow to take the no-answer path, or wait again with a longer timeout."
     anchor = "waittimeouterror"
@@ -68,12 +83,21 @@ class WaitTimeoutError(DurablyError, TimeoutError):
 class StepFailedError(DurablyError):
     """A recorded step failure whose exception class could not be rebuilt on replay."""
 
+    type_name: str
+    traceback: str
+    original_message: str
+    remote_traceback: str
+
     default_hint = "The step failed in an earlier process; `type_name`, `message` and `traceback` describe it."
     anchor = "stepfailederror"
 
 
 class StepInterruptedError(DurablyError):
     """A `replay="unsafe"` step started and never finished: its process died inside it."""
+
+    path: list[int]
+    label: str
+    operation_id: str
 
     default_hint = (
         "Check whether the external effect happened (use `operation_id` as its idempotency key), "
@@ -85,6 +109,10 @@ class StepInterruptedError(DurablyError):
 class PurityError(DurablyError):
     """The workflow did something replay cannot reproduce (its recorded step topology changed)."""
 
+    path: tuple[int, ...]
+    recorded: str
+    called: str
+
     default_hint = (
         "Keep the order of recorded steps stable; add new steps after the recorded ones, "
         "or start over with `fresh=True`."
@@ -95,12 +123,20 @@ class PurityError(DurablyError):
 class StaleRunError(DurablyError):
     """The run was recorded by other workflow code than the code now asked to resume it."""
 
+    path: tuple[int, ...]
+    recorded: str
+    called: str
+
     default_hint = "Run with `fresh=True` to start over, or `durably adopt RUN` if the change is compatible."
     anchor = "stalerunerror"
 
 
 class BudgetExceededError(DurablyError):
     """Charges passed the run's budget; raised before the next step starts."""
+
+    kind: str
+    spent: float
+    limit: float
 
     default_hint = "Raise the budget (`budget=`) and resume the run, or spend less per step."
     anchor = "budgetexceedederror"
@@ -109,12 +145,18 @@ class BudgetExceededError(DurablyError):
 class CircuitOpenError(DurablyError):
     """A resource's circuit breaker is open; retryable."""
 
+    resource: str
+
     default_hint = "Wait for the breaker's cooldown; steps with `retry=` back off and try again."
     anchor = "circuitopenerror"
 
 
 class KeyConflictError(DurablyError):
     """A run key is already bound to a run with another input."""
+
+    key: str
+    bound_input: Any
+    input: Any
 
     default_hint = "Use another `key=`, pass the same input, or `fresh=True` to rebind the key."
     anchor = "keyconflicterror"
@@ -144,6 +186,10 @@ class RunNotFoundError(DurablyError, LookupError):
 class CorruptLogError(DurablyError):
     """A run's log has a damaged line before its last; nothing was overwritten."""
 
+    path: str
+    line: int | None
+    field: str | None
+
     default_hint = (
         "Restore the file from a backup or move it aside; durably never rewrites a damaged log. "
         "A torn last line alone is repaired automatically."
@@ -156,6 +202,8 @@ class StorageFullError(DurablyError, OSError):
 
     Nothing partial is left behind: a cut line is undone, so the run resumes once there is space."""
 
+    path: str
+
     default_hint = ("Free disk space (or raise the quota or file size limit), then run the same command again: "
                     "the run resumes from its last complete record.")
     anchor = "storagefullerror"
@@ -163,6 +211,8 @@ class StorageFullError(DurablyError, OSError):
 
 class LogVersionError(CorruptLogError):
     """A run's log was written by a newer durably-py than this one (its header's version is higher)."""
+
+    version: int
 
     default_hint = "Upgrade durably-py to the version that wrote the run; the log is left untouched."
     anchor = "logversionerror"
@@ -178,6 +228,9 @@ class WorkflowFailedError(DurablyError):
 class DependencyFailedError(DurablyError):
     """A graph task did not run because one of its prerequisites failed, was cancelled or was blocked."""
 
+    task: str
+    dependency: str
+
     default_hint = "Fix the failed prerequisite; resuming the run re-runs it and then the tasks that wait for it."
     anchor = "dependencyfailederror"
 
@@ -185,12 +238,17 @@ class DependencyFailedError(DurablyError):
 class LoopLimitError(DurablyError):
     """A `ctx.loop` ran `max_iterations` times without its reducer returning `it.done(value)`."""
 
+    path: list[int]
+    iterations: int
+
     default_hint = "Return it.done(value) when the work is finished, or raise max_iterations=."
     anchor = "looplimiterror"
 
 
 class RunParkedError(DurablyError):
     """The run parked (waiting for a signal or a wake time) and `run(..., wait=False)` asked not to wait."""
+
+    status: str
 
     default_hint = "Send the signal with `durably signal`, or run again after the wake time."
     anchor = "runparkederror"

@@ -105,7 +105,7 @@ class History:
         drop = set(paths)
         for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps):
             for path in [p for p in table if p in drop]:
-                del table[path]  # type: ignore[attr-defined]
+                del table[path]
         for loop, snap in list(self.snaps.items()):
             inner = [q[len(loop) + 1:].partition(".")[0] for q in paths if q.startswith(f"{loop}.")]
             if loop in drop or any(i.isdigit() and int(i) <= snap.iteration for i in inner):
@@ -154,7 +154,7 @@ class History:
         out.extend(d for p, d in self.done.items() if not self.snapshotted(p))
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
-            out.extend(d for p, d in table.items() if p not in self.done)  # type: ignore[attr-defined]
+            out.extend(d for p, d in table.items() if p not in self.done)
         out.extend(self.graphs.values())
         out.extend(self.charges.values())
         out.extend(self.comps.values())

@@ -358,7 +358,7 @@ class RunKernel:
             self.storage.rewrite(self.lease, b"".join(records.encode(r) for r in kept))
             for table in (history.fails, history.starts, history.stashes, history.waits, history.wakes):
                 for p in [p for p in table if p in history.done]:
-                    del table[p]  # type: ignore[attr-defined]
+                    del table[p]
             for p in covered:
                 if p in self.compensations:
                     self.trimmed[p] = None
@@ -1193,6 +1193,7 @@ class RunKernel:
                     path=list(path_tuple(path)), iterations=i)
             token = current_scope.set(Scope(f"{path}.{i}.", asyncio.current_task()))
             try:
+                assert self.ctx is not None
                 out = reducer(state, LoopIteration(self.ctx, i))
                 if inspect.isawaitable(out):
                     out = await out

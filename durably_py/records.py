@@ -287,7 +287,7 @@ Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
 ]
 """Any record of a run's log."""
 
-KINDS: dict[str, type[_Base]] = {c.__struct_config__.tag: c for c in Record.__args__}  # type: ignore[attr-defined,misc]
+KINDS: dict[str, type[_Base]] = {c.__struct_config__.tag: c for c in Record.__args__}  # type: ignore[attr-defined]
 
 
 class Signal(msgspec.Struct, tag_field="t", tag="signal", kw_only=True):
@@ -363,7 +363,7 @@ def load_one(raw: Any, where: str = "record", line: int = 1) -> Record:
     if not isinstance(raw, dict):
         raise _corrupt(where, line, f"expected a JSON object, got {type(raw).__name__}")
     try:
-        return msgspec.convert(raw, Record)  # type: ignore[arg-type]
+        return msgspec.convert(raw, Record)
     except msgspec.ValidationError as exc:
         tag = raw.get("t")
         field = _field_of(exc)
@@ -379,6 +379,8 @@ def load_one(raw: Any, where: str = "record", line: int = 1) -> Record:
 
 def _check_header(first: Any, where: str) -> int:
     """The version the first record declares, after checking it is a header with a run id."""
+    version: Any
+    run_id: Any
     if isinstance(first, Header):
         version, run_id = first.v, first.run_id
     elif isinstance(first, dict) and first.get("t") == "run":

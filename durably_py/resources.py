@@ -13,7 +13,7 @@ from .errors import CircuitOpenError, ValidationError
 
 def _positive(value: object, what: str, *, integer: bool = False) -> None:
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:  # type: ignore[operator]
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
         raise ValidationError(f"{what} must be a {'whole ' if integer else ''}number > 0, got {value!r}",
                               hint="Durations are seconds; counts are whole numbers.",
                               docs="docs/policies.md#resources")

@@ -240,10 +240,11 @@ def _unsupported_hint(cls: type) -> str:
 def _pydantic_schema(spec: Any, where: str) -> Schema | None:
     """Return a Schema for pydantic specs (detected by attributes, without importing pydantic), else None."""
     if isinstance(spec, type):
+        model: Any = spec
         if callable(getattr(spec, "model_validate", None)) and callable(getattr(spec, "model_dump", None)):
-            return _PydanticSchema(spec, where, spec.__qualname__, spec.model_validate, _model_dumper(spec))
+            return _PydanticSchema(spec, where, spec.__qualname__, model.model_validate, _model_dumper(spec))
         if callable(getattr(spec, "parse_obj", None)) and hasattr(spec, "__fields__"):
-            return _PydanticSchema(spec, where, spec.__qualname__, spec.parse_obj, _v1_dumper(spec))
+            return _PydanticSchema(spec, where, spec.__qualname__, model.parse_obj, _v1_dumper(spec))
         if dataclasses.is_dataclass(spec) and hasattr(spec, "__pydantic_validator__"):
             import pydantic
 
@@ -263,7 +264,7 @@ def _model_dumper(model: type) -> Callable[[Any], Any]:
     """Return a dump function for a pydantic v2 model class."""
 
     def dump(value: Any) -> Any:
-        return value.model_dump(mode="json") if isinstance(value, model) else value
+        return value.model_dump(mode="json") if isinstance(value, model) else value  # type: ignore[attr-defined]
 
     return dump
 
@@ -272,7 +273,7 @@ def _v1_dumper(model: type) -> Callable[[Any], Any]:
     """Return a dump function for a pydantic v1 model class (JSON round trip: v1 has no JSON-mode dict)."""
 
     def dump(value: Any) -> Any:
-        return json.loads(value.json()) if isinstance(value, model) else value
+        return json.loads(value.json()) if isinstance(value, model) else value  # type: ignore[attr-defined]
 
     return dump
 

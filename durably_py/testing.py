@@ -81,7 +81,7 @@ class TestRunResult:
         if isinstance(selector, str):
             label, nth = selector, 1
         elif len(selector) == 2 and isinstance(selector[0], str):
-            label, nth = selector  # type: ignore[misc]
+            label, nth = selector
         else:
             for step in self.steps:
                 if step.path == tuple(selector):
@@ -222,7 +222,7 @@ class TestEngine:
                 raise
             status = "crashed"
         except RunParkedError as parked:
-            status = parked.status
+            status = parked.status  # type: ignore[assignment]
         except Exception as exc:
             if not found:
                 raise

@@ -90,7 +90,7 @@ def validate_lines(data: object) -> bytes:
             f"ending in {bytes(data[-1:]) if isinstance(data, bytes | bytearray) else data!r}",
             hint="Encode each record with msgspec and end it with b'\\n'.",
         )
-    return data
+    return bytes(data) if type(data) is not bytes else data
 
 
 _RECORD_DECODER = msgspec.json.Decoder(dict[str, Any])
@@ -256,7 +256,7 @@ def checked(records: list[Any], where: str, check: Check | None) -> list[Any]:
     return check(records, where) if check is not None else records
 
 
-def last_line(data: bytes) -> bytes:
+def last_line(data: bytes | bytearray) -> bytes | bytearray:
     """The last complete line of newline-terminated `data` (without scanning the rest)."""
     return data[data.rfind(b"\n", 0, len(data) - 1) + 1 :]
 

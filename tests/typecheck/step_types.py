@@ -1,0 +1,26 @@
+"""Checked by mypy in CI (`.ci/run`), not run by pytest: `ctx.step` returns the step function's result type."""
+
+from __future__ import annotations
+
+from typing import Any, assert_type
+
+from durably_py import WorkflowContext, workflow
+
+
+def count(text: str) -> int:
+    return len(text)
+
+
+async def fetch(url: str) -> dict[str, str]:
+    return {"url": url}
+
+
+@workflow
+async def typed(ctx: WorkflowContext, url: str) -> int:
+    page = await ctx.step(fetch, url)
+    assert_type(page, dict[str, str])
+    n = await ctx.step(count, page["url"], name="count", retry=None)
+    assert_type(n, int)
+    converted = await ctx.step(fetch, url, schema=dict)
+    assert_type(converted, Any)
+    return n
