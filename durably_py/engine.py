@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from . import graphs, records
+from . import graphs
+from . import records as log_format
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
 from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
@@ -342,7 +343,7 @@ class Engine:
             children: dict[str, str | None] = {}
             for i, task_id in enumerate(record.tasks):
                 spawn = history.done.get(f"{prefix}.{i}.0")
-                child = spawn.value.get("run_id") if isinstance(spawn, records.Ok) and isinstance(spawn.value, dict) \
+                child = spawn.value.get("run_id") if isinstance(spawn, log_format.Ok) and isinstance(spawn.value, dict) \
                     else None
                 children[task_id] = child if isinstance(child, str) else None
             ended = history.end.status if history.end is not None and not live else None
@@ -392,7 +393,7 @@ class Engine:
             return self._read(info.run_id)[0]
         history = History([info.header], f"run {info.run_id}")
         if info.last.get("t") in ("end", "wait", "wake", "pause"):
-            history.add(records.load_one(info.last, f"run {info.run_id}"))
+            history.add(log_format.load_one(info.last, f"run {info.run_id}"))
         return history
 
     async def signal(self, run: str, name: str, payload: Any = None) -> None:
@@ -410,7 +411,7 @@ class Engine:
             raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
                                   hint="Signal a run that is still waiting (`durably list --status waiting`).",
                                   docs="docs/authoring.md#parking", run_id=run_id)
-        self.storage.send(run_id, records.encode(records.Signal(id=secrets.token_hex(8), name=name, payload=wire,
+        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
                                                                 at=to_iso(datetime.now(UTC)))))
 
     # ---- running --------------------------------------------------------------------------------
@@ -631,12 +632,12 @@ class Engine:
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, **extra: Any) -> None:
         """Write the header of a run whose identity is already bound to `run_id`."""
-        header = records.Header(v=records.LOG_VERSION, run_id=run_id, workflow=workflow.name,
+        header = log_format.Header(v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name,
                                 fingerprint=workflow.fingerprint, key=key, input=wire_input,
                                 input_digest=input_digest, identity=identity, budget=budget,
                                 created_at=to_iso(datetime.now(UTC)), script=script_of(workflow),
                                 module=workflow.fn.__module__, ts=time.time(), **extra)
-        self.storage.create(run_id, records.encode(header))
+        self.storage.create(run_id, log_format.encode(header))
 
     # ---- child runs -----------------------------------------------------------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
@@ -718,7 +719,7 @@ class Engine:
         if threshold and self.storage.size(lease.run_id) > threshold:
             kept = history.compacted()
             if len(kept) <= 0.75 * len(lease.records):
-                self.storage.rewrite(lease, b"".join(records.encode(r) for r in kept))
+                self.storage.rewrite(lease, b"".join(log_format.encode(r) for r in kept))
         tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
                                   silent=advisories == "silent",
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])
@@ -727,12 +728,12 @@ class Engine:
                            on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
                            wait=wait)
         if history.end is not None and history.end.status == "failed":
-            kernel.write(records.Reopen(ts=time.time()))
+            kernel.write(log_format.Reopen(ts=time.time()))
             kernel.retrying = True
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
-            kernel.write(records.Code(fingerprint=workflow.fingerprint))
+            kernel.write(log_format.Code(fingerprint=workflow.fingerprint))
         if budget is not None and budget != history.budget:
-            kernel.write(records.Budget(budget=budget))
+            kernel.write(log_format.Budget(budget=budget))
             kernel.budget = budget
         value = load_value(wire_input)
         if workflow.input_schema is not None:
@@ -841,15 +842,15 @@ class Engine:
             await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
         return state
 
-    def _amend(self, run_id: str, record: Callable[[History], records.Record | None]) -> bool:
+    def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
         """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
-        lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=records.load)
+        lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=log_format.load)
         if lease is None:
             return False
         try:
             chosen = record(History(lease.records, lease.where))
             if chosen is not None:
-                self.storage.append(lease, records.encode(chosen))
+                self.storage.append(lease, log_format.encode(chosen))
                 self.storage.sync(lease)
             return True
         finally:
@@ -863,7 +864,7 @@ class Engine:
 
     def _request(self, run_id: str, name: str) -> None:
         """Put control request `name` ($cancel, $pause, $resume) in the run's inbox."""
-        self.storage.send(run_id, records.encode(records.Signal(id=secrets.token_hex(8), name=name,
+        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
                                                                 at=to_iso(datetime.now(UTC)))))
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
@@ -893,7 +894,7 @@ class Engine:
                     return await self.inspect(run_id)
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            if self._amend(run_id, lambda h: records.Pause(ts=time.time())
+            if self._amend(run_id, lambda h: log_format.Pause(ts=time.time())
                            if run_status(h, False) not in ("paused", "completed", "cancelled") else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
         state = await self.inspect(run_id)
@@ -926,7 +927,7 @@ class Engine:
                     break
                 await asyncio.sleep(JOIN_POLL)
                 continue
-            if self._amend(run_id, lambda h: records.Resume(ts=time.time()) if h.paused else None):
+            if self._amend(run_id, lambda h: log_format.Resume(ts=time.time()) if h.paused else None):
                 self._drop_cancel_requests(run_id, ("$pause", "$resume"))
                 break
         state = await self.inspect(run_id)
@@ -974,7 +975,7 @@ class Engine:
         if from_step is not None:
             if status == "completed":
                 self._drop_cancel_requests(run_id)
-            if not self._amend(run_id, lambda h: records.Reset(paths=self._reset_paths(h, from_step),
+            if not self._amend(run_id, lambda h: log_format.Reset(paths=self._reset_paths(h, from_step),
                                                               ts=time.time())):
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
@@ -1055,15 +1056,15 @@ def engine_for(dir: str | os.PathLike[str] | None, storage: str | None = None) -
     return engine
 
 
-def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], builtins.list[records.Record]]:
+def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], builtins.list[log_format.Record]]:
     """The claim check for running `workflow`: the log validates and its header names this workflow.
 
     Runs before the claim record is written, so resuming a damaged log, or another workflow's run,
     writes nothing."""
-    def check(raw: builtins.list[Any], where: str) -> builtins.list[records.Record]:
-        typed = records.load(raw, where)
+    def check(raw: builtins.list[Any], where: str) -> builtins.list[log_format.Record]:
+        typed = log_format.load(raw, where)
         header = typed[0]
-        assert isinstance(header, records.Header)
+        assert isinstance(header, log_format.Header)
         if header.workflow != workflow.name:
             raise ValidationError(
                 f"run {header.run_id} belongs to workflow {header.workflow!r}, not {workflow.name!r}",
@@ -1075,13 +1076,13 @@ def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], buil
     return check
 
 
-def _cancelled_end(history: History) -> records.End | None:
+def _cancelled_end(history: History) -> log_format.End | None:
     """The end record that cancels a run no process holds (None when it already ended otherwise)."""
     if history.end is not None and history.end.status != "failed":
         return None
     run_id = history.header.run_id
     error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-    return records.End(status="cancelled", error=dump_error(error), ts=time.time())
+    return log_format.End(status="cancelled", error=dump_error(error), ts=time.time())
 
 
 class DefaultEngine:
