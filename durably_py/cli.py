@@ -47,11 +47,12 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 DEFAULT_PAGE = 20
 
-STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting", "sleeping", "paused", "corrupt")
+STATUSES = ("pending", "running", "interrupted", "stale", "completed", "failed", "cancelled", "waiting", "sleeping",
+            "paused", "corrupt")
 COLOURS = {
     "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
     "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
-    "sleeping": "blue", "paused": "blue", "corrupt": "red",
+    "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
 }
 USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
 

@@ -8,7 +8,6 @@ import contextlib
 import contextvars
 import importlib
 import inspect as pyinspect
-import itertools
 import os
 import re
 import secrets
@@ -16,7 +15,6 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,6 +34,7 @@ from .errors import (
     RunCancelledError,
     RunNotFoundError,
     RunParkedError,
+    StaleRunError,
     ValidationError,
     WorkflowFailedError,
 )
@@ -44,11 +43,13 @@ from .graphs import GraphState
 from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
+from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
 from .storage import FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
 from .timeline import Span, spans
+from .worker import Worker
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
@@ -131,10 +132,21 @@ def script_of(workflow: Workflow) -> str | None:
     return os.path.abspath(source) if source else None
 
 
+_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: sorts like the numbers
+
+
 def new_run_id(workflow: str) -> str:
-    """A readable unique id: the workflow's name, the date, and random hex."""
+    """A readable, time-ordered id that cannot collide: the workflow's name, then 28 base-32 digits holding
+    the UTC time in milliseconds (so ids of one workflow sort by creation) and 80 random bits."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
-    return f"{slug}-{datetime.now(UTC):%Y%m%d}-{secrets.token_hex(4)}"
+    number = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(secrets.token_bytes(10), "big")
+    digits = []
+    for _ in range(28):
+        number, digit = divmod(number, 32)
+        digits.append(_ID_ALPHABET[digit])
+    return f"{slug}-{''.join(reversed(digits))}"
+
+
 
 
 class ChildSlot:
@@ -172,20 +184,6 @@ class ChildSlot:
 CHILD_SLOT: contextvars.ContextVar[ChildSlot | None] = contextvars.ContextVar("durably_child_slot", default=None)
 
 
-@dataclass
-class _Queued:
-    """One enqueued run waiting for a worker."""
-
-    at: float
-    rank: int
-    seq: int
-    run_id: str
-    workflow: Workflow
-    budget: dict[str, float] | None
-    checkpoint_every: int | None
-    done: asyncio.Future[Any]
-
-
 class Engine:
     """Runs workflows against one storage; operates its runs by id or key."""
 
@@ -214,11 +212,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._children: dict[str, asyncio.Future[Any]] = {}
-        self._waiting: builtins.list[_Queued] = []
-        self._workers: set[asyncio.Task[None]] = set()
-        self._queued: dict[str, asyncio.Future[Any]] = {}
-        self._wake = asyncio.Event()
-        self._order = itertools.count()
+        self._worker: Worker | None = None
+        self._enqueued: set[str] = set()
 
     # ---- finding runs -------------------------------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -388,11 +383,16 @@ class Engine:
             error=dump_error(error), warnings=[f"{error.message} (hint: {error.hint})"])
 
     def _brief(self, info: RunInfo) -> History:
-        """Enough history for a run's status: its header and last record (the whole log after a resume)."""
-        if info.last.get("t") == "resume":
-            return self._read(info.run_id)[0]
+        """Enough history for a run's status, so `list` and `inspect` agree whatever the last record is: the
+        header and last record of a run that ended or never started, else the whole log."""
+        last = info.last.get("t")
+        if last not in ("end", "run", "pause"):
+            try:
+                return self._read(info.run_id)[0]
+            except (CorruptLogError, RunNotFoundError):
+                pass  # a damaged log never hides the run: its ends still tell a status
         history = History([info.header], f"run {info.run_id}")
-        if info.last.get("t") in ("end", "wait", "wake", "pause"):
+        if last in ("end", "pause"):
             history.add(log_format.load_one(info.last, f"run {info.run_id}"))
         return history
 
@@ -450,14 +450,45 @@ class Engine:
             hook.started(run_id)
         if on_run is not None:
             on_run(run_id)
+        if not self.storage.wake(run_id) and self.storage.entry(run_id) is None:
+            self.storage.schedule(run_id, time.time())  # due at once should this process die while it runs
         try:
-            return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                       advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+            return await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                     advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
         except Parked as parked:
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
                                  hint=self._parked_hint(run_id, parked.status)) from None
+
+    async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                     budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                     on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
+                     torn: str | None, crash_after: Selector | None = None, crash_in_step: Selector | None = None,
+                     wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
+        """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after."""
+        run_id = lease.run_id
+        parked_on: tuple[str, ...] = ()
+        try:
+            return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                       advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait,
+                                       stopping)
+        except Parked as parked:
+            at, parked_on = park_entry(history, parked.status)
+            self.storage.schedule(run_id, at, wait=parked_on)
+            raise
+        except StaleRunError as exc:
+            try:
+                self.storage.append(lease, log_format.encode(log_format.Stale(error=dump_error(exc), ts=time.time())))
+                self.storage.sync(lease)
+                self.storage.schedule(run_id, None)
+            except LeaseLostError:
+                pass
+            raise
         finally:
+            if history.end is not None:
+                self.storage.unschedule(run_id)
             self.storage.release(lease)
+            if parked_on and any(m.get("name") in parked_on for m in self.storage.inbox(run_id)):
+                self.storage.wake(run_id)  # a signal that arrived while it parked
 
     def _parked_hint(self, run_id: str, status: str) -> str:
         """The next move for a parked run, naming the signals it waits for."""
@@ -495,7 +526,7 @@ class Engine:
                 return None, history, None, torn
 
     async def _identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
-                        budget: dict[str, float] | None) -> str:
+                        budget: dict[str, float] | None, at: float | None = None, priority: int = 0) -> str:
         """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
         schema = workflow.input_schema
         wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
@@ -507,103 +538,97 @@ class Engine:
                                        "input)`.", docs="docs/running.md")
         input_digest = digest(load_value(wire_input))
         identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
-        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh)
+        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
+                                          at, priority)
 
-    # ---- the background queue -----------------------------------------------------------------
+    # ---- the durable queue ----------------------------------------------------------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
-        """Create (or find) the run now and run it in the background of this process: highest `priority`
-        first, not before `delay` seconds, at most `concurrency` queued runs at once. `join` or `drain` waits."""
+        """Record the run as `pending` in the storage's queue and return its handle; nothing runs yet.
+
+        A worker runs it once due (`delay` seconds from now), highest `priority` first, then oldest: this
+        engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
+        same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
+        this engine has no worker); `drain` works the queue off."""
         workflow = as_workflow(wf)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValidationError(f"priority= must be an int, got {priority!r}", hint="Higher runs first: priority=10.",
-                                  docs="docs/running.md#the-queue")
-        if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
-            raise ValidationError(f"delay= must be seconds >= 0, got {delay!r}", hint="delay=60 starts it a minute "
-                                  "from now.", docs="docs/running.md#the-queue")
+        priority = check_priority(priority)
+        delay = check_delay(delay)
         budget = check_budget(budget) if budget is not None else self.budget
-        checkpoint_every = check_checkpoint(checkpoint_every)
+        check_checkpoint(checkpoint_every)
         if key is not None:
             validate_key(key)
-        run_id = await self._identify(workflow, input, key, False, budget)
-        loop = self._bind_loop()
-        done = self._queued.get(run_id)
-        if done is None or done.done():
-            done = self._queued[run_id] = loop.create_future()
-            done.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._waiting.append(_Queued(loop.time() + delay, -priority, next(self._order), run_id, workflow,
-                                         budget, checkpoint_every, done))
-            self._wake.set()
-            while len(self._workers) < self.concurrency:
-                worker = loop.create_task(self._work())
-                self._workers.add(worker)
-                worker.add_done_callback(self._workers.discard)
+        run_id = await self._identify(workflow, input, key, False, budget, at=time.time() + delay,
+                                      priority=priority)
+        self._enqueued.add(run_id)
+        if self._worker is not None:
+            self._worker.poke()
         return RunHandle(run_id, workflow)
 
+    async def start(self, *, poll: float = 0.2) -> None:
+        """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
+        and release them, and repeat, until `stop()`. Returns at once; idempotent."""
+        if self._worker is None or self._worker.finished:
+            self._worker = Worker(self, concurrency=self.concurrency, poll=poll)
+        self._worker.start()
+
     async def join(self, handle: RunHandle) -> Any:
-        """Wait for an enqueued run to end; return its value or raise its error."""
-        done = self._queued.get(handle.run_id)
-        if done is None:
-            return await self.join_child(handle.run_id, handle.workflow)
-        return await asyncio.shield(done)
+        """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
+        in this engine the run is run here and now."""
+        if self._worker is None or self._worker.finished:
+            return await self.run(handle.workflow or self.workflow_for(handle.run_id), run_id=handle.run_id)
+        while True:
+            info = self.storage.info(handle.run_id)
+            if info is not None and info.last.get("t") == "end":
+                return self._joined(handle.workflow, History([info.header, info.last]))
+            await self._worker.settled(JOIN_POLL * 4)
 
     async def drain(self) -> None:
-        """Wait until every enqueued run has ended (their errors stay with their runs and `join`)."""
-        while self._waiting or any(not f.done() for f in self._queued.values()):
-            await asyncio.gather(*[f for f in self._queued.values() if not f.done()], return_exceptions=True)
-            await asyncio.sleep(0)
+        """Wait until the queue holds no run that is due now or running here, and every run this engine
+        enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
+        for the duration when it is not running."""
+        started = self._worker is None or self._worker.finished
+        if started:
+            await self.start()
+        worker = self._worker
+        assert worker is not None
+        try:
+            while True:
+                waiting = [r for r in self._enqueued if not self._settled(r)]
+                if not waiting and not worker.active and not self.storage.due(1, skip=worker.skipped()):
+                    return
+                await worker.settled(JOIN_POLL * 4)
+        finally:
+            if started:
+                await self.stop()
+
+    def _settled(self, run_id: str) -> bool:
+        """True when an enqueued run ended, parked for later, or left the queue."""
+        info = self.storage.info(run_id)
+        if info is None or info.last.get("t") == "end":
+            return True
+        entry = self.storage.entry(run_id)
+        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
 
     async def stop(self) -> builtins.list[str]:
-        """Stop the queue: runs not started stay created and resumable; running ones are interrupted (their
-        completed steps are kept). Returns the ids of the runs that did not finish."""
-        stopped = [item.run_id for item in self._waiting]
-        self._waiting.clear()
-        for worker in list(self._workers):
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        for run_id, done in self._queued.items():
-            if not done.done():
-                done.cancel()
-                if run_id not in stopped:
-                    stopped.append(run_id)
-        return stopped
+        """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
+        finish and are recorded; leases are released, so the runs are due again at once for any worker.
+        Returns the ids of the runs it stopped part-way."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return []
+        return await worker.stop()
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         """Queue and child-run state belong to one event loop; a new loop starts them afresh."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._slots, self._children = loop, asyncio.Semaphore(self.concurrency), {}
-            self._waiting, self._workers, self._queued, self._wake = [], set(), {}, asyncio.Event()
         return loop
 
-    async def _work(self) -> None:
-        """A queue worker: run the best eligible run (priority, then order), sleeping until one is due."""
-        loop = asyncio.get_running_loop()
-        while self._waiting:
-            now = loop.time()
-            ready = [item for item in self._waiting if item.at <= now]
-            if not ready:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), min(item.at for item in self._waiting) - now)
-                except TimeoutError:
-                    pass
-                continue
-            item = min(ready, key=lambda q: (q.rank, q.seq))
-            self._waiting.remove(item)
-            try:
-                value = await self.run(item.workflow, run_id=item.run_id, budget=item.budget,
-                                       checkpoint_every=item.checkpoint_every)
-            except Exception as exc:  # noqa: BLE001 - the run's error belongs to whoever joins it
-                if not item.done.done():
-                    item.done.set_exception(exc)
-            else:
-                if not item.done.done():
-                    item.done.set_result(value)
-
     async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
-                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool) -> str:
+                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
+                              at: float | None = None, priority: int = 0) -> str:
         """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
         waited = 0.0
         while True:
@@ -626,18 +651,21 @@ class Engine:
                     return info.run_id
             run_id = new_run_id(workflow.name)
             if self.storage.bind(identity, run_id, expect=previous):
-                self._create(run_id, workflow, wire_input, input_digest, key, identity, budget)
+                self._create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
+                             priority=priority)
                 return run_id
 
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                identity: str, budget: dict[str, float] | None, **extra: Any) -> None:
-        """Write the header of a run whose identity is already bound to `run_id`."""
+                identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
+                **extra: Any) -> None:
+        """Write the header of a run whose identity is already bound to `run_id`, and queue it (due at `at`,
+        None: now). An id that exists already is a loud `ValidationError`, never a silent re-bind."""
         header = log_format.Header(v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name,
                                 fingerprint=workflow.fingerprint, key=key, input=wire_input,
                                 input_digest=input_digest, identity=identity, budget=budget,
                                 created_at=to_iso(datetime.now(UTC)), script=script_of(workflow),
                                 module=workflow.fn.__module__, ts=time.time(), **extra)
-        self.storage.create(run_id, log_format.encode(header))
+        self.storage.create(run_id, log_format.encode(header), at=at, priority=priority)
 
     # ---- child runs -----------------------------------------------------------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
@@ -712,7 +740,7 @@ class Engine:
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                        on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
                        torn: str | None, crash_after: Selector | None, crash_in_step: Selector | None,
-                       wait: bool = True) -> Any:
+                       wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
@@ -727,6 +755,7 @@ class Engine:
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
                            on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
                            wait=wait)
+        kernel.stopping = stopping
         if history.end is not None and history.end.status == "failed":
             kernel.write(log_format.Reopen(ts=time.time()))
             kernel.retrying = True
@@ -778,7 +807,11 @@ class Engine:
     def workflow_for(self, run: str) -> Workflow:
         """The workflow code that runs an existing run (by id or key): registered by name, else imported."""
         run_id = self.resolve(run)
-        header = self._read(run_id)[0].header
+        return self.code_for(self._read(run_id)[0].header)
+
+    def code_for(self, header: log_format.Header) -> Workflow:
+        """The workflow code for a run header: registered by name, else imported from its module or script."""
+        run_id = header.run_id
         name, module, script = header.workflow, header.module, header.script
         found = REGISTRY.get(name)
         if found is None and module and module != "__main__" and module not in sys.modules:

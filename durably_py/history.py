@@ -44,6 +44,7 @@ class History:
         self.end: r.End | None = None
         self.claim: r.Claim | None = None
         self.paused = False
+        self.stale = False
         self.budget: dict[str, float] | None = self.header.budget
         self.fingerprint: str | None = self.header.fingerprint
         self.updated: float | None = None
@@ -85,6 +86,10 @@ class History:
 
     def _claim(self, rec: r.Claim) -> None:
         self.claim = rec
+        self.stale = False
+
+    def _stale(self, rec: r.Stale) -> None:
+        self.stale = True
 
     def reopen(self, rec: r.Reopen | None = None) -> None:
         """A failed run resumes: failed and compensated steps run again, with fresh attempts."""
@@ -191,6 +196,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Graph: _keep("graphs"),
     r.Snap: _keep("snaps"),
     r.Claim: History._claim,
+    r.Stale: History._stale,
     r.Advice: History._advice,
     r.Note: lambda h, rec: h.notes.update(rec.notes),
     r.End: History._end,
@@ -287,12 +293,20 @@ def _ts(value: float | None) -> datetime | None:
 
 
 def run_status(history: History, held: bool) -> str:
-    """completed / failed / cancelled from the end record; paused, waiting, sleeping; running while held; interrupted."""
+    """completed / failed / cancelled from the end record; paused; stale (its replay no longer matches the code);
+    waiting, sleeping; running while held; pending until first claimed; else interrupted."""
     if history.paused and (not history.end or history.end.status == "failed"):
         return "paused"
     if history.end:
         return history.end.status
-    return history.parked() or ("running" if held else "interrupted")
+    if history.stale and not held:
+        return "stale"
+    parked = history.parked()
+    if parked:
+        return parked
+    if held:
+        return "running"
+    return "pending" if history.claim is None else "interrupted"
 
 
 def describe(history: History, *, held: bool, warnings: list[str] | None = None, steps: bool = True) -> RunState:

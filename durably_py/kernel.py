@@ -79,7 +79,8 @@ def timeout_hint(retry: Any) -> str:
 
 
 class Parked(BaseException):  # noqa: N818 - control flow, not an error
-    """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait."""
+    """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait, or
+    its worker is stopping ("interrupted")."""
 
     def __init__(self, status: str, detail: str) -> None:
         super().__init__(detail)
@@ -319,6 +320,7 @@ class RunKernel:
         self.branches = 0
         self.since_compaction = 0
         self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
+        self.stopping: Callable[[], bool] | None = None  # a worker's graceful stop: no new steps once it says so
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
@@ -542,6 +544,8 @@ class RunKernel:
                        opts: StepOptions) -> Any:
         if self.shadow:
             self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
+        if self.stopping is not None and self.stopping():
+            raise Parked("interrupted", "stopped by its worker before its next step")
         if time.monotonic() >= self.next_control:
             await self.boundary()
         self.check_budget()
@@ -767,6 +771,8 @@ class RunKernel:
 
     async def boundary(self, force: bool = False) -> None:
         """A durable boundary: act on control requests, and while the run is paused wait here until it resumes."""
+        if self.stopping is not None and not self.shadow and self.stopping():
+            raise Parked("interrupted", "stopped by its worker")
         if not self.history.paused:
             self.control(force)
         if self.history.paused and not self.shadow:

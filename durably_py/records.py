@@ -153,6 +153,13 @@ class Resume(_Base, tag="resume"):
     ts: float | None = None
 
 
+class Stale(_Base, tag="stale"):
+    """The replay stopped with `StaleRunError`: the code no longer matches the log (a later claim clears it)."""
+
+    error: dict[str, Any] | None = None
+    ts: float | None = None
+
+
 class End(_Base, tag="end", omit_defaults=False):
     """The run finished: `status` is completed, failed or cancelled."""
 
@@ -282,7 +289,7 @@ class Note(_Base, tag="note"):
 
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
-    Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, End,
+    Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Stale, End,
     Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Advice, Note,
 ]
 """Any record of a run's log."""

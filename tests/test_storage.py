@@ -806,3 +806,88 @@ def test_another_process_sends_while_the_lease_is_held(fs: FileStorage) -> None:
     fs.append(lease, line(t="step"))
     assert kinds(fs.read("r1").records) == ["run", "claim", "step"]
     fs.release(lease)
+
+
+# ---- the queue: every adapter answers "the next due runs" from its index ---------------------------------
+
+def test_create_queues_the_run_due_now_and_due_orders_by_priority_then_time(store) -> None:
+    now = time.time()
+    store.create("low", header("low"), priority=-1)
+    store.create("old", header("old"), at=now - 10)
+    store.create("new", header("new"))
+    store.create("high", header("high"), priority=5)
+    store.create("later", header("later"), at=now + 3600, priority=9)
+    assert store.due(10) == ["high", "old", "new", "low"]
+    assert store.due(2) == ["high", "old"]
+    assert store.due(10, skip=("high", "new")) == ["old", "low"]
+    assert store.due(10, now + 7200)[0] == "later"
+    entry = store.entry("later")
+    assert entry.run_id == "later" and entry.priority == 9 and entry.at == pytest.approx(now + 3600, abs=1)
+    assert store.entry("nope") is None
+
+
+def test_held_runs_are_not_due_until_released_and_ended_runs_leave_the_queue(store) -> None:
+    lease = started(store, "a")
+    store.create("b", header("b"))
+    assert store.due(10) == ["b"]
+    store.release(lease)
+    assert sorted(store.due(10)) == ["a", "b"]
+    store.unschedule("a")
+    store.unschedule("a")
+    assert store.due(10) == ["b"] and store.entry("a") is None
+
+
+def test_schedule_parks_a_run_and_a_matching_signal_wakes_it(store) -> None:
+    store.create("w", header("w"))
+    store.schedule("w", None, wait=("approval",))
+    assert store.due(10) == [] and store.entry("w").wait == ("approval",)
+    store.send("w", line(id="s1", name="other"))
+    assert store.due(10) == []
+    store.send("w", line(id="s2", name="approval"))
+    assert store.due(10) == ["w"]
+    store.schedule("w", time.time() + 3600, priority=3)
+    assert store.due(10) == [] and store.entry("w").priority == 3
+    assert store.wake("w") is True and store.due(10) == ["w"]
+    assert store.wake("w") is False
+    with pytest.raises(RunNotFoundError):
+        store.schedule("ghost", None)
+    assert store.wake("ghost") is False
+
+
+def test_claim_due_claims_in_order_and_never_twice(store) -> None:
+    for i in range(5):
+        store.create(f"r{i}", header(f"r{i}"), priority=i)
+    first = store.claim_due("w1", LONG, 2)
+    assert [lease.run_id for lease in first] == ["r4", "r3"]
+    assert first[0].records[-1]["t"] == "claim" and first[0].epoch == 1
+    second = store.claim_due("w2", LONG, 10, skip=("r0",))
+    assert [lease.run_id for lease in second] == ["r2", "r1"]
+    assert store.claim_due("w3", LONG, 0) == []
+    assert [lease.run_id for lease in store.claim_due("w3", LONG, 10)] == ["r0"]
+    assert store.due(10) == []
+
+
+def test_claim_due_from_two_adapters_at_once_shares_no_run(store, tmp_path, request) -> None:
+    if isinstance(store, MemoryStorage):
+        other = store
+    else:
+        kind = "file" if isinstance(store, FileStorage) else "sqlite" if isinstance(store, SqliteStorage) else "postgres"
+        other = make(kind, tmp_path, request)
+    for i in range(40):
+        store.create(f"r{i}", header(f"r{i}"))
+    got: list[list[str]] = [[], []]
+
+    def take(adapter: Any, slot: int) -> None:
+        while True:
+            leases = adapter.claim_due(f"w{slot}", LONG, 3)
+            if not leases:
+                return
+            got[slot].extend(lease.run_id for lease in leases)
+
+    threads = [threading.Thread(target=take, args=(a, i)) for i, a in enumerate((store, other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got[0] + got[1]) == sorted(f"r{i}" for i in range(40))
+    assert not set(got[0]) & set(got[1])

@@ -8,6 +8,13 @@ and the last record (for `list_runs`). The kernel encodes records to bytes once
 
 Signals (`send`/`inbox`/`ack`) live in a per-run inbox beside the log, not in it: any process may send
 one while another holds the lease, or while no process runs the run at all.
+
+The queue (`create`, `schedule`, `unschedule`, `wake`, `due`, `claim_due`, `entry`) is an index beside the
+logs: one entry per run that has not ended, saying when it is next due, its priority, and which signals
+make it due early. Every run enters the queue when it is created and leaves it when the engine records its
+end, so "the next due runs" is answered from the entries of unfinished runs alone, however many ended runs
+the store keeps. A run whose entry is due and that no live owner holds is due: pending work, a sleep or
+wait whose time came, a woken wait, or an orphan whose process died or whose lease lapsed.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from ..errors import CorruptLogError, StorageFullError, ValidationError
+from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, ValidationError
 from ..records import LOG_VERSION, Claim, Header, decode_fast
 from ..records import encode as encode_record
 
@@ -295,12 +302,79 @@ class RunInfo:
     epoch: int = 0  # how many times the run was claimed (its workflow attempt)
 
 
+@dataclass
+class QueueEntry:
+    """A run's place in the queue: due at `at` (epoch seconds; None: only a `wake` makes it due)."""
+
+    run_id: str
+    at: float | None
+    priority: int = 0
+    wait: tuple[str, ...] = ()  # signal names whose arrival makes the run due at once
+    created: float = 0.0
+
+
+def validate_priority(priority: object) -> int:
+    """Return `priority` if it is an int (not a bool), so the queue's order is always defined."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**62:
+        raise ValidationError(f"priority= must be an int, got {priority!r}", hint="Higher runs first: priority=10.",
+                              docs="docs/running.md#the-queue")
+    return priority
+
+
+def validate_at(at: object) -> float | None:
+    """Return `at` as epoch seconds if it is a finite number or None."""
+    if at is None:
+        return None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not (-1e12 < at < 1e12):
+        raise ValidationError(f"a due time is epoch seconds or None, got {at!r}")
+    return float(at)
+
+
+def validate_wait(wait: object) -> tuple[str, ...]:
+    """Return `wait` as a tuple of non-empty signal names."""
+    if isinstance(wait, str) or not isinstance(wait, list | tuple) or not all(
+        isinstance(name, str) and name for name in wait
+    ):
+        raise ValidationError(f"wait= is a list of signal names, got {wait!r}")
+    return tuple(wait)
+
+
+def validate_limit(limit: object) -> int:
+    """Return `limit` if it is an int >= 0."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValidationError(f"limit= must be an int >= 0, got {limit!r}")
+    return limit
+
+
+def due_order(entry: QueueEntry) -> tuple[float, float, float, str]:
+    """How due entries are ordered: highest priority first, then earliest due, then oldest, then by id."""
+    return (-entry.priority, entry.at if entry.at is not None else float("inf"), entry.created, entry.run_id)
+
+
+def claim_candidates(storage: Any, candidates: list[str], owner: str, ttl: float, limit: int,
+                     check: Check | None = None) -> list[Lease]:
+    """Claim up to `limit` of `candidates` in order, skipping runs someone else claimed meanwhile and runs
+    whose log is missing or damaged (a damaged log never hides the other runs)."""
+    leases: list[Lease] = []
+    for run_id in candidates:
+        if len(leases) >= limit:
+            break
+        try:
+            lease = storage.claim(run_id, owner, ttl, check=check)
+        except (RunNotFoundError, CorruptLogError):
+            continue
+        if lease is not None:
+            leases.append(lease)
+    return leases
+
+
 @runtime_checkable
 class Storage(Protocol):
     """Where runs live. Appends are atomic and ordered per run; only a lease holder appends."""
 
-    def create(self, run_id: str, header: bytes) -> None:
-        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run whose log starts with the `header` line, queued due at `at` (None: now) with
+        `priority`; `ValidationError` if the id exists (a collision is never a silent re-bind)."""
 
     def read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown). A torn last line is dropped and named in `Log.torn`;
@@ -356,3 +430,28 @@ class Storage(Protocol):
 
     def ack(self, run_id: str, signal_id: str) -> None:
         """Remove the stored signal(s) with `signal_id`; a no-op when none is stored (acks are idempotent)."""
+
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Put the run in the queue (or move it): due at `at` (None: only when woken), woken early by a signal
+        named in `wait`; `priority` None keeps the entry's priority (0 for a new one). `RunNotFoundError` if
+        the run is unknown."""
+
+    def unschedule(self, run_id: str) -> None:
+        """Take the run out of the queue (it ended); a no-op when it is not queued."""
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make a queued run due now if it waits for signal `name` (None: whatever it waits for, or for
+        nothing); True if the entry changed. `send` wakes with the signal's name."""
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry (None when it is not queued)."""
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+        """Up to `limit` ids of queued runs due at `now` (default: the current time) that no live owner
+        holds, except those in `skip`: highest priority first, then earliest due, then oldest."""
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs in `due` order, as `claim` does each (with `check`); runs another
+        owner claims at the same moment are skipped, never waited for, and a damaged log is passed over."""

@@ -9,6 +9,10 @@ Layout under ``dir``::
                           the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
                           may send, lease or not), so a reader sees a whole signal or none
     index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
+    queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "p": priority,
+                          "w": [signal names that wake it], "c": created}; replaced atomically (temp file and
+                          rename) under the flock of queue/.lock, deleted when the run ends. The due query
+                          lists this directory only, so ended runs cost it nothing.
 
 Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
 non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
@@ -30,6 +34,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +46,31 @@ from .base import (
     Check,
     Lease,
     Log,
+    QueueEntry,
     RunInfo,
     checked,
+    claim_candidates,
     claimed,
     decode_record,
     decode_signal,
+    due_order,
     iso_now,
     max_epoch,
     parse_log,
     storage_full,
+    validate_at,
     validate_header,
     validate_identity,
+    validate_limit,
     validate_lines,
     validate_owner,
+    validate_priority,
     validate_rewrite,
     validate_run_id,
     validate_signal,
     validate_signal_id,
     validate_ttl,
+    validate_wait,
 )
 
 try:
@@ -191,6 +204,7 @@ class FileStorage:
         self.dir = Path(os.path.abspath(dir))
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
+        self.queue_dir = self.dir / "queue"
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
         self._mine: set[_Held] = set()
@@ -232,22 +246,36 @@ class FileStorage:
         os.close(fd)
         return tmp
 
-    def create(self, run_id: str, header: bytes) -> None:
-        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run whose log starts with the `header` line, queued due at `at` (None: now); its queue
+        entry is written first, so a crash in between leaves an entry without a log, which `due` skips."""
         log = self._log(run_id)
         validate_header(run_id, header)
+        at = validate_at(at)
+        priority = validate_priority(priority)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        entry = QueueEntry(run_id, now if at is None else at, priority, (), now)
+        with self._queue_lock():
+            queued = not self._entry_path(run_id).exists() and not log.exists()
+            if queued:
+                self._write_entry(entry)
         try:
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
+            if queued:
+                self._entry_path(run_id).unlink(missing_ok=True)
             raise storage_full(exc, "create", str(log)) from exc
         try:
             try:
                 os.link(tmp, log)
             except FileExistsError:
+                if queued:
+                    self._entry_path(run_id).unlink(missing_ok=True)
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
-                    hint="Pick a new run id, or resume the existing run.",
+                    hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
+                         "nothing was re-bound.",
                     run_id=run_id,
                 ) from None
             except OSError:  # pragma: no cover - filesystems without hard links
@@ -581,6 +609,9 @@ class FileStorage:
         if created:
             _fsync_dir(self.runs_dir)
             self.fsyncs += 1
+        name = (decode_signal(line) or {}).get("name")
+        if isinstance(name, str) and name:
+            self.wake(run_id, name)
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, oldest first, from one listing of its inbox (garbled files skipped)."""
@@ -609,10 +640,135 @@ class FileStorage:
                 (directory / name).unlink(missing_ok=True)
                 known.pop(name, None)
 
+    # ---- the queue ------------------------------------------------------------------------------
+    def _entry_path(self, run_id: str) -> Path:
+        return self.queue_dir / f"{run_id}.json"
+
+    @contextmanager
+    def _queue_lock(self) -> Iterator[None]:
+        """Serialise changes to queue entries among threads and processes (a blocking flock)."""
+        self.queue_dir.mkdir(parents=True, exist_ok=True)
+        path = str(self.queue_dir / ".lock")
+        if fcntl is None:  # pragma: no cover - Windows
+            import filelock
+
+            with filelock.FileLock(path, thread_local=False, is_singleton=False):
+                yield
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _write_entry(self, entry: QueueEntry) -> None:
+        """Atomically replace a run's queue entry (call with the queue lock held)."""
+        data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
+        tmp = self._write_tmp(self.queue_dir, entry.run_id, data, durable=False)
+        try:
+            os.replace(tmp, self._entry_path(entry.run_id))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _read_entry(self, run_id: str) -> QueueEntry | None:
+        try:
+            raw = msgspec.json.decode(self._entry_path(run_id).read_bytes())
+        except (FileNotFoundError, msgspec.DecodeError):
+            return None
+        return _entry(run_id, raw)
+
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals."""
+        log = self._log(run_id)
+        at = validate_at(at)
+        wait = validate_wait(wait)
+        if priority is not None:
+            validate_priority(priority)
+        if not log.exists():
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        with self._queue_lock():
+            old = self._read_entry(run_id)
+            keep = old.priority if old is not None else 0
+            created = old.created if old is not None else time.time()
+            self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
+
+    def unschedule(self, run_id: str) -> None:
+        """Delete the run's queue entry (a no-op when there is none)."""
+        path = self._entry_path(validate_run_id(run_id))
+        with self._queue_lock():
+            path.unlink(missing_ok=True)
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make the run due now if its entry waits for `name` (None: unconditionally)."""
+        validate_run_id(run_id)
+        with self._queue_lock():
+            old = self._read_entry(run_id)
+            if old is None or (name is not None and name not in old.wait):
+                return False
+            now = time.time()
+            if old.at is not None and old.at <= now:
+                return False
+            self._write_entry(QueueEntry(run_id, now, old.priority, old.wait, old.created))
+            return True
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry, if it is queued."""
+        return self._read_entry(validate_run_id(run_id))
+
+    def entries(self) -> list[QueueEntry]:
+        """Every queue entry (unfinished runs only), in no particular order."""
+        try:
+            names = os.listdir(self.queue_dir)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if name.endswith(".json") and not name.startswith(".") and _is_run_id(name[:-5]):
+                found = self._read_entry(name[:-5])
+                if found is not None:
+                    out.append(found)
+        return out
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+        """Due runs from the queue directory alone: entries due by `now` whose run no live process holds."""
+        validate_limit(limit)
+        now = time.time() if now is None else now
+        ready = sorted((e for e in self.entries() if e.at is not None and e.at <= now and e.run_id not in skip),
+                       key=due_order)
+        out: list[str] = []
+        for entry in ready:
+            if len(out) >= limit:
+                break
+            if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
+                out.append(entry.run_id)
+        return out
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
+        validate_owner(owner)
+        validate_ttl(ttl)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
+
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
+
+
+def _entry(run_id: str, raw: Any) -> QueueEntry | None:
+    """A queue entry from its stored JSON, or None when it is not one."""
+    if not isinstance(raw, dict):
+        return None
+    at, priority, wait, created = raw.get("at"), raw.get("p", 0), raw.get("w") or [], raw.get("c", 0.0)
+    if (at is not None and not isinstance(at, int | float)) or not isinstance(priority, int) \
+            or not isinstance(wait, list) or not isinstance(created, int | float):
+        return None
+    return QueueEntry(run_id, None if at is None else float(at), priority,
+                      tuple(w for w in wait if isinstance(w, str)), float(created))
 
 
 def _is_run_id(name: str) -> bool:

@@ -17,22 +17,29 @@ from .base import (
     Check,
     Lease,
     Log,
+    QueueEntry,
     RunInfo,
     checked,
+    claim_candidates,
     claimed,
     decode_record,
     decode_signal,
+    due_order,
     last_line,
     parse_log,
+    validate_at,
     validate_header,
     validate_identity,
+    validate_limit,
     validate_lines,
     validate_owner,
+    validate_priority,
     validate_rewrite,
     validate_run_id,
     validate_signal,
     validate_signal_id,
     validate_ttl,
+    validate_wait,
 )
 
 
@@ -59,6 +66,7 @@ class MemoryStorage:
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
         self._runs: dict[str, _Run] = {}
+        self._queue: dict[str, QueueEntry] = {}
         self._index: dict[str, str] = {}
         self._lock = threading.Lock()
         self._order = itertools.count()
@@ -66,14 +74,18 @@ class MemoryStorage:
     def __repr__(self) -> str:
         return f"MemoryStorage({len(self._runs)} runs)"
 
-    def create(self, run_id: str, header: bytes) -> None:
-        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run whose log starts with the `header` line, queued due at `at` (None: now)."""
         validate_run_id(run_id)
         validate_header(run_id, header)
+        at = validate_at(at)
+        validate_priority(priority)
         with self._lock:
             if run_id in self._runs:
                 raise ValidationError(f"run {run_id} already exists in memory", run_id=run_id)
             self._runs[run_id] = _Run(header, next(self._order))
+            now = time.time()
+            self._queue[run_id] = QueueEntry(run_id, now if at is None else at, priority, (), now)
 
     def read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown)."""
@@ -238,6 +250,9 @@ class MemoryStorage:
         line, signal_id = validate_signal(data)
         with self._lock:
             self._get(run_id).signals.append((signal_id, line))
+        name = (decode_signal(line) or {}).get("name")
+        if isinstance(name, str) and name:
+            self.wake(run_id, name)
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
@@ -253,6 +268,62 @@ class MemoryStorage:
         with self._lock:
             run = self._get(run_id)
             run.signals = [entry for entry in run.signals if entry[0] != signal_id]
+
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Set the run's queue entry."""
+        validate_run_id(run_id)
+        at = validate_at(at)
+        wait = validate_wait(wait)
+        if priority is not None:
+            validate_priority(priority)
+        with self._lock:
+            self._get(run_id)
+            old = self._queue.get(run_id)
+            keep = old.priority if old is not None else 0
+            created = old.created if old is not None else time.time()
+            self._queue[run_id] = QueueEntry(run_id, at, keep if priority is None else priority, wait, created)
+
+    def unschedule(self, run_id: str) -> None:
+        """Drop the run's queue entry."""
+        validate_run_id(run_id)
+        with self._lock:
+            self._queue.pop(run_id, None)
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make the run due now if its entry waits for `name` (None: unconditionally)."""
+        validate_run_id(run_id)
+        with self._lock:
+            old = self._queue.get(run_id)
+            now = time.time()
+            if old is None or (name is not None and name not in old.wait) or (old.at is not None and old.at <= now):
+                return False
+            self._queue[run_id] = QueueEntry(run_id, now, old.priority, old.wait, old.created)
+            return True
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry, if queued."""
+        validate_run_id(run_id)
+        with self._lock:
+            return self._queue.get(run_id)
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+        """Due, unheld runs in queue order."""
+        validate_limit(limit)
+        now = time.time() if now is None else now
+        clock = time.monotonic()
+        with self._lock:
+            ready = [e for e in self._queue.values() if e.at is not None and e.at <= now and e.run_id not in skip
+                     and e.run_id in self._runs
+                     and not (self._runs[e.run_id].owner is not None and self._runs[e.run_id].expires >= clock)]
+        return [e.run_id for e in sorted(ready, key=due_order)[:limit]]
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs."""
+        validate_owner(owner)
+        validate_ttl(ttl)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

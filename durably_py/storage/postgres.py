@@ -23,15 +23,17 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
     Check,
     Lease,
     Log,
+    QueueEntry,
     RunInfo,
     checked,
     claimed,
@@ -39,15 +41,19 @@ from .base import (
     decode_signal,
     last_line,
     parse_log,
+    validate_at,
     validate_header,
     validate_identity,
+    validate_limit,
     validate_lines,
     validate_owner,
+    validate_priority,
     validate_rewrite,
     validate_run_id,
     validate_signal,
     validate_signal_id,
     validate_ttl,
+    validate_wait,
 )
 
 if TYPE_CHECKING:
@@ -86,6 +92,14 @@ CREATE TABLE IF NOT EXISTS {s}.signals (
     data BYTEA NOT NULL
 );
 CREATE INDEX IF NOT EXISTS signals_by_run ON {s}.signals (run_id, seq);
+CREATE TABLE IF NOT EXISTS {s}.queue (
+    run_id TEXT PRIMARY KEY,
+    due DOUBLE PRECISION,
+    priority BIGINT NOT NULL DEFAULT 0,
+    created DOUBLE PRECISION NOT NULL,
+    wait TEXT[] NOT NULL DEFAULT '{{}}'
+);
+CREATE INDEX IF NOT EXISTS queue_by_due ON {s}.queue (priority DESC, due, created) WHERE due IS NOT NULL;
 """
 
 
@@ -133,8 +147,8 @@ class PostgresStorage:
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
         s = f'"{schema}"'
-        self._runs, self._records, self._identities, self._signals = (
-            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals"
+        self._runs, self._records, self._identities, self._signals, self._queue = (
+            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue"
         )
 
     def __repr__(self) -> str:
@@ -150,7 +164,7 @@ class PostgresStorage:
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")
-                exists = conn.execute("SELECT to_regclass(%s)", (self._signals,)).fetchone()
+                exists = conn.execute("SELECT to_regclass(%s)", (self._queue,)).fetchone()
                 if exists is None or exists[0] is None:
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
@@ -232,16 +246,22 @@ class PostgresStorage:
         return lease.state.get("postgres") is self
 
     # ---- runs and leases ----------------------------------------------------------------------
-    def create(self, run_id: str, header: bytes) -> None:
-        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
+        statement; `ValidationError` if the id exists."""
         validate_run_id(run_id)
         validate_header(run_id, header)
+        at = validate_at(at)
+        validate_priority(priority)
         header = bytes(header)
+        now = time.time()
         created = self._write(
             f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size) VALUES (%s, %s, %s, %s)"
-            " ON CONFLICT (run_id) DO NOTHING RETURNING run_id)"
+            " ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
+            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
+            " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
             f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
-            (run_id, header, header, len(header), header),
+            (run_id, header, header, len(header), now if at is None else at, priority, now, header),
         )
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
@@ -276,25 +296,30 @@ class PostgresStorage:
             epoch, live = row
             if live:
                 return None
-            # A statement of its own, so it sees every record committed before the row lock was granted.
-            cur.execute(
-                f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
-            )
-            data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
-            records, good, torn = parse_log(data, self._where(run_id))
-            records = checked(records, self._where(run_id), check)
-            if good < len(data):
-                cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
-                cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
-            epoch += 1
-            line = claimed(records, epoch, owner)
-            cur.execute(
-                f"WITH claimed AS (UPDATE {self._runs} SET epoch = %s, owner = %s,"
-                " lease_expires = clock_timestamp() + make_interval(secs => %s),"
-                " updated = clock_timestamp(), last = %s, size = %s WHERE run_id = %s RETURNING run_id)"
-                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM claimed",
-                (epoch, owner, ttl, line, good + len(line), run_id, line),
-            )
+            return self._claim_locked(cur, run_id, epoch, owner, ttl, check)
+
+    def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
+                      check: Check | None) -> Lease:
+        """With the run's row locked and its lease free: check the log, cut a torn tail, append the claim."""
+        # A statement of its own, so it sees every record committed before the row lock was granted.
+        cur.execute(
+            f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
+        )
+        data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
+        records, good, torn = parse_log(data, self._where(run_id))
+        records = checked(records, self._where(run_id), check)
+        if good < len(data):
+            cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
+            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
+        epoch += 1
+        line = claimed(records, epoch, owner)
+        cur.execute(
+            f"WITH claimed AS (UPDATE {self._runs} SET epoch = %s, owner = %s,"
+            " lease_expires = clock_timestamp() + make_interval(secs => %s),"
+            " updated = clock_timestamp(), last = %s, size = %s WHERE run_id = %s RETURNING run_id)"
+            f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM claimed",
+            (epoch, owner, ttl, line, good + len(line), run_id, line),
+        )
         return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id))
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
@@ -423,6 +448,81 @@ class PostgresStorage:
             infos.append(RunInfo(run_id, header, decode_record(bytes(last)) or header, bool(held), updated, epoch))
         return infos
 
+    # ---- the queue ------------------------------------------------------------------------------
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Upsert the run's queue row."""
+        validate_run_id(run_id)
+        at = validate_at(at)
+        names = list(validate_wait(wait))
+        if priority is not None:
+            validate_priority(priority)
+        if self._write(
+            f"INSERT INTO {self._queue} (run_id, due, priority, created, wait)"
+            f" SELECT run_id, %s, coalesce(%s, 0), %s, %s FROM {self._runs} WHERE run_id = %s"
+            " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait,"
+            f" priority = coalesce(%s, {self._queue}.priority)",
+            (at, priority, time.time(), names, run_id, priority),
+        ) == 0:
+            raise self._missing(run_id)
+
+    def unschedule(self, run_id: str) -> None:
+        """Delete the run's queue row."""
+        validate_run_id(run_id)
+        self._write(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make the run due now if its row waits for `name` (None: unconditionally)."""
+        validate_run_id(run_id)
+        now = time.time()
+        return self._write(
+            f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
+            " AND (%s::text IS NULL OR %s::text = ANY(wait))",
+            (now, run_id, now, name, name),
+        ) > 0
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue row."""
+        validate_run_id(run_id)
+        rows = self._fetch(f"SELECT due, priority, wait, created FROM {self._queue} WHERE run_id = %s", (run_id,))
+        if not rows:
+            return None
+        due, priority, wait, created = rows[0]
+        return QueueEntry(run_id, due, priority, tuple(wait), created)
+
+    _DUE = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id"
+            " WHERE q.due IS NOT NULL AND q.due <= %s"
+            " AND (r.owner IS NULL OR r.lease_expires < clock_timestamp()) AND NOT (q.run_id = ANY(%s))"
+            " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+        """Due, unheld runs from the queue table's index."""
+        validate_limit(limit)
+        now = time.time() if now is None else now
+        rows = self._fetch(self._DUE.format(queue=self._queue, runs=self._runs), (now, list(skip), limit))
+        return [row[0] for row in rows]
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
+        claiming at once take different runs instead of queueing on the same rows."""
+        validate_owner(owner)
+        ttl = min(validate_ttl(ttl), MAX_TTL)
+        validate_limit(limit)
+        if limit == 0:
+            return []
+        leases = []
+        with self._cursor(transaction=True) as cur:
+            cur.execute(self._DUE.format(queue=self._queue, runs=self._runs) + " FOR UPDATE OF r SKIP LOCKED",
+                        (time.time(), list(skip), limit))
+            for run_id, epoch in cur.fetchall():
+                try:
+                    with cur.connection.transaction():
+                        leases.append(self._claim_locked(cur, run_id, epoch, owner, ttl, check))
+                except CorruptLogError:
+                    continue
+        return leases
+
     # ---- signals ------------------------------------------------------------------------------
     def send(self, run_id: str, data: bytes) -> None:
         """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
@@ -435,6 +535,9 @@ class PostgresStorage:
         ) == 0:
             raise self._missing(run_id)
         self.fsyncs += 1
+        name = (decode_signal(line) or {}).get("name")
+        if isinstance(name, str) and name:
+            self.wake(run_id, name)
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""

@@ -3,7 +3,9 @@
 Tables: ``runs`` (one row per run: header line, times, lease epoch/owner/expiry, last line, log size, and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
-``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably).
+``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
+``queue`` (one row per run that has not ended: due time, priority, the signals that wake it; the due query
+reads this small table and its index, never the logs of ended runs).
 Each append is one committed transaction, so it survives a crash of the process; with ``synchronous=NORMAL``
 it may not survive a machine crash until `sync`, which commits once with ``synchronous=FULL`` (the WAL is
 fsynced, carrying every earlier commit with it) and counts that as one fsync.
@@ -16,6 +18,7 @@ threads of a process behind a lock; other processes coordinate through SQLite's 
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -30,25 +33,31 @@ from .base import (
     Check,
     Lease,
     Log,
+    QueueEntry,
     RunInfo,
     checked,
+    claim_candidates,
     claimed,
     decode_record,
     decode_signal,
     last_line,
     parse_log,
+    validate_at,
     validate_header,
     validate_identity,
+    validate_limit,
     validate_lines,
     validate_owner,
+    validate_priority,
     validate_rewrite,
     validate_run_id,
     validate_signal,
     validate_signal_id,
     validate_ttl,
+    validate_wait,
 )
 
-SCHEMA_VERSION = 2  # 2 added the signals table; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 3  # 2 added signals, 3 the queue; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -79,6 +88,14 @@ CREATE TABLE IF NOT EXISTS signals (
     data BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS signals_by_run ON signals (run_id, seq);
+CREATE TABLE IF NOT EXISTS queue (
+    run_id TEXT PRIMARY KEY,
+    due REAL,
+    priority INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    wait TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 
@@ -122,10 +139,13 @@ class SqliteStorage:
                 self._conn.close()
                 self._conn = None
 
-    def create(self, run_id: str, header: bytes) -> None:
-        """Create a run whose log starts with the `header` line; `ValidationError` if the id exists."""
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
+        transaction; `ValidationError` if the id exists."""
         validate_run_id(run_id)
         validate_header(run_id, header)
+        at = validate_at(at)
+        validate_priority(priority)
         header = bytes(header)
         now = time.time()
         with self._lock, _transaction(self._db()) as db:
@@ -137,6 +157,8 @@ class SqliteStorage:
             except sqlite3.IntegrityError:
                 raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
+            db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
+                       (run_id, now if at is None else at, priority, now))
 
     def _log_bytes(self, db: sqlite3.Connection, run_id: str) -> bytes:
         """The whole log of a run as one byte string."""
@@ -309,6 +331,9 @@ class SqliteStorage:
         with self._lock, _durable(self, self._db()) as db:
             self._require(db, run_id)
             db.execute("INSERT INTO signals (run_id, id, data) VALUES (?, ?, ?)", (run_id, signal_id, line))
+            name = (decode_signal(line) or {}).get("name")
+            if isinstance(name, str) and name:
+                self._wake(db, run_id, name)
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
@@ -325,6 +350,73 @@ class SqliteStorage:
         with self._lock, _transaction(self._db()) as db:
             self._require(db, run_id)
             db.execute("DELETE FROM signals WHERE run_id = ? AND id = ?", (run_id, signal_id))
+
+    # ---- the queue ------------------------------------------------------------------------------
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Upsert the run's queue row."""
+        validate_run_id(run_id)
+        at = validate_at(at)
+        names = json.dumps(list(validate_wait(wait)))
+        if priority is not None:
+            validate_priority(priority)
+        with self._lock, _transaction(self._db()) as db:
+            self._require(db, run_id)
+            cur = db.execute("UPDATE queue SET due = ?, wait = ?, priority = coalesce(?, priority) WHERE run_id = ?",
+                             (at, names, priority, run_id))
+            if cur.rowcount == 0:
+                db.execute("INSERT INTO queue (run_id, due, priority, created, wait) VALUES (?, ?, ?, ?, ?)",
+                           (run_id, at, priority or 0, time.time(), names))
+
+    def unschedule(self, run_id: str) -> None:
+        """Delete the run's queue row."""
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db()) as db:
+            db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
+
+    def _wake(self, db: sqlite3.Connection, run_id: str, name: str | None) -> bool:
+        row = db.execute("SELECT due, wait FROM queue WHERE run_id = ?", (run_id,)).fetchone()
+        now = time.time()
+        if row is None or (name is not None and name not in json.loads(row[1])) or (row[0] is not None
+                                                                                    and row[0] <= now):
+            return False
+        db.execute("UPDATE queue SET due = ? WHERE run_id = ?", (now, run_id))
+        return True
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make the run due now if its row waits for `name` (None: unconditionally)."""
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db()) as db:
+            return self._wake(db, run_id, name)
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue row."""
+        validate_run_id(run_id)
+        with self._lock:
+            row = self._db().execute("SELECT due, priority, wait, created FROM queue WHERE run_id = ?",
+                                     (run_id,)).fetchone()
+        return None if row is None else QueueEntry(run_id, row[0], row[1], tuple(json.loads(row[2])), row[3])
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+        """Due, unheld runs from the queue table's index."""
+        validate_limit(limit)
+        now = time.time() if now is None else now
+        marks = ",".join("?" * len(skip))
+        with self._lock:
+            rows = self._db().execute(
+                "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
+                " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
+                + (f" AND q.run_id NOT IN ({marks})" if skip else "")
+                + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
+                (now, time.time(), *skip, limit)).fetchall()
+        return [row[0] for row in rows]
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs (each claim its own transaction, fenced by the lease columns)."""
+        validate_owner(owner)
+        validate_ttl(ttl)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()

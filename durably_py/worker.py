@@ -1,0 +1,184 @@
+"""The worker loop: claim due runs from the storage's queue, run them, park and release them, repeat.
+
+`Engine.start()` runs one in-process; `durably worker` runs one as a long-lived process. Several workers,
+in one process or many, on one machine (a shared `.durably/`, leases are OS file locks) or many (SQLite or
+PostgreSQL, time-based leases fenced by epoch), share one queue: a claim is exclusive, so a run is never
+run by two workers at once, and a worker that dies leaves its runs due again (at once for files, once the
+lease lapses for databases).
+
+A graceful stop (`Worker.stop`, SIGTERM/SIGINT in `durably worker`) claims nothing more and starts no new
+step: each running run stops before its next step, keeping every finished step, and is released due at
+once, so another worker takes it over without waiting for a lease to lapse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import DurablyError, RunCancelledError
+from .history import History
+from .kernel import Parked
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
+
+
+class Worker:
+    """One worker loop over an engine's storage, running at most `concurrency` runs at once."""
+
+    def __init__(self, engine: Engine, *, concurrency: int = 4, poll: float = 0.2,
+                 log: Callable[[str], Any] | None = None) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            from .errors import ValidationError
+
+            raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
+                                  hint="concurrency=4 runs up to four runs at once.", docs="docs/deploying.md")
+        self.engine = engine
+        self.concurrency = concurrency
+        self.poll = poll
+        self.log = log
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.stopped: list[str] = []
+        self.ran = 0
+        self.finished = False
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._skip: dict[str, float] = {}
+
+    # ---- control --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop as a task of the running event loop (idempotent)."""
+        if self._task is None:
+            self._wake, self._changed = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def run(self) -> None:
+        """Start the loop and return once it has stopped (after `stop()` or `request_stop()`)."""
+        self.start()
+        assert self._task is not None
+        await asyncio.shield(self._task)
+
+    def request_stop(self) -> None:
+        """Ask for a graceful stop without waiting for it (safe from a signal handler)."""
+        self._stopping = True
+        self.poke()
+
+    async def stop(self) -> list[str]:
+        """Stop gracefully and wait for it; the ids of the runs stopped part-way (due again at once)."""
+        self.request_stop()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        self.finished = True
+        return list(self.stopped)
+
+    def poke(self) -> None:
+        """Look for due work now instead of at the next poll."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def skipped(self) -> tuple[str, ...]:
+        """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
+        now = time.monotonic()
+        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active)
+
+    async def settled(self, timeout: float) -> None:
+        """Wait until a run this worker ran stops, or `timeout` seconds."""
+        if self._changed is None:
+            await asyncio.sleep(timeout)
+            return
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _say(self, message: str) -> None:
+        if self.log is not None:
+            self.log(message)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        engine = self.engine
+        assert self._wake is not None
+        try:
+            while not self._stopping:
+                free = self.concurrency - len(self.active)
+                claimed = 0
+                if free > 0:
+                    try:
+                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped())
+                    except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
+                        self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
+                        leases = []
+                    for lease in leases:
+                        if self._stopping:
+                            engine.storage.release(lease)
+                            continue
+                        self.active[lease.run_id] = asyncio.get_running_loop().create_task(self._serve(lease))
+                        claimed += 1
+                if claimed and len(self.active) < self.concurrency:
+                    continue
+                self._wake.clear()
+                waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+                try:
+                    await asyncio.wait([*waits, *self.active.values()], timeout=self.poll,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            self._stopping = True
+            if self.active:
+                await asyncio.gather(*self.active.values(), return_exceptions=True)
+            self.finished = True
+
+    async def _serve(self, lease: Any) -> None:
+        """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
+        engine = self.engine
+        run_id = lease.run_id
+        try:
+            history = History(lease.records)
+            if history.end is not None:
+                engine.storage.unschedule(run_id)  # it ended, and its process died before leaving the queue
+                engine.storage.release(lease)
+                return
+            try:
+                workflow = engine.code_for(history.header)
+            except DurablyError as exc:
+                engine.storage.release(lease)
+                self._skip[run_id] = time.monotonic() + SKIP_SECONDS
+                self._say(f"{run_id}: {exc} (retrying in {SKIP_SECONDS:g}s)")
+                return
+            self._say(f"{run_id}: running {history.header.get('workflow')}")
+            try:
+                await engine._drive(workflow, lease, history, history.header.get("input"), history.budget,
+                                    engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
+                                    stopping=lambda: self._stopping)
+            except Parked as parked:
+                if parked.status == "interrupted":
+                    self.stopped.append(run_id)
+                self._say(f"{run_id}: {parked.detail}")
+            except RunCancelledError:
+                self._say(f"{run_id}: cancelled")
+            except Exception as exc:  # noqa: BLE001 - the run's error is recorded in its log, not the worker's
+                status = "failed" if history.end is not None else "stopped"
+                self._say(f"{run_id}: {status}: {type(exc).__name__}: {exc}")
+            else:
+                self._say(f"{run_id}: completed")
+            self.ran += 1
+        except Exception as exc:  # noqa: BLE001 - one broken run never stops the worker
+            print(f"durably worker: {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            engine.storage.release(lease)
+        finally:
+            self.active.pop(run_id, None)
+            if self._changed is not None:
+                self._changed.set()
+            self.poke()
