@@ -132,19 +132,20 @@ def script_of(workflow: Workflow) -> str | None:
     return os.path.abspath(source) if source else None
 
 
-_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: sorts like the numbers
+_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: no i, l, o, u
 
 
 def new_run_id(workflow: str) -> str:
-    """A readable, time-ordered id that cannot collide: the workflow's name, then 28 base-32 digits holding
-    the UTC time in milliseconds (so ids of one workflow sort by creation) and 80 random bits."""
+    """A readable id that cannot collide: the workflow's name, then 80 random bits as 16 base-32 digits
+    (lowercase, so ids differ on case-insensitive file systems too; the old 32 bits per workflow per day
+    collided among 10,000 children)."""
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
-    number = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(secrets.token_bytes(10), "big")
+    number = int.from_bytes(secrets.token_bytes(10), "big")
     digits = []
-    for _ in range(28):
+    for _ in range(16):
         number, digit = divmod(number, 32)
         digits.append(_ID_ALPHABET[digit])
-    return f"{slug}-{''.join(reversed(digits))}"
+    return f"{slug}-{''.join(digits)}"
 
 
 

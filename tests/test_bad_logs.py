@@ -142,7 +142,7 @@ def test_header_only_log_is_a_run_that_never_started(state: tuple[Any, Path, Pat
     engine, victim, _ = state
     write_lines(victim, interrupted_log(victim)[:1])
     run_id = victim.name[:-6]
-    assert asyncio.run(engine.inspect(run_id)).status == "interrupted"
+    assert asyncio.run(engine.inspect(run_id)).status == "pending"
     assert asyncio.run(engine.run(saga, 1, key="victim")) == ["a", "b"]
     assert CALLS == ["a", "b"]
 
