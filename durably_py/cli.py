@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
 from .history import RunState, StepState, path_tuple
+from .worker import Worker
 from .workflow import REGISTRY, Workflow, load_script
 
 if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs none of them
@@ -1609,6 +1611,133 @@ def _direct_run(argv: list[str]) -> bool:
     return True
 
 
+# ---- the durable queue: worker and enqueue ---------------------------------------------------------------
+
+def _import_code(target: str) -> None:
+    """Load a script (a path to a .py file) or import a module (dotted name) so its @workflows register."""
+    path = Path(target)
+    if target.endswith(".py") or path.is_file():
+        if not path.is_file():
+            raise ValidationError(f"--import {target}: no such script file",
+                                  hint="Pass a path to a .py file or a dotted module name, e.g. --import jobs.py "
+                                       "or --import myapp.workflows.", docs="docs/deploying.md")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        _import_script(path.resolve())
+        return
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        importlib.import_module(target)
+    except ImportError as exc:
+        raise ValidationError(f"--import {target}: {type(exc).__name__}: {exc}",
+                              hint="Pass a path to a .py file or a module importable from here (or on "
+                                   "PYTHONPATH).", docs="docs/deploying.md") from None
+
+
+@app.command()
+def worker(
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, metavar="N",
+                                             help="Runs at once in this worker.")] = 4,
+    imports: Annotated[list[str] | None, typer.Option("--import", metavar="PATH_OR_MODULE",
+                                                      help="A script or module whose @workflows this worker "
+                                                           "serves (repeatable); otherwise each run's recorded "
+                                                           "module or script is imported.")] = None,
+    lease: Annotated[float, typer.Option("--lease", min=1.0, metavar="SECONDS",
+                                         help="Lease time-to-live on SQLite and PostgreSQL: after a kill, "
+                                              "another worker takes a run over within this plus one poll.")] = 30.0,
+    poll: Annotated[float, typer.Option("--poll", min=0.01, metavar="SECONDS",
+                                        help="How often to look for due runs when idle.")] = 0.2,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run.")] = False,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Run due runs until stopped: claim, run, park, release, repeat. SIGTERM or Ctrl-C stops gracefully
+    (no new claims or steps; running steps finish and are recorded; leases released; exit 0)."""
+    with _guard(debug):
+        settings = settings_for(dir, storage)
+        for target in imports or []:
+            _import_code(target)
+        engine = open_engine(settings)
+        engine.lease_ttl = lease
+        engine.heartbeat_every = max(lease / 3, 0.05)
+        engine.concurrency = concurrency
+
+        def say(message: str) -> None:
+            if not quiet:
+                sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+                sys.stderr.flush()
+
+        loop_worker = Worker(engine, concurrency=concurrency, poll=poll, log=say)
+        where = settings.storage or os.path.abspath(settings.dir or ".durably")
+        served = ", ".join(sorted(REGISTRY)) or "whatever each run recorded"
+        say(f"durably worker {engine.owner} on {where}: concurrency {concurrency}, serving {served}")
+        asyncio.run(_serve(loop_worker, say))
+        say(f"durably worker stopped after {loop_worker.ran} run turns"
+            + (f"; {len(loop_worker.stopped)} stopped part-way and due again" if loop_worker.stopped else ""))
+    raise typer.Exit(0)
+
+
+async def _serve(loop_worker: Worker, say: Any) -> None:
+    """Run the worker until SIGTERM/SIGINT; a second signal exits at once."""
+    loop = asyncio.get_running_loop()
+    asked = {"n": 0}
+
+    def on_signal(name: str) -> None:
+        asked["n"] += 1
+        if asked["n"] > 1:
+            say(f"{name} again: exiting now")
+            os._exit(EXIT_INTERRUPTED)
+        say(f"{name}: stopping (no new claims or steps; running steps finish)")
+        loop_worker.request_stop()
+
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
+            signals.signal(sig, lambda *_: loop.call_soon_threadsafe(on_signal, "signal"))
+    await loop_worker.run()
+
+
+@app.command()
+def enqueue(
+    script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script defining the workflow.",
+                                           show_default=False)],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to enqueue.")],
+    input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
+                                              help="Workflow input: JSON text or @file.json.")] = None,
+    key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Run key.")] = None,
+    priority: Annotated[int, typer.Option("--priority", "-p", metavar="P",
+                                          help="Higher runs first among due runs.")] = 0,
+    delay: Annotated[str | None, typer.Option("--delay", metavar="SECONDS",
+                                              help="Not due before this long from now: 30, 30s, 5m, 2h.")] = None,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Record a pending run of one of SCRIPT's workflows and print its id; a worker runs it when due."""
+    with _guard(debug):
+        settings = settings_for(dir, storage)
+        if not script.is_file():
+            raise ValidationError(f"no script file {str(script)!r}",
+                                  hint="Pass the path of a Python file, e.g. durably enqueue jobs.py -w nightly.")
+        seconds = parse_duration(delay) if delay is not None else 0.0
+        value = _parse_input(input)
+        script = script.resolve()
+        with _environment(script, settings, []):
+            _import_script(script)
+            wf = _find_workflow(workflow, script)
+            handle = asyncio.run(open_engine(settings).enqueue(wf, value, key=key, priority=priority,
+                                                               delay=seconds))
+        if as_json:
+            _print_json({"run_id": handle.run_id})
+        else:
+            sys.stdout.write(handle.run_id + "\n")
+
+
 def main() -> None:
     """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
@@ -1621,6 +1750,7 @@ def main() -> None:
 
 
 __all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json", "user_frame"]
+
 
 if __name__ == "__main__":
     main()
