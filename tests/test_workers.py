@@ -153,10 +153,16 @@ def _soak(engine: Any, fleet: Fleet, ids: dict[int, str], env: dict[str, str], s
     signalled: set[str] = set()
     next_kill = time.monotonic() + kill_every
     sent_by_cli = 0
+    milestones = [0.2, 0.4, 0.6, 0.8]  # also kill one worker as progress passes each of these
     while time.monotonic() < deadline:
         states = {s.run_id: s.status for s in asyncio.run(engine.list())}
-        if all(states.get(r) == "completed" for r in ids.values()):
+        done = sum(states.get(r) == "completed" for r in ids.values())
+        if done == len(ids):
             return
+        while milestones and done >= milestones[0] * len(ids):
+            milestones.pop(0)
+            fleet.kill_one()
+            fleet.start()
         for n, run_id in ids.items():
             if n % 3 == 2 and run_id not in signalled and states.get(run_id) == "waiting":
                 if sent_by_cli < cli_signals:
@@ -207,11 +213,11 @@ def test_three_workers_on_one_dir_survive_sigkills(tmp_path: Path) -> None:
     ids = _enqueue_all(engine, jobs, env, 30)
     fleet = Fleet(["--dir", str(state)], env, jobs)
     try:
-        _soak(engine, fleet, ids, env, ["--dir", str(state)], time.monotonic() + 25, kill_every=1.0, cli_signals=3)
+        _soak(engine, fleet, ids, env, ["--dir", str(state)], time.monotonic() + 45, kill_every=1.5, cli_signals=3)
     finally:
         codes = fleet.stop_all()
     _verify(engine, ids, effects)
-    assert fleet.killed >= 3
+    assert fleet.killed >= 4
     assert codes == [0, 0, 0]  # SIGTERM stops a worker gracefully
 
 

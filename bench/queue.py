@@ -1,0 +1,205 @@
+"""The durable queue: enqueue->start latency, runs/s through N worker processes, and the due query with many
+ended runs present, on files, SQLite and PostgreSQL. Figures and ratios only; nothing passes or fails.
+
+Usage: python bench/queue.py [--runs M] [--workers N] [--ended E] [--postgres DSN_URL] [--only files,sqlite,...]
+
+Rows:
+  enqueue->start    median seconds from `enqueue` returning to the run's first step starting, with the
+                    engine's own worker started (`engine.start(poll=0.2)`; an enqueue pokes it)
+  runs/s N workers  M three-step runs enqueued, then N `durably worker -c 4` processes started; runs/s
+                    until all completed, against the floor: the same M runs through `engine.run` one after
+                    another in this process (no queue, no claims), as a ratio
+  due query         median time of `storage.due(10)` with 100 pending runs, before and after E ended runs
+                    were added to the store (their ratio says whether ended runs slow the query)
+PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created and dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from durably_py import create_engine, workflow
+from durably_py.storage.url import open_storage
+
+JOBS = '''
+from durably_py import workflow
+
+
+def work(i):
+    return i + 1
+
+
+@workflow
+async def three(ctx, n):
+    a = await ctx.step(work, n)
+    b = await ctx.step(work, a)
+    return await ctx.step(work, b)
+'''
+
+STARTED: dict[str, float] = {}
+
+
+def mark(run: str) -> float:
+    STARTED[run] = time.time()
+    return STARTED[run]
+
+
+@workflow
+async def first_step(ctx: Any, n: int) -> float:
+    return await ctx.step(mark, str(n))
+
+
+def latency(url: str, samples: int) -> float:
+    engine = create_engine(url)
+
+    async def main() -> list[float]:
+        await engine.start(poll=0.2)
+        out = []
+        for n in range(samples):
+            key = f"lat-{uuid.uuid4().hex}"
+            before = time.time()
+            handle = await engine.enqueue(first_step, n, key=key)
+            queued = time.time()
+            await engine.join(handle)
+            out.append(STARTED[str(n)] - queued)
+            del before
+        await engine.stop()
+        return out
+
+    return statistics.median(asyncio.run(main()))
+
+
+def throughput(url: str, folder: Path, runs: int, workers: int) -> tuple[float, float]:
+    jobs = folder / "jobs.py"
+    jobs.write_text(JOBS)
+    sys.path.insert(0, str(folder))
+    from durably_py.workflow import REGISTRY, load_script
+
+    REGISTRY.pop("three", None)
+    load_script(jobs)
+    three = REGISTRY["three"]
+    engine = create_engine(url)
+    floor_engine = create_engine(url)
+
+    async def floor() -> float:
+        start = time.perf_counter()
+        for n in range(runs):
+            await floor_engine.run(three, n, key=f"floor-{uuid.uuid4().hex}")
+        return time.perf_counter() - start
+
+    floor_s = asyncio.run(floor())
+
+    async def fill() -> list[str]:
+        return [(await engine.enqueue(three, n, key=f"tp-{uuid.uuid4().hex}")).run_id for n in range(runs)]
+
+    ids = asyncio.run(fill())
+    env = {**os.environ}
+    args = [sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import", str(jobs), "-c", "4",
+            "--poll", "0.05", "-q"]
+    start = time.perf_counter()
+    procs = [subprocess.Popen(args, env=env) for _ in range(workers)]
+    try:
+        pending = set(ids)
+        while pending:
+            time.sleep(0.05)
+            pending = {r for r in pending if (info := engine.storage.info(r)) is None or info.last.get("t") != "end"}
+        took = time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    return runs / took, runs / floor_s
+
+
+def due_query(url: str, ended: int, rounds: int = 30) -> tuple[float, float]:
+    storage = open_storage(url)
+    header = b'{"t":"run","v":1,"run_id":"%s","workflow":"wf","key":null}\n'
+    for n in range(100):
+        run_id = f"pending-{n}-{uuid.uuid4().hex[:8]}"
+        storage.create(run_id, header % run_id.encode())
+
+    def timed() -> float:
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            storage.due(10)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    before = timed()
+    for n in range(ended):
+        run_id = f"ended-{n}"
+        storage.create(run_id, header % run_id.encode())
+        storage.unschedule(run_id)
+    after = timed()
+    storage.close()
+    return before, after
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--ended", type=int, default=100_000)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--postgres", default=os.environ.get("DURABLY_BENCH_POSTGRES"))
+    parser.add_argument("--only", default="files,sqlite,postgres")
+    opts = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="durably-bench-queue-"))
+    schemas: list[str] = []
+
+    def url_for(kind: str, name: str) -> str | None:
+        if kind == "files":
+            return str(root / name / "state")
+        if kind == "sqlite":
+            (root / name).mkdir(parents=True, exist_ok=True)
+            return f"sqlite:{root / name / 'runs.db'}"
+        if not opts.postgres:
+            return None
+        schema = f"bench_{uuid.uuid4().hex[:12]}"
+        schemas.append(schema)
+        sep = "&" if "?" in opts.postgres else "?"
+        return f"{opts.postgres}{sep}schema={schema}"
+
+    print(f"durably bench/queue.py: {opts.runs} runs, {opts.workers} workers, {opts.ended} ended runs, "
+          f"{os.cpu_count()} CPUs")
+    try:
+        for kind in opts.only.split(","):
+            urls = {name: url_for(kind, name) for name in ("lat", "tp", "due")}
+            if any(u is None for u in urls.values()):
+                print(f"{kind:9} skipped (pass --postgres postgresql://USER@HOST/DB)")
+                continue
+            lat = latency(urls["lat"], opts.samples)  # type: ignore[arg-type]
+            (root / f"{kind}-tp").mkdir(exist_ok=True)
+            rate, floor = throughput(urls["tp"], root / f"{kind}-tp", opts.runs, opts.workers)  # type: ignore[arg-type]
+            before, after = due_query(urls["due"], opts.ended)  # type: ignore[arg-type]
+            print(f"{kind:9} enqueue->start {lat * 1000:7.1f} ms | {opts.workers} workers {rate:7.1f} runs/s "
+                  f"(in-process floor {floor:7.1f} runs/s, ratio {rate / floor:4.2f}) | due(10) {before * 1000:6.2f} ms "
+                  f"-> {after * 1000:6.2f} ms with {opts.ended} ended runs (x{after / before:4.2f})")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if schemas and opts.postgres:
+            import psycopg
+
+            base = opts.postgres.split("?")[0] + ("?" + "&".join(
+                p for p in opts.postgres.split("?", 1)[1].split("&") if not p.startswith("schema="))
+                if "?" in opts.postgres else "")
+            with psycopg.connect(base, autocommit=True) as conn:
+                for schema in schemas:
+                    conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+if __name__ == "__main__":
+    main()
