@@ -2,6 +2,7 @@
 
     python bench/ui.py                      # ~1-2 min: 10,000 steps, 100,000 runs (FileStorage)
     python bench/ui.py --steps 2000 --runs 20000
+    python bench/ui.py --runs 0             # the run page only
 
 Each figure is printed next to a floor measured in the same run on the same files: reading and
 parsing the run's whole log (run page), or reading the first and last line of every run's log (runs
@@ -157,6 +158,7 @@ def main() -> None:
         state = tmp / "big" / ".durably"
         engine = Engine(FileStorage(state))
         asyncio.run(engine.run(big, args.steps, key="big"))
+        asyncio.run(engine.run(big, 3, key="small"))
         run_id = engine.resolve("big")
         log = state / "runs" / f"{run_id}.jsonl"
 
@@ -174,6 +176,8 @@ def main() -> None:
         try:
             row("HTTP: first event of /api/runs/{id}/events",
                 statistics.median(first_event_ms(f"{url}/api/runs/{run_id}/events") for _ in range(args.repeat)), floor)
+            small = browser_ms(f"{url}/runs/small", ".wf-row", args.repeat)
+            row("browser baseline: the same for a 3-step run page", small)
             row("browser: navigation to first step row painted",
                 browser_ms(f"{url}/runs/{run_id}", ".wf-row", args.repeat), floor)
         finally:
@@ -181,6 +185,8 @@ def main() -> None:
             proc.wait(timeout=10)
 
         # ---- a runs page over many runs ----
+        if args.runs < 1:
+            return
         state = tmp / "many" / ".durably"
         began = time.perf_counter()
         make_store(state, args.runs)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
@@ -39,22 +40,23 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 # ---- JSON ----------------------------------------------------------------------------------------
 
 def _default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
     if isinstance(value, set | frozenset | tuple):
         return list(value)
     return repr(value)
 
 
+_encoder = msgspec.json.Encoder(enc_hook=_default)
+
+
 class Json(JSONResponse):
-    """JSON with datetimes as ISO strings and anything else unknown as its repr, as the CLI's --json."""
+    """JSON as the CLI's --json gives it (datetimes as ISO 8601, anything unknown as its repr), encoded fast."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, default=_default).encode()
+        return _encoder.encode(content)
 
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=_default)
+    return _encoder.encode(value).decode()
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:
