@@ -6,9 +6,10 @@ Usage: python bench/queue.py [--runs M] [--workers N] [--ended E] [--postgres DS
 Rows:
   enqueue->start    median seconds from `enqueue` returning to the run's first step starting, with the
                     engine's own worker started (`engine.start(poll=0.2)`; an enqueue pokes it)
-  runs/s N workers  M three-step runs enqueued, then N `durably worker -c 4` processes started; runs/s
-                    until all completed, against the floor: the same M runs through `engine.run` one after
-                    another in this process (no queue, no claims), as a ratio
+  runs/s N workers  N `durably worker -c 4` processes, started and warmed up; then M three-step runs
+                    enqueued and runs/s counted from the first enqueue to the last completion, against the
+                    floor: the same M runs through `engine.run` one after another in this process (no queue,
+                    no claims, no other process), as a ratio
   due query         median time of `storage.due(10)` with 100 pending runs, before and after E ended runs
                     were added to the store (their ratio says whether ended runs slow the query)
 PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created and dropped).
@@ -16,21 +17,25 @@ PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created a
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
-from pathlib import Path
-from typing import Any
 
-from durably_py import create_engine, workflow
-from durably_py.storage.url import open_storage
+# This file is named like the stdlib's `queue`: keep its folder off sys.path so `import queue` finds the stdlib.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from durably_py import create_engine, workflow  # noqa: E402
+from durably_py.storage.url import open_storage  # noqa: E402
 
 JOBS = '''
 from durably_py import workflow
@@ -100,20 +105,23 @@ def throughput(url: str, folder: Path, runs: int, workers: int) -> tuple[float, 
 
     floor_s = asyncio.run(floor())
 
-    async def fill() -> list[str]:
-        return [(await engine.enqueue(three, n, key=f"tp-{uuid.uuid4().hex}")).run_id for n in range(runs)]
+    async def fill(count: int, prefix: str) -> list[str]:
+        return [(await engine.enqueue(three, n, key=f"{prefix}-{uuid.uuid4().hex}")).run_id for n in range(count)]
 
-    ids = asyncio.run(fill())
+    def wait_all(ids: list[str]) -> None:
+        pending = set(ids)
+        while pending:
+            time.sleep(0.02)
+            pending = {r for r in pending if (info := engine.storage.info(r)) is None or info.last.get("t") != "end"}
+
     env = {**os.environ}
     args = [sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import", str(jobs), "-c", "4",
             "--poll", "0.05", "-q"]
-    start = time.perf_counter()
     procs = [subprocess.Popen(args, env=env) for _ in range(workers)]
     try:
-        pending = set(ids)
-        while pending:
-            time.sleep(0.05)
-            pending = {r for r in pending if (info := engine.storage.info(r)) is None or info.last.get("t") != "end"}
+        wait_all(asyncio.run(fill(workers * 4, "warm")))  # every worker up and idle before the clock starts
+        start = time.perf_counter()
+        wait_all(asyncio.run(fill(runs, "tp")))
         took = time.perf_counter() - start
     finally:
         for p in procs:

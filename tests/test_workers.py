@@ -295,3 +295,67 @@ def test_three_workers_on_postgres_survive_sigkills_and_take_over_within_the_lea
     with capsys.disabled():
         print(f"\n  takeover after SIGKILL: {takeover:.2f}s (lease {lease:g}s + poll 0.05s)")
     assert takeover <= lease + 0.05 + 1.5  # lease + one poll, plus process scheduling slack on a busy machine
+
+
+SLOW_STEPS = '''
+import time
+from durably_py import workflow
+
+
+@workflow
+async def slow_pair(ctx, x):
+    a = await ctx.step(time.sleep, 1.5, name="first")
+    b = await ctx.step(time.sleep, 0.01, name="second")
+    return x
+
+
+@workflow
+async def dozer(ctx, x):
+    await ctx.step(lambda: x, name="before")
+    await ctx.sleep(1)
+    return await ctx.step(lambda: x * 10, name="after")
+'''
+
+
+def test_sigterm_lets_the_running_step_finish_and_run_no_wait_is_picked_up(tmp_path: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_STEPS)
+    env = {**os.environ}
+    env.pop("DURABLY_DIR", None)
+    env.pop("DURABLY_STORAGE", None)
+    state = tmp_path / "state"
+    queued = _cli("enqueue", str(script), "--workflow", "slow_pair", "--input", "7", "--dir", str(state), "--json",
+                  env=env)
+    assert queued.returncode == 0, queued.stderr
+    import json
+
+    run_id = json.loads(queued.stdout)["run_id"]
+    parked = _cli("run", str(script), "--workflow", "dozer", "--input", "4", "--no-wait", "--dir", str(state), env=env)
+    assert parked.returncode == 3, parked.stderr  # parked on its sleep; no process holds it now
+    worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll", "0.05"],
+                              env=env, stderr=subprocess.PIPE, text=True)
+    engine = create_engine(FileStorage(state))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not asyncio.run(engine.inspect(run_id)).attempt:
+        time.sleep(0.05)
+    time.sleep(0.4)  # inside the 1.5 s step
+    worker.send_signal(signal.SIGTERM)
+    _, err = worker.communicate(timeout=30)
+    assert worker.returncode == 0, err
+    state_after = asyncio.run(engine.inspect(run_id))
+    assert [s.label for s in state_after.steps] == ["first"]  # the running step finished and was recorded
+    assert state_after.status == "interrupted" and run_id in engine.storage.due(10)
+    second = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll",
+                               "0.05", "-q"], env=env)
+    try:
+        while time.monotonic() < deadline + 10:
+            states = {s.workflow: s for s in asyncio.run(engine.list())}
+            if all(s.status == "completed" for s in states.values()) and len(states) == 2:
+                break
+            time.sleep(0.1)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+    assert states["slow_pair"].status == "completed" and states["dozer"].result == 40
+    steps = asyncio.run(engine.inspect(run_id)).steps
+    assert [(s.label, s.attempts) for s in steps] == [("first", 1), ("second", 1)]
