@@ -42,13 +42,13 @@ def effect(key):
 
 
 @workflow
-async def chain(ctx, n):
+async def soak_chain(ctx, n):
     tokens = [await ctx.step(effect, f"chain{n}.{i}") for i in range(5)]
     return {"n": n, "kind": "chain", "tokens": tokens}
 
 
 @workflow
-async def napper(ctx, n):
+async def soak_napper(ctx, n):
     first = await ctx.step(effect, f"napper{n}.0")
     await ctx.sleep(0.5 + (n % 3) * 0.3)
     second = await ctx.step(effect, f"napper{n}.1")
@@ -56,14 +56,14 @@ async def napper(ctx, n):
 
 
 @workflow
-async def asker(ctx, n):
+async def soak_asker(ctx, n):
     first = await ctx.step(effect, f"asker{n}.0")
     answer = await ctx.wait_for("go", timeout=600)
     second = await ctx.step(effect, f"asker{n}.1")
     return {"n": n, "kind": "asker", "answer": answer, "tokens": [first, second]}
 '''
 
-KINDS = ("chain", "napper", "asker")
+KINDS = ("chain", "napper", "asker")  # workflows soak_<kind>, named apart from other test modules' ones
 
 
 def _cli(*args: str, env: dict[str, str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -132,13 +132,13 @@ def _setup(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
 def _enqueue_all(engine: Any, jobs: Path, env: dict[str, str], count: int) -> dict[int, str]:
     os.environ["JOBS_EFFECTS"] = env["JOBS_EFFECTS"]
     for name in KINDS:
-        REGISTRY.pop(name, None)
+        REGISTRY.pop(f"soak_{name}", None)
     load_script(jobs)
 
     async def main() -> dict[int, str]:
         ids = {}
         for n in range(count):
-            handle = await engine.enqueue(REGISTRY[KINDS[n % 3]], n, priority=n % 2)
+            handle = await engine.enqueue(REGISTRY[f"soak_{KINDS[n % 3]}"], n, priority=n % 2)
             ids[n] = handle.run_id
         return ids
 
@@ -268,13 +268,12 @@ def test_three_workers_on_postgres_survive_sigkills_and_take_over_within_the_lea
     _verify(engine, ids, effects)
 
     # Takeover: a run held by a worker that is SIGKILLed is taken over within lease + one poll.
-    for name in ("slow",):
-        REGISTRY.pop(name, None)
+    REGISTRY.pop("soak_slow", None)
     (tmp_path / "slow.py").write_text(
-        "import time\nfrom durably_py import workflow\n\n@workflow\nasync def slow(ctx, x):\n"
+        "import time\nfrom durably_py import workflow\n\n@workflow\nasync def soak_slow(ctx, x):\n"
         "    await ctx.step(time.sleep, 0.3)\n    await ctx.step(time.sleep, 30)\n    return x\n")
     load_script(tmp_path / "slow.py")
-    handle = asyncio.run(engine.enqueue(REGISTRY["slow"], 1))
+    handle = asyncio.run(engine.enqueue(REGISTRY["soak_slow"], 1))
     solo = Fleet(["--storage", pg_url], env, tmp_path / "slow.py", lease=lease)
     first = solo.start()
     deadline = time.monotonic() + 20
@@ -303,14 +302,14 @@ from durably_py import workflow
 
 
 @workflow
-async def slow_pair(ctx, x):
+async def soak_slow_pair(ctx, x):
     a = await ctx.step(time.sleep, 1.5, name="first")
     b = await ctx.step(time.sleep, 0.01, name="second")
     return x
 
 
 @workflow
-async def dozer(ctx, x):
+async def soak_dozer(ctx, x):
     await ctx.step(lambda: x, name="before")
     await ctx.sleep(1)
     return await ctx.step(lambda: x * 10, name="after")
@@ -324,13 +323,13 @@ def test_sigterm_lets_the_running_step_finish_and_run_no_wait_is_picked_up(tmp_p
     env.pop("DURABLY_DIR", None)
     env.pop("DURABLY_STORAGE", None)
     state = tmp_path / "state"
-    queued = _cli("enqueue", str(script), "--workflow", "slow_pair", "--input", "7", "--dir", str(state), "--json",
+    queued = _cli("enqueue", str(script), "--workflow", "soak_slow_pair", "--input", "7", "--dir", str(state), "--json",
                   env=env)
     assert queued.returncode == 0, queued.stderr
     import json
 
     run_id = json.loads(queued.stdout)["run_id"]
-    parked = _cli("run", str(script), "--workflow", "dozer", "--input", "4", "--no-wait", "--dir", str(state), env=env)
+    parked = _cli("run", str(script), "--workflow", "soak_dozer", "--input", "4", "--no-wait", "--dir", str(state), env=env)
     assert parked.returncode == 3, parked.stderr  # parked on its sleep; no process holds it now
     worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll", "0.05"],
                               env=env, stderr=subprocess.PIPE, text=True)
@@ -356,6 +355,6 @@ def test_sigterm_lets_the_running_step_finish_and_run_no_wait_is_picked_up(tmp_p
     finally:
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=30)
-    assert states["slow_pair"].status == "completed" and states["dozer"].result == 40
+    assert states["soak_slow_pair"].status == "completed" and states["soak_dozer"].result == 40
     steps = asyncio.run(engine.inspect(run_id)).steps
     assert [(s.label, s.attempts) for s in steps] == [("first", 1), ("second", 1)]
