@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -207,3 +208,46 @@ def test_a_lease_is_renewed_while_an_async_step_blocks_the_loop(tmp_path: Path) 
     except LeaseLostError:  # pragma: no cover - the failure this test exists to catch
         pytest.fail("the lease lapsed while a step blocked the event loop")
     assert intruder == [None]
+
+
+CTRL_C = textwrap.dedent('''
+    import sys
+    from durably_py import run, workflow
+
+    def tick(i):
+        return i
+
+    @workflow
+    async def sync_ticks(ctx, n):
+        total = 0
+        for i in range(n):
+            total += await ctx.step(tick, i)
+            if i == 50:
+                print("started", flush=True)
+        return total
+
+    if __name__ == "__main__":
+        run(sync_ticks, 10_000_000, dir=sys.argv[1])
+''')
+
+
+def test_one_ctrl_c_stops_a_run_of_quick_sync_steps_on_the_loop_thread(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "ticks.py"
+    script.write_text(CTRL_C)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "state")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            pytest.fail("one Ctrl-C did not stop the run")
+    assert "KeyboardInterrupt" in proc.stderr.read() or proc.returncode != 0
