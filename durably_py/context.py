@@ -6,22 +6,57 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
 from .codec import dump_value, load_value
 from .errors import ArgumentError, ValidationError
 from .history import BUDGET_KINDS
-from .kernel import PLAIN, Complete, RunHandle, StepOptions, current_attempt, label_of
+from .kernel import PLAIN, Complete, LoopDone, RunHandle, StepOptions, current_attempt, label_of
 from .policies import check_timeout
 from .records import Stash
 from .result import Err, Ok
 
 if TYPE_CHECKING:
+    from .clock import Clock
     from .graphs import Task
-    from .kernel import RunKernel
+    from .history import History
+    from .records import Record
 
 
 T = TypeVar("T")
+
+
+class Kernel(Protocol):
+    """What a workflow's `ctx` and `attempt()` need from the kernel running the workflow.
+
+    The kernel (`kernel.RunKernel`) implements this; it never imports this module, and the engine hands
+    it `AttemptContext` to build attempts with."""
+
+    run_id: str
+    history: History
+    clock: Clock
+    budget: dict[str, float] | None
+    spent: dict[str, float]
+
+    def write(self, rec: Record) -> None: ...
+    def step(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None,
+             opts: StepOptions) -> Awaitable[Any]: ...
+    def now(self) -> Any: ...
+    def random(self) -> float: ...
+    def uuid(self) -> str: ...
+    def replaying(self) -> bool: ...
+    def sleep_until(self, when: datetime) -> Awaitable[None]: ...
+    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]: ...
+    def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]: ...
+    def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
+             max_iterations: int | None) -> Awaitable[Any]: ...
+    def spawn(self, wf: Any, input: Any, detached: bool) -> Awaitable[RunHandle]: ...
+    def spawn_all(self, definitions: list[Any], detached: bool) -> Awaitable[list[RunHandle]]: ...
+    def join(self, handle: RunHandle) -> Awaitable[Any]: ...
+    def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]: ...
+    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]: ...
+    def charge(self, amounts: dict[str, float]) -> None: ...
+    def annotate(self, values: dict[str, Any]) -> None: ...
 
 _EVENT_LOCK = threading.Lock()
 _OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
@@ -32,7 +67,7 @@ class AttemptContext:
 
     __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event")
 
-    def __init__(self, kernel: RunKernel, path: str, number: int, stashed: Any) -> None:
+    def __init__(self, kernel: Kernel, path: str, number: int, stashed: Any) -> None:
         self.kernel = kernel
         self.path = path
         self.number = number
@@ -84,7 +119,7 @@ class AttemptContext:
 def attempt() -> AttemptContext:
     """The attempt of the step running in this task or thread."""
     try:
-        return current_attempt.get()
+        return cast(AttemptContext, current_attempt.get())
     except LookupError:
         raise ValidationError("attempt() was called outside a running step",
                               hint="Call attempt() inside the function passed to ctx.step().",
@@ -94,7 +129,7 @@ def attempt() -> AttemptContext:
 class BudgetView:
     """What the run may still spend, per kind (`usd`, `tokens`, `units`)."""
 
-    def __init__(self, kernel: RunKernel) -> None:
+    def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
 
     def _kind(self, kind: str) -> str:
@@ -111,15 +146,6 @@ class BudgetView:
         """Budget left (infinity when the kind has no budget)."""
         limit = (self._kernel.budget or {}).get(self._kind(kind))
         return float("inf") if limit is None else limit - self._kernel.spent[kind]
-
-
-class LoopDone:
-    """What a loop reducer returns to end the loop with `value`."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 class LoopIteration:
@@ -143,7 +169,7 @@ class LoopIteration:
 class WorkflowContext:
     """`ctx`: steps, fan-out, recorded time and randomness, logging, budgets."""
 
-    def __init__(self, kernel: RunKernel) -> None:
+    def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
         self.budget = BudgetView(kernel)
 
@@ -210,7 +236,13 @@ class WorkflowContext:
     def loop(self, initial: Any, reducer: Callable[..., Any], *, snapshot_every: int | None = None,
              max_iterations: int | None = None) -> Awaitable[Any]:
         """Iterate `reducer(state, it)` until it returns `it.done(value)`; resumes from the latest snapshot."""
-        return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)
+        if not callable(reducer):
+            return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)  # the kernel explains
+
+        def iterate(state: Any, number: int) -> Any:
+            return reducer(state, LoopIteration(self, number))
+
+        return self._kernel.loop(initial, iterate, snapshot_every, max_iterations)
 
     def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Awaitable[RunHandle]:
         """Start a child run of `wf` (its own durable run, retries and budget); join it with `ctx.join`."""

@@ -25,7 +25,7 @@ from . import records as log_format
 from .advisories import Advisory, AdvisoryTracker
 from .clock import Clock
 from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
-from .context import WorkflowContext
+from .context import AttemptContext, WorkflowContext
 from .errors import (
     CorruptLogError,
     DurablyError,
@@ -753,6 +753,7 @@ class Engine:
                                   silent=advisories == "silent",
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])
         kernel = RunKernel(engine=self, storage=self.storage, lease=lease, history=history, workflow=workflow,
+                           attempt_cls=AttemptContext,
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
                            on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
                            wait=wait)
@@ -792,6 +793,7 @@ class Engine:
         tracker = AdvisoryTracker(run_id, now=self.clock.now, silent=True,
                                   restored=[Advisory.from_dict(a) for a in history.advisories.values()])
         kernel = RunKernel(engine=self, storage=self.storage, lease=None, history=history,  # type: ignore[arg-type]
+                           attempt_cls=AttemptContext,
                            workflow=workflow, input=None, clock=self.clock, executor=self.executor,
                            checkpoint_every=None, on_step=on_step, advisories=tracker)
         kernel.shadow = True

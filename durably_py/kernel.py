@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import graphs, records
 from .advisories import AdvisoryTracker, RetryStormWindow, level_for
@@ -48,9 +48,12 @@ from .schema import compile_schema
 from .workflow import Workflow, as_workflow
 
 if TYPE_CHECKING:
-    from .context import AttemptContext, WorkflowContext
+    import contextlib
+
     from .graphs import Task
+    from .resources import Gates
     from .storage.base import Lease, Storage
+    from .threads import SyncPlacement
 
 CO_COROUTINE = inspect.CO_COROUTINE
 NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
@@ -107,7 +110,44 @@ class Scope:
 
 
 current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
-current_attempt: contextvars.ContextVar[AttemptContext] = contextvars.ContextVar("durably_attempt")
+class Attempt(Protocol):
+    """What the kernel needs of the object `attempt()` returns inside a step (`context.AttemptContext`)."""
+
+    kernel: Any
+    path: str
+    did_stash: bool
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineServices(Protocol):
+    """What the kernel asks of the engine that runs it (`engine.Engine` implements it): child runs, gates."""
+
+    concurrency: int
+    gates: Gates
+    placement: SyncPlacement
+
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str: ...
+
+    def start_child(self, run_id: str, workflow: Workflow | None, *,
+                    rerun_failed: bool = False) -> asyncio.Future[Any]: ...
+
+    def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+class LoopDone:
+    """What a loop reducer returns to end the loop with `value` (`it.done(value)`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+current_attempt: contextvars.ContextVar[Attempt] = contextvars.ContextVar("durably_attempt")
 
 Selector = tuple[int, ...] | str | tuple[str, int]
 
@@ -215,12 +255,12 @@ class Watchdog:
     """One timer for the timeouts of every running step of a run (cheaper than a timer per step)."""
 
     def __init__(self) -> None:
-        self.running: dict[int, tuple[float, asyncio.Task[Any], AttemptContext]] = {}
+        self.running: dict[int, tuple[float, asyncio.Task[Any], Attempt]] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.armed = float("inf")
         self.ids = iter(range(1 << 62))
 
-    def add(self, timeout: float, task: asyncio.Task[Any] | None, att: AttemptContext) -> int:
+    def add(self, timeout: float, task: asyncio.Task[Any] | None, att: Attempt) -> int:
         """Watch the attempt running in `task`; cancel it `timeout` seconds from now unless removed first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -261,14 +301,13 @@ class RunKernel:
 
     live = 0  # kernels running in this process (a sync step runs on the loop thread only while it is the only one)
 
-    def __init__(self, *, engine: Any, storage: Storage, lease: Lease, history: History, workflow: Workflow,
+    def __init__(self, *, engine: EngineServices, storage: Storage, lease: Lease, history: History,
+                 workflow: Workflow, attempt_cls: Callable[[RunKernel, str, int, Any], Attempt],
                  input: Any, clock: Clock, executor: Executor, checkpoint_every: int | None,
                  on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
                  crash_after: Selector | None = None, crash_in_step: Selector | None = None,
                  wait: bool = True, poll: float = 0.2) -> None:
-        from .context import AttemptContext
-
-        self.attempt_cls = AttemptContext
+        self.attempt_cls = attempt_cls
         self.engine = engine
         self.wait = wait
         self.poll = poll
@@ -302,7 +341,7 @@ class RunKernel:
         self.executions: dict[str, int] = {}
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
-        self.ctx: WorkflowContext | None = None
+        self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
         self.children: list[asyncio.Future[Any]] = []
         self.retrying = False
         self.joining = 0
@@ -315,7 +354,7 @@ class RunKernel:
         self.lost: LeaseLostError | None = None
         self.watchdog = Watchdog()
         self.placement = engine.placement
-        self.running: dict[AttemptContext, asyncio.Task[Any] | None] = {}
+        self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
         self.step_running_since: float | None = None
         self.branches = 0
         self.since_compaction = 0
@@ -693,7 +732,7 @@ class RunKernel:
         return value
 
     async def _failed(self, path: str, label: str, opts: StepOptions, number: int, ms: float,
-                      exc: Exception, att: AttemptContext) -> None:
+                      exc: Exception, att: Attempt) -> None:
         """Record a failed attempt; wait out the backoff and return to retry, or raise to fail the step."""
         retry: Retry | None = opts.retry
         storm = self.storm.record(failed=True, retry=number > 1)
@@ -1183,8 +1222,6 @@ class RunKernel:
 
     async def _loop(self, path: str, initial: Any, reducer: Callable[..., Any], every: int,
                     max_iterations: int | None) -> Any:
-        from .context import LoopDone, LoopIteration
-
         snap = self.history.snaps.get(path)
         if snap is not None:
             state, start = load_value(snap.state), snap.iteration + 1
@@ -1199,8 +1236,7 @@ class RunKernel:
                     path=list(path_tuple(path)), iterations=i)
             token = current_scope.set(Scope(f"{path}.{i}.", asyncio.current_task()))
             try:
-                assert self.ctx is not None
-                out = reducer(state, LoopIteration(self.ctx, i))
+                out = reducer(state, i)
                 if inspect.isawaitable(out):
                     out = await out
             finally:
@@ -1300,7 +1336,7 @@ class RunKernel:
             error.add_note(line)
             print(f"durably: {line}", file=sys.stderr)
 
-    async def run(self, ctx: WorkflowContext) -> Any:
+    async def run(self, ctx: object) -> Any:
         """Execute the workflow body and record how it ended."""
         self.ctx = ctx
         current_scope.set(Scope("", asyncio.current_task()))
@@ -1310,7 +1346,7 @@ class RunKernel:
         finally:
             RunKernel.live -= 1
 
-    async def _run(self, ctx: WorkflowContext) -> Any:
+    async def _run(self, ctx: object) -> Any:
         try:
             try:
                 if self.history.paused and not self.shadow:
