@@ -133,3 +133,40 @@ def test_cli_rejects_huge_or_deep_json_with_exit_2(tmp_path: Path, payload: str)
     signalled = cli("signal", "nope", "go", "@input.json", "--dir", str(tmp_path / "s"), cwd=tmp_path)
     assert signalled.returncode == 2, signalled.stderr
     assert "Traceback" not in signalled.stderr and "hint:" in signalled.stderr
+
+
+BIG: list[int] = []
+
+
+def big(i: int) -> str:
+    BIG.append(i)
+    return "x" * 20_000
+
+
+@workflow
+async def bulky(ctx: Any, n: int) -> int:
+    for i in range(n):
+        await ctx.step(big, i)
+    return n
+
+
+def test_a_full_sqlite_database_is_a_storage_full_error_and_the_run_resumes(tmp_path: Path) -> None:
+    from durably_py import SqliteStorage
+
+    store = SqliteStorage(tmp_path / "runs.db")
+    engine = create_engine(store)
+    assert asyncio.run(engine.run(three, 5)) == [0, 1, 2]
+    with store._lock:
+        db = store._db()
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count = {pages + 20}")
+    BIG.clear()
+    with pytest.raises(StorageFullError, match="SQLite") as raised:
+        asyncio.run(engine.run(bulky, 40))
+    assert raised.value.hint and raised.value.errno == errno.ENOSPC
+    done_before = len(BIG)
+    assert 0 < done_before < 40
+    with store._lock:
+        store._db().execute("PRAGMA max_page_count = 1073741823")
+    assert asyncio.run(engine.run(bulky, 40)) == 40
+    assert len(BIG) == 40 + 1  # only the step whose record did not fit ran again

@@ -18,6 +18,7 @@ threads of a process behind a lock; other processes coordinate through SQLite's 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -28,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, StorageFullError, ValidationError
 from .base import (
     Check,
     Lease,
@@ -440,11 +441,15 @@ def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iter
     db.execute(begin)
     try:
         yield db
-    except BaseException:
+        db.execute("COMMIT")
+    except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            error = StorageFullError(f"could not write to the SQLite database: {exc}; nothing of this write was kept")
+            error.errno = errno.ENOSPC
+            raise error from exc
         raise
-    db.execute("COMMIT")
 
 
 @contextmanager
