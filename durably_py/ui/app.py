@@ -33,6 +33,7 @@ COOKIE = "durably_ui_token"
 STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled", "pending",
             "stale")
 MAX_LIMIT = 1000
+STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 
@@ -88,6 +89,7 @@ class Console:
         self.loopback = loopback
         self.poll = poll
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.steps_done: dict[str, tuple[datetime | None, int | None]] = {}
 
     # ---- reads on worker threads -------------------------------------------------------------
     async def read(self, call: Callable[[], Awaitable[Any]]) -> Any:
@@ -215,16 +217,27 @@ class Console:
             out[name] = value
         return out
 
+    async def _steps_done(self, run_id: str, updated: datetime | None) -> int | None:
+        """A run's completed steps, read once per change of its log (a live runs page re-reads only what moved)."""
+        cached = self.steps_done.get(run_id)
+        if cached is not None and cached[0] == updated:
+            return cached[1]
+        try:
+            done: int | None = sum(s.status == "ok" for s in (await self.engine.inspect(run_id)).steps)
+        except DurablyError:
+            done = None
+        if len(self.steps_done) >= STEPS_CACHE:
+            self.steps_done.clear()
+        self.steps_done[run_id] = (updated, done)
+        return done
+
     async def _runs(self, filters: dict[str, Any]) -> list[dict[str, Any]]:
         """One page of runs as `durably list --json` gives them, plus each run's completed steps."""
         async def page() -> list[dict[str, Any]]:
             out = []
             for state in await self.engine.list(**filters):
                 row = state.to_dict()
-                try:
-                    row["steps_done"] = sum(s.status == "ok" for s in (await self.engine.inspect(state.run_id)).steps)
-                except DurablyError:
-                    row["steps_done"] = None
+                row["steps_done"] = await self._steps_done(state.run_id, state.updated_at)
                 out.append(row)
             return out
         return await self.read(page)
