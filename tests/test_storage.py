@@ -891,3 +891,38 @@ def test_claim_due_from_two_adapters_at_once_shares_no_run(store, tmp_path, requ
         t.join()
     assert sorted(got[0] + got[1]) == sorted(f"r{i}" for i in range(40))
     assert not set(got[0]) & set(got[1])
+
+
+def test_a_state_dir_from_before_the_queue_queues_its_unended_runs(tmp_path: Path) -> None:
+    import shutil
+
+    old = FileStorage(tmp_path / "state")
+    for run_id in ("open", "done"):
+        old.create(run_id, header(run_id))
+    lease = old.claim("done", "me", LONG)
+    old.append(lease, line(t="end", status="completed", result=1, error=None, ts=1.0))
+    old.release(lease)
+    shutil.rmtree(tmp_path / "state" / "queue")
+    upgraded = FileStorage(tmp_path / "state")
+    assert upgraded.due(10) == ["open"]
+    assert upgraded.entry("done") is None
+
+
+def test_a_sqlite_database_from_before_the_queue_queues_its_unended_runs(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    old = SqliteStorage(path)
+    for run_id in ("open", "done"):
+        old.create(run_id, header(run_id))
+    lease = old.claim("done", "me", LONG)
+    old.append(lease, line(t="end", status="completed", result=1, error=None, ts=1.0))
+    old.release(lease)
+    old.close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE queue")
+        db.execute("PRAGMA user_version=2")
+    upgraded = SqliteStorage(path)
+    assert upgraded.due(10) == ["open"]
+    assert upgraded.entry("done") is None
+    upgraded.close()

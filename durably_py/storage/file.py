@@ -205,6 +205,7 @@ class FileStorage:
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
         self.queue_dir = self.dir / "queue"
+        self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
         self._mine: set[_Held] = set()
@@ -644,10 +645,39 @@ class FileStorage:
     def _entry_path(self, run_id: str) -> Path:
         return self.queue_dir / f"{run_id}.json"
 
+    def _ensure_queue(self) -> None:
+        """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
+        that has not ended, so a worker takes its interrupted, sleeping and waiting runs over."""
+        if self._queue_ready:
+            return
+        try:
+            self.queue_dir.mkdir(parents=True)
+        except FileExistsError:
+            self._queue_ready = True
+            return
+        try:
+            names = os.listdir(self.runs_dir)
+        except FileNotFoundError:
+            names = []
+        with self._flock():
+            for name in names:
+                run_id = name[:-6]
+                if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
+                    continue
+                info = self.info(run_id)
+                if info is not None and info.last.get("t") != "end" and self._read_entry(run_id) is None:
+                    self._write_entry(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
+        self._queue_ready = True
+
     @contextmanager
     def _queue_lock(self) -> Iterator[None]:
         """Serialise changes to queue entries among threads and processes (a blocking flock)."""
-        self.queue_dir.mkdir(parents=True, exist_ok=True)
+        self._ensure_queue()
+        with self._flock():
+            yield
+
+    @contextmanager
+    def _flock(self) -> Iterator[None]:
         path = str(self.queue_dir / ".lock")
         if fcntl is None:  # pragma: no cover - Windows
             import filelock
@@ -720,6 +750,8 @@ class FileStorage:
 
     def entries(self) -> list[QueueEntry]:
         """Every queue entry (unfinished runs only), in no particular order."""
+        if not self._queue_ready and self.runs_dir.exists():
+            self._ensure_queue()
         try:
             names = os.listdir(self.queue_dir)
         except FileNotFoundError:

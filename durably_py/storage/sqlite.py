@@ -125,10 +125,13 @@ class SqliteStorage:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _transaction(conn):
-                if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version < SCHEMA_VERSION:
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
                             conn.execute(statement)
+                    if 0 < version < 3:
+                        _queue_unended(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._conn = conn
         return self._conn
@@ -433,6 +436,15 @@ class SqliteStorage:
             held = owner is not None and expires is not None and expires >= now
             infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
         return infos
+
+
+def _queue_unended(db: sqlite3.Connection) -> None:
+    """A database from before the queue: every run that has not ended enters it, due now, so a worker takes
+    its interrupted, sleeping and waiting runs over."""
+    for run_id, last, created, updated in db.execute("SELECT run_id, last, created, updated FROM runs").fetchall():
+        if (decode_record(last) or {}).get("t") != "end":
+            db.execute("INSERT OR IGNORE INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
+                       (run_id, updated, created))
 
 
 @contextmanager
