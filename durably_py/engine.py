@@ -436,29 +436,39 @@ class Engine:
                                   docs="docs/advisories.md")
         if key is not None:
             validate_key(key)
-        hook = _run_hook
-        if hook is not None:
+        hooks = run_hooks()
+        for hook in hooks:
             on_step = hook.chain(on_step)
         lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
         if lease is None:
-            if hook is not None:
-                hook.started(history.header["run_id"])
+            for hook in hooks:
+                hook.started(history.header.run_id, workflow.name, joined=True)
             if on_run is not None:
                 on_run(history.header.run_id)
             return self._joined(workflow, history)
         run_id = lease.run_id
-        if hook is not None:
-            hook.started(run_id)
+        for hook in hooks:
+            hook.started(run_id, workflow.name)
         if on_run is not None:
             on_run(run_id)
         if not self.storage.wake(run_id) and self.storage.entry(run_id) is None:
             self.storage.schedule(run_id, time.time())  # due at once should this process die while it runs
+        outcome: tuple[str, BaseException | None] = ("interrupted", None)
         try:
-            return await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                     advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+            value = await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                      advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+            outcome = ("completed", None)
+            return value
         except Parked as parked:
+            outcome = (parked.status, None)
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
                                  hint=self._parked_hint(run_id, parked.status)) from None
+        except Exception as exc:
+            outcome = (self._status(run_id), exc)
+            raise
+        finally:
+            for hook in hooks:
+                hook.ended(run_id, *outcome)
 
     async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                      budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
@@ -1167,16 +1177,21 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
 
 
 class RunHook:
-    """Lets the CLI watch every `run()` a script makes (its live progress view)."""
+    """Watches every run this process runs: its step events, when it starts and how it ends.
+
+    The CLI's live view is one (`set_run_hook`); OpenTelemetry export is another (`add_run_hook`)."""
 
     def __init__(self, listener: Callable[[StepEvent], Any], on_run: Callable[[str], Any] | None = None) -> None:
         self.listener = listener
         self.on_run = on_run
 
-    def started(self, run_id: str) -> None:
-        """Tell the watcher a run was found or created (also runs that never reach a step of their own)."""
+    def started(self, run_id: str, workflow: str = "", *, joined: bool = False) -> None:
+        """A run was found or created (also one with no step of its own); `joined`: another process runs it."""
         if self.on_run is not None:
             self.on_run(run_id)
+
+    def ended(self, run_id: str, status: str, error: BaseException | None) -> None:
+        """This process stopped running the run: completed, failed, cancelled, parked or interrupted."""
 
     def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
         def both(event: StepEvent) -> None:
@@ -1193,3 +1208,29 @@ def set_run_hook(hook: RunHook | None) -> None:
     """Install (or remove) the process-wide step listener the CLI uses."""
     global _run_hook
     _run_hook = hook
+
+
+_added_hooks: list[RunHook] = []
+_otel_checked = False
+
+
+def add_run_hook(hook: RunHook) -> None:
+    """Add a process-wide run watcher (in addition to the CLI's)."""
+    _added_hooks.append(hook)
+
+
+def remove_run_hook(hook: RunHook) -> None:
+    """Remove a watcher `add_run_hook` added."""
+    with contextlib.suppress(ValueError):
+        _added_hooks.remove(hook)
+
+
+def run_hooks() -> builtins.list[RunHook]:
+    """The watchers of a run starting now; the first call installs OpenTelemetry export when it is available."""
+    global _otel_checked
+    if not _otel_checked:
+        _otel_checked = True
+        from . import otel
+
+        otel.install_if_available()
+    return ([_run_hook] if _run_hook is not None else []) + _added_hooks
