@@ -226,7 +226,10 @@ def test_live_view_shows_the_wait_and_sigterm_restores_the_terminal(project: Pat
 def test_sigterm_exits_143_and_the_run_resumes(project: Path) -> None:
     args = [sys.executable, "-m", "durably_py.cli", "run", "wf.py", "--workflow", "napper", "--input", "1.5"]
     proc = subprocess.Popen(args, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(
+            b'"t":"ok"' in log.read_bytes() for log in (project / ".durably" / "runs").glob("napper-*.jsonl")):
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 143, err
