@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably
 
 from durably_py import CorruptLogError, FileStorage, create_engine, workflow
 from durably_py.errors import LogVersionError, ValidationError
@@ -214,10 +215,6 @@ if __name__ == "__main__":
 """
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
 
 
 @pytest.mark.parametrize("case", ["empty", "cut header", "header without run id", "future version",
@@ -227,8 +224,8 @@ def test_bad_log_through_the_cli(tmp_path: Path, case: str) -> None:
     script.write_text(textwrap.dedent(SCRIPT))
     mark = tmp_path / "mark.txt"
     state = tmp_path / "state"
-    assert cli("run", str(script), str(mark), "victim", "--dir", str(state), cwd=tmp_path).returncode == 0
-    assert cli("run", str(script), str(mark) + ".2", "neighbour", "--dir", str(state), cwd=tmp_path).returncode == 0
+    assert durably("run", str(script), str(mark), "victim", "--dir", str(state), cwd=tmp_path).returncode == 0
+    assert durably("run", str(script), str(mark) + ".2", "neighbour", "--dir", str(state), cwd=tmp_path).returncode == 0
     logs = sorted((state / "runs").glob("*.jsonl"), key=lambda p: lines_of(p)[0]["key"])
     assert len(logs) == 2
     neighbour, victim = logs
@@ -237,21 +234,21 @@ def test_bad_log_through_the_cli(tmp_path: Path, case: str) -> None:
     before, marks = victim.read_bytes(), mark.read_text()
     run_id = victim.name[:-6]
 
-    inspected = cli("inspect", run_id, "--dir", str(state), cwd=tmp_path)
+    inspected = durably("inspect", run_id, "--dir", str(state), cwd=tmp_path)
     assert inspected.returncode == 1
     assert "Traceback" not in inspected.stderr
     assert str(victim) in inspected.stderr and f"line {line}" in inspected.stderr and "hint:" in inspected.stderr
 
-    listed = cli("list", "--dir", str(state), "--json", cwd=tmp_path)
+    listed = durably("list", "--dir", str(state), "--json", cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     states = {s["run_id"]: s for s in json.loads(listed.stdout)}
     assert states[neighbour.name[:-6]]["status"] == "completed"
     if case not in ("missing field", "unknown kind"):
         assert states[run_id]["status"] == "corrupt"
-    table = cli("list", "--dir", str(state), cwd=tmp_path)
+    table = durably("list", "--dir", str(state), cwd=tmp_path)
     assert table.returncode == 0 and neighbour.name[:-6] in table.stdout
 
-    resumed = cli("run", str(script), str(mark), "victim", "--dir", str(state), cwd=tmp_path)
+    resumed = durably("run", str(script), str(mark), "victim", "--dir", str(state), cwd=tmp_path)
     assert resumed.returncode != 0 and "Traceback" not in resumed.stderr
     assert "CorruptLogError" in resumed.stderr or "LogVersionError" in resumed.stderr
     assert victim.read_bytes() == before and mark.read_text() == marks
@@ -314,7 +311,7 @@ def test_cli_never_imports_a_module_a_log_names(tmp_path: Path) -> None:
     script = tmp_path / "saga.py"
     script.write_text(textwrap.dedent(SCRIPT))
     state = tmp_path / "state"
-    assert cli("run", str(script), str(tmp_path / "mark.txt"), "victim", "--dir", str(state), cwd=tmp_path).returncode == 0
+    assert durably("run", str(script), str(tmp_path / "mark.txt"), "victim", "--dir", str(state), cwd=tmp_path).returncode == 0
     (victim,) = (state / "runs").glob("*.jsonl")
     marker = plant(tmp_path, "durably_planted_cli")
     with_recorded_error(victim, "durably_planted_cli:Boom")
@@ -322,9 +319,7 @@ def test_cli_never_imports_a_module_a_log_names(tmp_path: Path) -> None:
     env_path = str(marker.parent)
 
     def cli_planted(*args: str) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([env_path, *sys.path])}
-        return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--dir", str(state)], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=60)
+        return durably(*args, "--dir", str(state), cwd=tmp_path, PYTHONPATH=os.pathsep.join([env_path, *sys.path]))
 
     assert cli_planted("inspect", run_id).returncode == 0
     assert cli_planted("list").returncode == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import Stop
 
 from durably_py import (
     CorruptLogError,
@@ -23,10 +24,6 @@ from durably_py import (
 )
 
 Records = Callable[..., list[dict[str, Any]]]
-
-
-class Stop(BaseException):  # noqa: N818 - stands in for a killed process, not an error
-    """Raised by a test workflow to cut its run off mid-way."""
 
 
 class Flaky(Exception):

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import Stop, check_error, go
 
 from durably_py import (
-    DurablyError,
     Engine,
     FakeClock,
     FileStorage,
@@ -29,21 +27,8 @@ from durably_py import (
 )
 
 
-class Stop(BaseException):  # noqa: N818 - stands in for a killed process, not an error
-    """Raised by a test workflow to cut its run off mid-way."""
-
-
 class Flaky(Exception):
     """A step failure the test can switch off."""
-
-
-def go(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    return asyncio.run(main())
-
-
-def check_error(exc: BaseException) -> None:
-    assert isinstance(exc, DurablyError)
-    assert exc.hint and exc.docs
 
 
 def run_ids(state_dir: Path) -> list[str]:

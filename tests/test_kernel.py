@@ -7,14 +7,13 @@ killed process would: nothing is recorded after it and the run's lease is releas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from helpers import Stop, check_error, go
 
 from durably_py import (
-    DurablyError,
     Engine,
     Err,
     FakeClock,
@@ -34,10 +33,6 @@ from durably_py import (
     run,
     workflow,
 )
-
-
-class Stop(BaseException):  # noqa: N818 - stands in for a killed process, not an error
-    """Raised by a test workflow to cut its run off mid-way."""
 
 
 class Boom(Exception):
@@ -61,15 +56,6 @@ def parse() -> str:
 
 def new_engine(clock: FakeClock | None = None) -> Engine:
     return create_engine(MemoryStorage(), clock=clock or FakeClock())
-
-
-def go(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    return asyncio.run(main())
-
-
-def check_error(exc: BaseException) -> None:
-    assert isinstance(exc, DurablyError)
-    assert exc.hint and exc.docs
 
 
 async def interrupted(engine: Engine, wf: Workflow, input: Any = None) -> None:

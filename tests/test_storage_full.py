@@ -7,12 +7,11 @@ import asyncio
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably
 
 from durably_py import FileStorage, SerializationError, create_engine, workflow
 from durably_py.errors import DurablyError, StorageFullError
@@ -115,10 +114,6 @@ def test_huge_and_deep_values_are_serialization_errors(tmp_path: Path) -> None:
     assert not list((tmp_path / "runs").glob("*.jsonl")) if (tmp_path / "runs").exists() else True
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
 
 
 @pytest.mark.parametrize("payload", ["9" * 5000, "[" * 100_000 + "]" * 100_000])
@@ -126,11 +121,11 @@ def test_cli_rejects_huge_or_deep_json_with_exit_2(tmp_path: Path, payload: str)
     script = tmp_path / "wf.py"
     script.write_text("from durably_py import workflow\n\n@workflow\nasync def wf(ctx, x):\n    return 1\n")
     (tmp_path / "input.json").write_text(payload)
-    ran = cli("run", str(script), "--workflow", "wf", "--input", "@input.json", "--dir", str(tmp_path / "s"),
+    ran = durably("run", str(script), "--workflow", "wf", "--input", "@input.json", "--dir", str(tmp_path / "s"),
               cwd=tmp_path)
     assert ran.returncode == 2, ran.stderr
     assert "Traceback" not in ran.stderr and "hint:" in ran.stderr
-    signalled = cli("signal", "nope", "go", "@input.json", "--dir", str(tmp_path / "s"), cwd=tmp_path)
+    signalled = durably("signal", "nope", "go", "@input.json", "--dir", str(tmp_path / "s"), cwd=tmp_path)
     assert signalled.returncode == 2, signalled.stderr
     assert "Traceback" not in signalled.stderr and "hint:" in signalled.stderr
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import check_error, go
 
 from durably_py import (
-    DurablyError,
     Engine,
     FakeClock,
     MemoryStorage,
@@ -30,17 +29,8 @@ class Opaque:
     """A class instance that is not JSON."""
 
 
-def go(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    return asyncio.run(main())
-
-
 def new_engine() -> Engine:
     return create_engine(MemoryStorage(), clock=FakeClock())
-
-
-def check_error(exc: BaseException) -> None:
-    assert isinstance(exc, DurablyError)
-    assert exc.hint and exc.docs
 
 
 def noop() -> str:
