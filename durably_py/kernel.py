@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .threads import SyncPlacement
 
 CO_COROUTINE = inspect.CO_COROUTINE
+PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable
 NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
@@ -646,7 +647,7 @@ class RunKernel:
                         value = self.placement.inline(fn, args)
                         if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
                             self.control(force=True)
-                        if inspect.isawaitable(value):
+                        if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):
                             value = await value
                     else:
                         value = await self._invoke(fn, args, is_async)

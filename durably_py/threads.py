@@ -154,5 +154,7 @@ class SyncPlacement:
         try:
             return contextvars.copy_context().run(fn, *args)
         finally:
-            self.record(fn, time.perf_counter() - started, True)
             asyncio_events._set_running_loop(loop)
+            seconds = time.perf_counter() - started
+            if seconds >= QUICK_SECONDS:  # a quick call changes nothing: the function is quick already
+                self.record(fn, seconds, True)
