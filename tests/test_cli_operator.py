@@ -135,6 +135,24 @@ def durably(cwd: Path, *args: str, timeout: float = 60, **env: str) -> subproces
                           capture_output=True, text=True, timeout=timeout)
 
 
+def seed(cwd: Path, *runs: tuple[str, Any, str | None, bool]) -> None:
+    """Record runs of wf.py's workflows in one process (workflow, input, key, fail?): cheaper than one CLI each."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, ".")
+        import wf
+        from durably_py import run
+        for name, value, key, fail in {runs!r}:
+            os.environ["FAIL"] = "1" if fail else ""
+            try:
+                run(getattr(wf, name), value, key=key)
+            except Exception:
+                pass
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def as_json(proc: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(proc.stdout)
 
@@ -254,9 +272,7 @@ def test_no_wait_summary_says_what_the_run_waits_for(project: Path) -> None:
 
 
 def test_list_fits_80_columns_with_whole_ids_and_names_the_empty_filter(project: Path) -> None:
-    for n in range(3):
-        durably(project, "run", "wf.py", "--workflow", "twice", "--input", str(n), "--key", f"key-number-{n}")
-    durably(project, "run", "wf.py", "--workflow", "early", "--input", "1")
+    seed(project, *[("twice", n, f"key-number-{n}", False) for n in range(3)], ("early", 1, None, False))
     table = durably(project, "list")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
@@ -390,10 +406,7 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
 
 
 def test_list_filters_pages_and_quiet_ids_feed_xargs(project: Path) -> None:
-    for n in range(3):
-        durably(project, "run", "wf.py", "--workflow", "resumable", "--input", str(n), "--key", f"night-{n}",
-                FAIL="1" if n else "")
-    durably(project, "run", "wf.py", "--workflow", "twice", "--input", "1", "--key", "day-1")
+    seed(project, *[("resumable", n, f"night-{n}", n > 0) for n in range(3)], ("twice", 1, "day-1", False))
     rows = json.loads(durably(project, "list", "--json").stdout)
     assert len(rows) == 4
     failed = durably(project, "list", "-q", "--status", "failed")
