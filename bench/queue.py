@@ -11,7 +11,8 @@ Rows:
                     floor: the same M runs through `engine.run` one after another in this process (no queue,
                     no claims, no other process), as a ratio
   due query         median time of `storage.due(10)` with 100 pending runs, before and after E ended runs
-                    were added to the store (their ratio says whether ended runs slow the query)
+                    were added to the store (their ratio says whether ended runs slow the query); on
+                    PostgreSQL the ended runs' rows are inserted by one statement
 PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created and dropped).
 """
 
@@ -147,10 +148,18 @@ def due_query(url: str, ended: int, rounds: int = 30) -> tuple[float, float]:
         return statistics.median(times)
 
     before = timed()
-    for n in range(ended):
-        run_id = f"ended-{n}"
-        storage.create(run_id, header % run_id.encode())
-        storage.unschedule(run_id)
+    if type(storage).__name__ == "PostgresStorage":
+        # One statement instead of 200,000 durable round trips: the same rows `create` + `unschedule` leave.
+        end = b'{"t":"end","status":"completed","result":1}\n'
+        with storage._cursor(transaction=True) as cur:
+            cur.execute(f"INSERT INTO {storage._runs} (run_id, header, last, size) SELECT 'ended-' || g,"
+                        " convert_to('{\"t\":\"run\",\"v\":1,\"run_id\":\"ended-' || g || '\",\"workflow\":\"wf\"}'"
+                        " || chr(10), 'UTF8'), %s, 100 FROM generate_series(1, %s) g", (end, ended))
+    else:
+        for n in range(ended):
+            run_id = f"ended-{n}"
+            storage.create(run_id, header % run_id.encode())
+            storage.unschedule(run_id)
     after = timed()
     storage.close()
     return before, after
