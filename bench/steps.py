@@ -38,9 +38,6 @@ import msgspec
 
 # bench/ holds a queue.py: keep the folder off sys.path so `import queue` finds the stdlib's
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-# durably's own cost: with the OpenTelemetry API installed every step would also feed the span hook
-# (DURABLY_OTEL=1 python bench/steps.py measures that too)
-os.environ.setdefault("DURABLY_OTEL", "0")
 
 from durably_py import Engine, FileStorage, workflow  # noqa: E402
 

@@ -1193,6 +1193,10 @@ class RunHook:
     def ended(self, run_id: str, status: str, error: BaseException | None) -> None:
         """This process stopped running the run: completed, failed, cancelled, parked or interrupted."""
 
+    def active(self) -> bool:
+        """Whether to watch a run starting now; a watcher with nothing to report opts out and costs nothing."""
+        return True
+
     def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
         def both(event: StepEvent) -> None:
             self.listener(event)
@@ -1233,4 +1237,4 @@ def run_hooks() -> builtins.list[RunHook]:
         from . import otel
 
         otel.install_if_available()
-    return ([_run_hook] if _run_hook is not None else []) + _added_hooks
+    return ([_run_hook] if _run_hook is not None else []) + [hook for hook in _added_hooks if hook.active()]

@@ -41,6 +41,12 @@ class OtelHook(RunHook):
         self.attempts: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.workflows: dict[str, str] = {}
 
+    def active(self) -> bool:
+        """Only while a tracer provider is configured: before that, spans would go nowhere at the cost of every step."""
+        from opentelemetry import trace
+
+        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
     @staticmethod
     def tracer() -> Any:
         from opentelemetry import trace

@@ -101,3 +101,28 @@ def test_spans_per_run_and_step_attempt_and_replayed_steps_are_not_exported_agai
 
 def test_durably_otel_0_turns_export_off(tmp_path: Path) -> None:
     assert traced(tmp_path, DURABLY_OTEL="0") == {"FIRST": [], "SECOND": []}
+
+
+def test_no_tracer_provider_means_no_span_hook_in_the_run(tmp_path: Path) -> None:
+    code = textwrap.dedent('''
+        import sys
+        from durably_py import engine, run, workflow
+        from durably_py.otel import OtelHook
+
+        @workflow
+        async def plain(ctx, n):
+            return n
+
+        assert run(plain, 1, dir=sys.argv[1]) == 1
+        installed = [h for h in engine._added_hooks if isinstance(h, OtelHook)]
+        print(len(installed), len(engine.run_hooks()))
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        trace.set_tracer_provider(TracerProvider())
+        print(len(engine.run_hooks()))
+    ''')
+    full = {k: v for k, v in os.environ.items() if k != "DURABLY_OTEL"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "state")], capture_output=True, text=True,
+                          timeout=60, env=full)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "0", "1"]
