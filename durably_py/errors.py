@@ -252,3 +252,10 @@ class RunParkedError(DurablyError):
 
     default_hint = "Send the signal with `durably signal`, or run again after the wake time."
     anchor = "runparkederror"
+
+
+class NotSupportedError(DurablyError):
+    """A feature the current execution mode cannot provide (e.g. `stash` on Restate); `feature` and `mode` name it."""
+
+    default_hint = "Run this workflow on FileStorage, SQLite or PostgreSQL, or avoid the feature in this mode."
+    anchor = "notsupportederror"

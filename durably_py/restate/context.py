@@ -1,0 +1,310 @@
+"""`ctx` for a workflow running on Restate: the same API as on files, backed by the invocation's journal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+
+from ..errors import LoopLimitError, PurityError, ValidationError
+from ..kernel import Complete, RunHandle, StepOptions, _is_async, label_of
+from ..policies import check_timeout
+from ..result import Err, Ok
+from ..schema import compile_schema
+from ..workflow import as_workflow
+from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
+from .unsupported import unsupported
+
+
+class _Scope:
+    """Allocates the paths of one sequential strand (the body, a parallel branch, a loop turn)."""
+
+    __slots__ = ("prefix", "n", "owner")
+
+    def __init__(self, prefix: str, owner: asyncio.Task[Any] | None) -> None:
+        self.prefix = prefix
+        self.n = 0
+        self.owner = owner
+
+    def alloc(self) -> str:
+        path = f"{self.prefix}{self.n}"
+        self.n += 1
+        return path
+
+
+_scope: contextvars.ContextVar[_Scope] = contextvars.ContextVar("durably_restate_scope")
+
+
+class _NoBudget:
+    """`ctx.budget` on Restate: budgets are not mapped, so any use says so."""
+
+    def spent(self, kind: str) -> float:
+        raise unsupported("ctx.budget", "budgets are not journaled on Restate")
+
+    def remaining(self, kind: str) -> float:
+        raise unsupported("ctx.budget", "budgets are not journaled on Restate")
+
+
+class RestateWorkflowContext:
+    """What a workflow sees on Restate; every durable call registers an op the pump journals."""
+
+    def __init__(self, pump: Pump, run_id: str) -> None:
+        self._pump = pump
+        self._run_id = run_id
+        self._slots: dict[str, int] = {}
+        self.budget = _NoBudget()
+
+    @property
+    def run_id(self) -> str:
+        """The id of the durable run (the Restate workflow key)."""
+        return self._run_id
+
+    @property
+    def attempt(self) -> int:
+        """The workflow attempt; Restate does not expose it to the workflow, so always 1."""
+        return 1
+
+    def _scope(self) -> _Scope:
+        try:
+            scope = _scope.get()
+        except LookupError:
+            raise PurityError("ctx was used outside its running workflow",
+                              hint="Call ctx methods only while the workflow function runs.") from None
+        if scope.owner is not None and scope.owner is not asyncio.current_task():
+            raise PurityError(
+                "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
+                "coroutines that call ctx.step), so its path would depend on scheduling",
+                hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
+                     "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
+                docs="docs/authoring.md#paths")
+        return scope
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+             timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+             schema: Any = None, replay: str = "safe") -> Awaitable[Any]:
+        """Run `fn(*args)` once, durably, as a Restate `run` entry named `label@path`."""
+        if not callable(fn):
+            raise ValidationError(f"ctx.step needs a callable, got {fn!r}",
+                                  hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
+                                  docs="docs/authoring.md#steps")
+        label = name or label_of(fn)
+        opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
+        if concurrency_key is not None:
+            raise unsupported("concurrency_key=", "Restate has no step concurrency limits shared across runs")
+        if uses is not None:
+            raise unsupported("uses= (resources and rate limits)",
+                              "Restate has no shared rate limits or circuit breakers across runs")
+        path = self._scope().alloc()
+        return StepOp(self._pump, fn, args, label, path, opts.retry, opts.timeout, opts.schema, opts.unsafe,
+                      compensate, _is_async(fn))
+
+    def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
+        """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                        or concurrency < 1):
+            raise ValidationError(f"ctx.parallel concurrency= must be an int >= 1, got {concurrency!r}",
+                                  hint="Omit concurrency= to run every branch at once.",
+                                  docs="docs/authoring.md#parallel")
+        items = list(items)
+        for i, item in enumerate(items):
+            if not (inspect.isawaitable(item) or callable(item)):
+                raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
+                                      hint="Pass ctx.step(...) awaitables or zero-argument callables.",
+                                      docs="docs/authoring.md#parallel")
+        scope = self._scope()
+        prefix = None if all(isinstance(item, StepOp) for item in items) else scope.alloc()
+        return self._parallel(prefix, items, concurrency)
+
+    async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def branch(i: int, item: Any) -> Ok[Any] | Err:
+            if prefix is not None:
+                _scope.set(_Scope(f"{prefix}.{i}.", asyncio.current_task()))
+            if gate is not None:
+                await gate.acquire()
+            try:
+                value = item() if callable(item) and not inspect.isawaitable(item) else item
+                if inspect.isawaitable(value):
+                    value = await value
+                return Ok(value)
+            except Exception as exc:  # noqa: BLE001 - a branch failure is its Err result
+                return Err(exc)
+            finally:
+                if gate is not None:
+                    gate.release()
+
+        tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
+        return list(await asyncio.gather(*tasks))
+
+    def loop(self, initial: Any, reducer: Callable[..., Any], *, snapshot_every: int | None = None,
+             max_iterations: int | None = None) -> Awaitable[Any]:
+        """Iterate `reducer(state, it)` until `it.done(value)`; on Restate every iteration stays in the journal."""
+        if snapshot_every is not None:
+            raise unsupported("ctx.loop(snapshot_every=)", "a Restate journal replays whole; it cannot resume "
+                              "from a snapshot", "Drop snapshot_every=; the loop then replays every iteration.")
+        if not inspect.iscoroutinefunction(reducer):
+            raise ValidationError("ctx.loop needs an async reducer",
+                                  hint="Pass `async def reducer(state, it)` returning the next state or "
+                                       "it.done(value).", docs="docs/authoring.md#loops")
+        path = self._scope().alloc()
+        return self._loop(path, initial, reducer, max_iterations)
+
+    async def _loop(self, path: str, state: Any, reducer: Callable[..., Any], limit: int | None) -> Any:
+        from ..context import LoopDone, LoopIteration
+
+        i = 0
+        while True:
+            if limit is not None and i >= limit:
+                raise LoopLimitError(f"ctx.loop ran {limit} iterations without it.done()", max_iterations=limit)
+            token = _scope.set(_Scope(f"{path}.{i}.", asyncio.current_task()))
+            try:
+                state = await reducer(state, LoopIteration(self, i))  # type: ignore[arg-type]
+            finally:
+                _scope.reset(token)
+            if isinstance(state, LoopDone):
+                return state.value
+            i += 1
+
+    # ---- children ---------------------------------------------------------------------------------------
+    def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Awaitable[RunHandle]:
+        """Start a child run of `wf` as the Restate workflow `durably.<name>`, keyed `<run id>~<path>`."""
+        workflow = as_workflow(wf)
+        op = SpawnOp(self._pump, self._scope().alloc(), workflow, input, detached)
+        return self._handle(op, workflow)
+
+    async def _handle(self, op: SpawnOp, workflow: Any) -> RunHandle:
+        return RunHandle(await op, workflow)
+
+    def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Awaitable[list[RunHandle]]:
+        """Start one child run per `(workflow, input)` pair."""
+        pairs = []
+        for i, item in enumerate(definitions):
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
+                                      hint="ctx.spawn_all([(summarize, url) for url in urls])",
+                                      docs="docs/authoring.md#child-runs")
+            pairs.append((as_workflow(item[0]), item[1]))
+        prefix = self._scope().alloc()
+        ops = [(SpawnOp(self._pump, f"{prefix}.{i}", wf, value, detached), wf) for i, (wf, value) in enumerate(pairs)]
+        return self._handles(ops)
+
+    async def _handles(self, ops: list[tuple[SpawnOp, Any]]) -> list[RunHandle]:
+        return [RunHandle(await op, wf) for op, wf in ops]
+
+    def join(self, handle: RunHandle) -> Awaitable[Any]:
+        """Wait for a child run to end; return its result or raise its error."""
+        if not isinstance(handle, RunHandle):
+            raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
+                                  hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
+                                  docs="docs/authoring.md#child-runs")
+        return JoinOp(self._pump, self._scope().alloc(), handle.run_id)
+
+    def join_all(self, handles: Iterable[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
+        """Wait for every child run; one `Ok`/`Err` per handle, in order."""
+        return self.parallel([lambda h=h: self.join(h) for h in handles])
+
+    def graph(self, tasks: Mapping[str, Any]) -> Awaitable[dict[str, Ok[Any] | Err]]:
+        """Not available on Restate."""
+        raise unsupported("ctx.graph", "task graphs are not mapped to Restate yet",
+                          "Spawn the tasks with ctx.spawn and join them in dependency order.")
+
+    # ---- parking ----------------------------------------------------------------------------------------
+    def sleep(self, seconds: float) -> Awaitable[None]:
+        """Wait `seconds` on a Restate durable timer (no process is held meanwhile)."""
+        if seconds != 0:
+            check_timeout(seconds, "ctx.sleep seconds")
+        return SleepOp(self._pump, self._scope().alloc(), float(seconds))
+
+    def sleep_until(self, when: datetime) -> Awaitable[None]:
+        """Wait durably until `when` (timezone-aware), measured from the journaled `ctx.now()`."""
+        if not isinstance(when, datetime) or when.tzinfo is None:
+            raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
+                                  hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
+                                  docs="docs/authoring.md#parking")
+        seconds = (when - self.now()).total_seconds()
+        return SleepOp(self._pump, self._scope().alloc(), max(seconds, 0.0))
+
+    def wait_for(self, name: str, schema: Any = None, *, timeout: float | None = None) -> Awaitable[Any]:
+        """Park until signal `name` arrives and return its payload; `WaitTimeoutError` after `timeout` seconds."""
+        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
+            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
+                                  hint="Name what you wait for, e.g. ctx.wait_for('approval').",
+                                  docs="docs/authoring.md#parking")
+        timeout = check_timeout(timeout, "wait_for timeout=")
+        compiled = compile_schema(schema, f"schema of wait_for({name!r})")
+        path = self._scope().alloc()
+        slot = self._slots[name] = self._slots.get(name, -1) + 1
+        return WaitOp(self._pump, path, name, slot, timeout, compiled)
+
+    # ---- recorded values --------------------------------------------------------------------------------
+    def now(self) -> datetime:
+        """The current time, journaled as a `run` entry (replay returns the same instant)."""
+        path = self._scope().alloc()
+        return datetime.fromtimestamp(self._pump.now(f"ctx.now@{path}"), UTC)
+
+    def random(self) -> float:
+        """A random float in [0, 1) from the invocation's seeded generator (stable across replays)."""
+        return self._pump.random.random()
+
+    def uuid(self) -> str:
+        """A random UUID4 string from the invocation's seeded generator."""
+        return new_uuid(self._pump.random)
+
+    def log(self, *values: Any, **print_kwargs: Any) -> None:
+        """print(), but only when the workflow is live, never while it replays its journal."""
+        if not self._pump.replaying:
+            print(*values, **print_kwargs)
+
+    def complete(self, value: Any = None) -> NoReturn:
+        """End the workflow now with `value`."""
+        raise Complete(value)
+
+    def charge(self, *, usd: float = 0, tokens: float = 0, units: float = 0) -> None:
+        """Not available on Restate."""
+        raise unsupported("ctx.charge (budgets)", "budgets are not journaled on Restate")
+
+    def annotate(self, **values: Any) -> None:
+        """Not available on Restate."""
+        raise unsupported("ctx.annotate", "run annotations are not stored on Restate")
+
+
+def enter_root(pump: Pump) -> None:
+    """Give the workflow body its root path scope (called inside the body's task)."""
+    _scope.set(_Scope("", asyncio.current_task()))
+
+
+async def run_body(pump: Pump, ctx: RestateWorkflowContext, workflow: Any, input: Any) -> tuple[str, Any]:
+    """The workflow body on its thread: its result wire, or its error after the compensations ran."""
+    from ..codec import dump_error, dump_value
+
+    enter_root(pump)
+    try:
+        try:
+            result = await workflow(ctx, input)
+        except Complete as done:
+            result = done.value
+        schema = workflow.output_schema
+        wire = dump_value(schema.to_builtins(result) if schema else result, "result")
+        if schema is not None:
+            from ..codec import load_value
+            schema.convert(load_value(wire), "result")
+        return "ok", wire
+    except Exception as exc:  # noqa: BLE001 - the run's failure is its outcome
+        await _compensate(ctx, exc)
+        return "err", (exc, dump_error(exc))
+
+
+async def _compensate(ctx: RestateWorkflowContext, error: BaseException) -> None:
+    """Each completed step's compensation, newest first, as a journaled step of its own."""
+    for i, (fn, value, label, path) in enumerate(reversed(ctx._pump.compensations)):
+        _scope.set(_Scope(f"comp.{i}.", asyncio.current_task()))
+        try:
+            await ctx.step(fn, value, name=f"compensate {label}")
+        except Exception as exc:  # noqa: BLE001 - reported; the others still run
+            error.add_note(f"compensation of step {label!r} at {path} failed: {type(exc).__name__}: {exc}")

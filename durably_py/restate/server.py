@@ -1,0 +1,124 @@
+"""`durably serve --restate`: serve imported workflows over HTTP/2 and register them with the Restate admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import signal
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ..errors import ValidationError
+from ..workflow import REGISTRY, load_script
+
+DEFAULT_ADMIN = "http://127.0.0.1:9070"
+
+
+def import_workflows(targets: list[str]) -> list[str]:
+    """Import each script path or module name; return the names of every workflow now registered."""
+    for target in targets:
+        if target.endswith(".py") or Path(target).is_file():
+            if not Path(target).is_file():
+                raise ValidationError(f"no such script: {target}", hint="Pass a .py file or an importable module.")
+            load_script(target)
+        else:
+            try:
+                importlib.import_module(target)
+            except ImportError as exc:
+                raise ValidationError(f"cannot import {target!r}: {exc}",
+                                      hint="Pass a .py file or a module on sys.path.") from exc
+    return sorted(REGISTRY)
+
+
+def register(admin: str, uri: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Register the deployment at `uri` with the Restate admin API (`POST /deployments`); return its answer."""
+    body = json.dumps({"uri": uri, "force": True}).encode()
+    request = urllib.request.Request(f"{admin.rstrip('/')}/deployments", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise ValidationError(f"Restate refused to register {uri}: HTTP {exc.code} {detail}",
+                              hint="Check that the admin URL is right and that the server can reach the "
+                                   "deployment URL.", docs="docs/restate.md#serving") from None
+    except OSError as exc:
+        raise ValidationError(f"cannot reach the Restate admin API at {admin}: {exc}",
+                              hint="Start restate-server, or pass --restate-admin / DURABLY_RESTATE_ADMIN.",
+                              docs="docs/restate.md#serving") from None
+
+
+async def _wait_listening(host: str, port: int) -> None:
+    for _ in range(400):
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.025)
+    raise ValidationError(f"the service did not start listening on {host}:{port}")
+
+
+async def serve_async(*, host: str = "127.0.0.1", port: int = 9080, admin: str | None = DEFAULT_ADMIN,
+                      advertise: str | None = None, announce: Any = None) -> None:
+    """Serve every imported workflow until SIGINT/SIGTERM; register the deployment first when `admin` is set."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from .service import app
+
+    if not REGISTRY:
+        raise ValidationError("no workflows to serve", hint="Pass --import SCRIPT_OR_MODULE defining @workflow "
+                              "functions.", docs="docs/restate.md#serving")
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = asyncio.ensure_future(serve(app(), config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+    await _wait_listening(host, port)
+    uri = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    if admin:
+        answer = await asyncio.to_thread(register, admin, uri)
+        services = [s.get("name") for s in answer.get("services", [])]
+    else:
+        services = [f"durably.{name}" for name in sorted(REGISTRY)]
+    if announce is not None:
+        announce(uri, services)
+    await server
+
+
+def free_port() -> int:
+    """A free loopback TCP port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m durably_py.restate.server --import flows.py --port 9080 --admin URL` (what the CLI runs)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="durably serve --restate")
+    parser.add_argument("--import", dest="imports", action="append", default=[])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9080)
+    parser.add_argument("--admin", default=DEFAULT_ADMIN)
+    parser.add_argument("--no-register", action="store_true")
+    args = parser.parse_args(argv)
+    import_workflows(args.imports)
+    asyncio.run(serve_async(host=args.host, port=args.port, admin=None if args.no_register else args.admin,
+                            announce=lambda uri, s: print(f"serving {', '.join(s)} at {uri}", flush=True)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Restate mode against a real restate-server: the same workflows give the same results as on FileStorage,
+through `durably serve --restate` and `durably run/signal/list/inspect/cancel --restate` subprocesses, and
+survive SIGKILLs of the service."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from restate_env import ROOT, RestateEnv, server_binary
+
+pytest.importorskip("restate", reason="the restate extra (restate-sdk) is not installed")
+if server_binary() is None:  # pragma: no cover - CI installs it via .ci/run
+    pytest.skip("restate-server is not installed (.ci/run installs it into .ci/restate)", allow_module_level=True)
+
+FLOWS = str(ROOT / "tests" / "restate_flows.py")
+
+
+@pytest.fixture(scope="module")
+def marks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("marks")
+    os.environ["DURABLY_TEST_MARKS"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(marks: Path) -> Any:
+    environment = RestateEnv([FLOWS, str(ROOT / "examples" / "approval.py")])
+    yield environment
+    environment.close()
+
+
+@pytest.fixture(scope="module")
+def replay_env(marks: Path) -> Any:
+    environment = RestateEnv([FLOWS], always_replay=True)
+    yield environment
+    environment.close()
+
+
+def cli(env: RestateEnv, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--restate", env.ingress,
+                           "--restate-admin", env.admin], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def on_files(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--dir", str(tmp_path / "state")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def start(env: RestateEnv, workflow: str, input: Any, key: str) -> None:
+    from durably_py.restate.client import RestateClient
+
+    RestateClient(env.ingress, env.admin).start(workflow, input, key=key)
+
+
+def executions(marks: Path, tag: str) -> int:
+    return sum(len(p.read_text()) for p in marks.glob(f"{tag}.*"))
+
+
+CONFORMANCE = [("basics", "3"), ("parent", "[1, -2, 3]"), ("fan_branches", '{"branches": 4, "steps": 3}'),
+               ("saga", "null")]
+
+
+@pytest.mark.parametrize(("workflow", "input"), CONFORMANCE)
+def test_same_workflow_same_result_as_on_files(env: RestateEnv, tmp_path: Path, workflow: str, input: str) -> None:
+    files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"conf-{workflow}",
+                     "--json")
+    restate = cli(env, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"conf-{workflow}")
+    assert restate.returncode == files.returncode, restate.stderr
+    if files.returncode == 0:
+        assert json.loads(restate.stdout) == json.loads(files.stdout)
+    else:
+        assert "RuntimeError: carrier down" in restate.stderr and "carrier down" in files.stderr
+
+
+def test_saga_compensates_in_reverse_once(env: RestateEnv, marks: Path) -> None:
+    done = cli(env, "run", FLOWS, "--workflow", "saga", "--key", "saga-2")
+    assert done.returncode == 1 and "carrier down" in done.stderr
+    state = json.loads(cli(env, "inspect", "saga-2", "--json").stdout)
+    assert state["status"] == "failed"
+    assert [s["label"] for s in state["steps"]] == ["reserve", "reserve", "ship"]
+    assert state["steps"][2]["error"]["type"] == "builtins:RuntimeError"
+
+
+def test_wait_for_signals_park_and_queue(env: RestateEnv) -> None:
+    parked = cli(env, "run", FLOWS, "--workflow", "signals", "--key", "sig-1", "--no-wait")
+    assert parked.returncode == 3, parked.stderr
+    time.sleep(0.4)  # past the 0.3 s deadline of the first wait
+    assert cli(env, "signal", "sig-1", "go", "1").returncode == 0
+    assert cli(env, "signal", "sig-1", "go", '"two"').returncode == 0
+    done = cli(env, "run", FLOWS, "--workflow", "signals", "--key", "sig-1")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["timeout", 1, "two"]
+    listed = json.loads(cli(env, "list", "--json", "--workflow", "signals").stdout)
+    assert [(r["run_id"], r["status"]) for r in listed] == [("sig-1", "completed")]
+
+
+def test_approval_example_runs_unchanged(env: RestateEnv) -> None:
+    example = str(ROOT / "examples" / "approval.py")
+    parked = cli(env, "run", example, "--workflow", "expense", "--input", '{"amount": 420}', "--key", "exp-1",
+                 "--no-wait")
+    assert parked.returncode == 3, parked.stderr
+    state = json.loads(cli(env, "inspect", "exp-1", "--json").stdout)
+    assert state["status"] in ("waiting", "running")
+    assert cli(env, "signal", "exp-1", "approval", '{"ok": true, "by": "ana"}').returncode == 0
+    done = cli(env, "run", example, "--workflow", "expense", "--input", '{"amount": 420}', "--key", "exp-1")
+    assert json.loads(done.stdout) == "paid 420.00, approved by ana", done.stderr
+
+
+def test_identity_by_input_digest_runs_once(env: RestateEnv, marks: Path) -> None:
+    first = cli(env, "run", FLOWS, "--workflow", "seq", "--input", "2")
+    second = cli(env, "run", FLOWS, "--workflow", "seq", "--input", "2")
+    assert first.returncode == second.returncode == 0, first.stderr
+    assert json.loads(first.stdout) == json.loads(second.stdout) == 1
+    assert executions(marks, "seq2-0") == 1 and executions(marks, "seq2-1") == 1
+    assert len(json.loads(cli(env, "list", "--json", "--workflow", "seq").stdout)) == 1
+
+
+def test_unsupported_feature_fails_loudly(env: RestateEnv) -> None:
+    done = cli(env, "run", FLOWS, "--workflow", "budgeted", "--key", "budget-1")
+    assert done.returncode == 1
+    assert "NotSupportedError" in done.stderr and "ctx.charge" in done.stderr and "Restate mode" in done.stderr
+
+
+def test_cancel_ends_a_parked_run(env: RestateEnv) -> None:
+    assert cli(env, "run", FLOWS, "--workflow", "signals", "--key", "sig-cancel", "--no-wait").returncode == 3
+    cancelled = cli(env, "cancel", "sig-cancel", "--json")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert json.loads(cancelled.stdout)["status"] == "cancelled"
+
+
+def test_serve_needs_restate_flag() -> None:
+    done = subprocess.run([sys.executable, "-m", "durably_py.cli", "serve", "--import", FLOWS], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--restate" in done.stderr
+
+
+def test_unsafe_step_killed_inside_is_interrupted_not_rerun(env: RestateEnv, marks: Path) -> None:
+    start(env, "charge", 2, "charge-1")
+    deadline = time.monotonic() + 10
+    while executions(marks, "charge") == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    env.service.kill()
+    env.service.start()
+    done = cli(env, "run", FLOWS, "--workflow", "charge", "--input", "2", "--key", "charge-1")
+    assert json.loads(done.stdout) == "interrupted: StepInterruptedError", done.stderr
+    assert executions(marks, "charge") == 1
+
+
+def test_sigkill_mid_run_reruns_no_completed_step(env: RestateEnv, marks: Path) -> None:
+    start(env, "seq", 10, "seq-kill")
+    deadline = time.monotonic() + 20
+    while sum(executions(marks, f"seq10-{i}") for i in range(10)) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    env.service.kill()
+    before = [executions(marks, f"seq10-{i}") for i in range(10)]
+    env.service.start()
+    done = cli(env, "run", FLOWS, "--workflow", "seq", "--input", "10", "--key", "seq-kill")
+    assert json.loads(done.stdout) == sum(range(10)), done.stderr
+    after = [executions(marks, f"seq10-{i}") for i in range(10)]
+    assert 0 < sum(before) < 10
+    assert all(n <= 2 for n in after) and sum(n == 2 for n in after) <= 1, after
+
+
+def test_branches_survive_repeated_kills(env: RestateEnv, marks: Path) -> None:
+    spec = '{"branches": 5, "steps": 4, "tag": "kill"}'
+    start(env, "fan_branches", json.loads(spec), "fb-kill")
+    rng = random.Random(7)
+    for _ in range(3):
+        time.sleep(rng.uniform(0.03, 0.12))
+        env.service.kill()
+        env.service.start()
+    done = cli(env, "run", FLOWS, "--workflow", "fan_branches", "--input", spec, "--key", "fb-kill")
+    assert json.loads(done.stdout) == [[f"kill-{b}-{s}" for s in range(4)] for b in range(5)], done.stderr
+    for b in range(5):
+        runs = [executions(marks, f"kill-{b}-{s}") for s in range(4)]
+        assert all(n >= 1 for n in runs) and sum(runs) - 4 <= 3, runs
+
+
+def test_always_replay_gives_the_same_results(replay_env: RestateEnv, tmp_path: Path) -> None:
+    for workflow, input in CONFORMANCE[:3]:
+        files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"ar-{workflow}",
+                         "--json")
+        restate = cli(replay_env, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"ar-{workflow}")
+        assert restate.returncode == 0, restate.stderr
+        assert json.loads(restate.stdout) == json.loads(files.stdout)
+    journal = replay_env.sql("SELECT count(*) AS n FROM sys_journal WHERE name = 'durably:sched'")
+    assert journal[0]["n"] > 0
+
+
+@pytest.mark.slow
+def test_branches_survive_many_random_kills(env: RestateEnv, marks: Path) -> None:
+    rng = random.Random(11)
+    for trial in range(12):
+        branches, steps = rng.randint(4, 8), 3
+        spec = json.dumps({"branches": branches, "steps": steps, "tag": f"soak{trial}"})
+        key = f"fb-soak-{trial}"
+        start(env, "fan_branches", json.loads(spec), key)
+        time.sleep(rng.uniform(0.02, 0.35))
+        env.service.kill()
+        env.service.start()
+        done = cli(env, "run", FLOWS, "--workflow", "fan_branches", "--input", spec, "--key", key)
+        assert json.loads(done.stdout) == [[f"soak{trial}-{b}-{s}" for s in range(steps)] for b in range(branches)]
+        for b in range(branches):
+            runs = [executions(marks, f"soak{trial}-{b}-{s}") for s in range(steps)]
+            assert sum(runs) - steps <= 1, (trial, b, runs)
+
+
+def test_commands_restate_cannot_offer_say_so() -> None:
+    done = subprocess.run([sys.executable, "-m", "durably_py.cli", "retry", "some-run", "--restate",
+                           "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "NotSupportedError" in done.stderr and "durably retry" in done.stderr and "Restate mode" in done.stderr
