@@ -99,6 +99,14 @@ OutputOption = Annotated[str | None, typer.Option("--output", "-o", metavar="FOR
                                                   help="table (default), json, or jsonl (one JSON value per "
                                                        "line); --json is -o json.")]
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")]
+RestateOption = Annotated[str | None, typer.Option("--restate", envvar="DURABLY_RESTATE", metavar="URL",
+                                                   show_default=False,
+                                                   help="Operate runs on Restate at this ingress URL "
+                                                        "(docs/restate.md).")]
+RestateAdminOption = Annotated[str | None, typer.Option("--restate-admin", envvar="DURABLY_RESTATE_ADMIN", metavar="URL",
+                                                        show_default=False,
+                                                        help="Restate admin URL (default: the ingress host, "
+                                                             "port 9070).")]
 
 
 # ---- where the state is ---------------------------------------------------------------------------
@@ -683,6 +691,8 @@ def run(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
+    restate_admin: RestateAdminOption = None,
 ) -> None:
     """Run SCRIPT as __main__ under durably, with a live progress view on stderr; or one of its workflows."""
     as_json = _json_output(as_json, output, debug)
@@ -697,6 +707,9 @@ def run(
                                   hint="Without --workflow the script's own run(...) calls decide input and key; "
                                        "pass them as script arguments after `--`.")
     script = script.resolve()
+    if restate:
+        raise typer.Exit(_run_on_restate(script, workflow, input, key, fresh, no_wait, restate, restate_admin,
+                                         as_json, debug))
     engine: Engine | None = None
     with contextlib.suppress(DurablyError):
         engine = open_engine(settings)
@@ -743,6 +756,61 @@ def run(
         if watcher.runs or code != EXIT_USAGE:
             _summary(watcher, code, as_json)
     raise typer.Exit(code)
+
+
+def _run_on_restate(script: Path, workflow: str | None, input: str | None, key: str | None, fresh: bool,
+                    no_wait: bool, ingress: str, admin: str | None, as_json: bool, debug: bool) -> int:
+    """`durably run --restate`: start the workflow on Restate and print its result; the same output shapes and
+    exit codes as on files."""
+    from .restate.commands import run_workflow
+    from .restate.unsupported import unsupported
+
+    started = time.monotonic()
+    run_id: list[str] = []
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        if workflow is None:
+            raise ValidationError("--restate runs a workflow: pass --workflow NAME",
+                                  hint="On Restate a script's __main__ block does not run; name the workflow.")
+        if fresh:
+            raise unsupported("durably run --fresh", "a Restate workflow key keeps its run until its retention ends",
+                              "Pass a new --key to start another run.")
+        result = run_workflow(script, workflow, _parse_input(input), key=key, wait=not no_wait, ingress=ingress,
+                              admin=admin, on_run=run_id.append)
+        code = EXIT_OK
+    except DurablyError as exc:
+        code, error = _exit_code(exc, started=bool(run_id)), exc
+        _report_durably_error(exc, debug)
+    except Exception as exc:  # noqa: BLE001 - the workflow's own error, rebuilt with its class
+        code, error = EXIT_FAILED, exc
+        _report_exception(exc, debug, f"workflow {workflow!r}")
+    if as_json:
+        status = {EXIT_OK: "completed", EXIT_FAILED: "failed"}.get(code, getattr(error, "status", None))
+        failure = None if error is None else {"type": type(error).__name__,
+                                              "message": getattr(error, "message", None) or str(error)}
+        _print_json({"run_id": run_id[0] if run_id else None, "status": status if run_id else None, "detail": None,
+                     "result": result if code == EXIT_OK else None, "error": failure, "exit_code": code,
+                     "elapsed": round(time.monotonic() - started, 3), "runs": []})
+    elif code == EXIT_OK:
+        _print_json(result)
+    return code
+
+
+def _not_on_restate(restate: str | None, command: str, debug: bool) -> None:
+    """Commands Restate mode cannot offer say so (exit 2) instead of acting on local files."""
+    if restate:
+        from .restate.unsupported import unsupported
+
+        _report_durably_error(unsupported(command, "Restate workflows cannot be paused, retried from a step or "
+                                          "restarted by durably"), debug)
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _restate_client(ingress: str, admin: str | None) -> Any:
+    from .restate.client import RestateClient
+
+    return RestateClient(ingress, admin)
 
 
 ListColumn = tuple[str, Callable[[RunState], Text | str], dict[str, Any]]
@@ -858,6 +926,8 @@ def list_runs(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
+    restate_admin: RestateAdminOption = None,
 ) -> None:
     """List runs, newest first: `durably list -q --status failed | xargs -n1 durably retry`."""
     with _guard(debug):
@@ -867,13 +937,20 @@ def list_runs(
                 raise ValidationError(f"unknown status {one!r}", hint=f"Use one of: {', '.join(STATUSES)}.")
         after = parse_when(since, "--since") if since is not None else None
         before = parse_when(until, "--until") if until is not None else None
-        engine = engine_at(dir, storage)
         page = limit
         if page is None and mode == "table" and not quiet and sys.stdout.isatty():
             page = DEFAULT_PAGE
         counted = mode == "table" and not quiet  # a table says how many more runs match past the page
-        found = asyncio.run(engine.list(status=status or None, workflow=workflow, key_prefix=key, since=after,
-                                        until=before, offset=offset, limit=None if counted else page))
+        if restate:
+            where = f"Restate at {restate}"
+            found = _restate_client(restate, restate_admin).list(
+                status=status or None, workflow=workflow, key_prefix=key, since=after, until=before, offset=offset,
+                limit=None if counted else page)
+        else:
+            engine = engine_at(dir, storage)
+            where = engine._where()
+            found = asyncio.run(engine.list(status=status or None, workflow=workflow, key_prefix=key, since=after,
+                                            until=before, offset=offset, limit=None if counted else page))
         states = found[:page] if page is not None else found
         more = len(found) - len(states)
         if quiet:
@@ -886,7 +963,6 @@ def list_runs(
         if not states:
             filters = _filters_text(status=" --status ".join(status) if status else None, workflow=workflow,
                                     key=key, since=since, until=until, offset=offset or None)
-            where = engine._where()
             console.print(Text(f"no runs match {filters} in {where}" if filters else f"no runs in {where}",
                                "bright_black"))
             return
@@ -1090,18 +1166,24 @@ def inspect(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
+    restate_admin: RestateAdminOption = None,
 ) -> None:
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
-        engine = engine_at(dir, storage)
-        state = asyncio.run(engine.inspect(run))
+        engine: Engine | None = None
+        if restate:
+            state = _restate_client(restate, restate_admin).inspect(run)
+        else:
+            engine = engine_at(dir, storage)
+            state = asyncio.run(engine.inspect(run))
         if as_json:
             _print_json(state.to_dict())
             return
         from rich.console import Group
 
-        extras = step_extras(asyncio.run(engine.timeline(state.run_id)))
+        extras = step_extras(asyncio.run(engine.timeline(state.run_id))) if engine is not None else {}
         ended = sum(s.status in ("ok", "failed") for s in state.steps)
         still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
         title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
@@ -1152,15 +1234,22 @@ def signal(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
+    restate_admin: RestateAdminOption = None,
 ) -> None:
     """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         value = _parse_input(payload, "PAYLOAD")
-        engine = engine_at(dir, storage)
-        asyncio.run(engine.signal(run, name, value))
+        if restate:
+            _restate_client(restate, restate_admin).signal(run, name, value)
+            run_id = run
+        else:
+            engine = engine_at(dir, storage)
+            asyncio.run(engine.signal(run, name, value))
+            run_id = engine.resolve(run)
         if as_json:
-            _print_json({"run_id": engine.resolve(run), "signal": name, "payload": value, "sent": True})
+            _print_json({"run_id": run_id, "signal": name, "payload": value, "sent": True})
         else:
             _err_console().print(Text(f"sent {name!r} to {run}", "green"))
 
@@ -1257,20 +1346,27 @@ def cancel(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
+    restate_admin: RestateAdminOption = None,
 ) -> None:
     """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
-        engine = engine_at(dir, storage)
         seconds = parse_duration(timeout)
-        before = asyncio.run(engine.inspect(run))
+        if restate:
+            client = _restate_client(restate, restate_admin)
+            client.timeout = seconds
+            before = client.inspect(run, steps=False)
+        else:
+            engine = engine_at(dir, storage)
+            before = asyncio.run(engine.inspect(run))
         if before.status == "cancelled":
             if as_json:
                 _print_json({"run_id": before.run_id, "status": "cancelled", "cancelled": True})
             else:
                 _err_console().print(Text(f"{before.run_id} was already cancelled", "yellow"))
             return
-        state = asyncio.run(engine.cancel(run, timeout=seconds))
+        state = client.cancel(run) if restate else asyncio.run(engine.cancel(run, timeout=seconds))
         _settled(state, "cancelled", as_json, f"cancelled {state.run_id}",
                  f"asked {state.run_id} to stop, but it is still {state.status} after {timeout}; "
                  "it stops at its next step boundary")
@@ -1285,8 +1381,10 @@ def pause(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
 ) -> None:
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
+    _not_on_restate(restate, "durably pause", debug)
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).pause(run, timeout=parse_duration(timeout)))
@@ -1303,8 +1401,10 @@ def resume(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
 ) -> None:
     """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
+    _not_on_restate(restate, "durably resume", debug)
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).resume(run))
@@ -1331,8 +1431,10 @@ def retry(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
 ) -> None:
     """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON."""
+    _not_on_restate(restate, "durably retry", debug)
     as_json = _json_output(as_json, output, debug)
     try:
         selector = parse_step(from_step) if from_step is not None else None
@@ -1365,8 +1467,10 @@ def restart(
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
+    restate: RestateOption = None,
 ) -> None:
     """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
+    _not_on_restate(restate, "durably restart", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
@@ -1578,6 +1682,32 @@ def docs_command(
             sys.stdout.write(f"docs in {DOCS_DIR}:\n" + "".join(f"  durably docs {p}\n" for p in pages))
             return
         sys.stdout.write(docs_text(topic))
+
+
+@app.command()
+def serve(
+    restate: Annotated[bool, typer.Option("--restate", help="Serve the workflows to a Restate cluster "
+                                                             "(the only mode of serve today).")] = False,
+    imports: Annotated[list[str] | None, typer.Option("--import", metavar="SCRIPT_OR_MODULE",
+                                                      help="A script or module defining @workflow functions "
+                                                           "(repeatable).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (HTTP/2).")] = 9080,
+    restate_admin: RestateAdminOption = None,
+    no_register: Annotated[bool, typer.Option("--no-register", help="Do not register the deployment with "
+                                                                      "the Restate admin API.")] = False,
+    debug: DebugOption = False,
+) -> None:
+    """Serve workflows as Restate workflows named durably.<workflow> and register them with Restate."""
+    from .restate.commands import serve as serve_restate
+
+    with _guard(debug):
+        if not restate:
+            raise ValidationError("durably serve needs --restate",
+                                  hint="durably serve --restate --import flows.py; see docs/restate.md.")
+        serve_restate(list(imports or []), host=host, port=port, admin=restate_admin, register=not no_register,
+                      announce=lambda uri, services: _err_console().print(
+                          Text(f"serving {', '.join(services)} at {uri}", "green")))
 
 
 def _direct_run(argv: list[str]) -> bool:

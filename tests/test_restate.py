@@ -72,8 +72,7 @@ CONFORMANCE = [("basics", "3"), ("parent", "[1, -2, 3]"), ("fan_branches", '{"br
 
 @pytest.mark.parametrize(("workflow", "input"), CONFORMANCE)
 def test_same_workflow_same_result_as_on_files(env: RestateEnv, tmp_path: Path, workflow: str, input: str) -> None:
-    files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"conf-{workflow}",
-                     "--json")
+    files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"conf-{workflow}")
     restate = cli(env, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"conf-{workflow}")
     assert restate.returncode == files.returncode, restate.stderr
     if files.returncode == 0:
@@ -89,6 +88,8 @@ def test_saga_compensates_in_reverse_once(env: RestateEnv, marks: Path) -> None:
     assert state["status"] == "failed"
     assert [s["label"] for s in state["steps"]] == ["reserve", "reserve", "ship"]
     assert state["steps"][2]["error"]["type"] == "builtins:RuntimeError"
+    shown = cli(env, "inspect", "saga-2")
+    assert shown.returncode == 0 and "reserve" in shown.stdout and "carrier down" in shown.stdout, shown.stderr
 
 
 def test_wait_for_signals_park_and_queue(env: RestateEnv) -> None:
@@ -190,8 +191,7 @@ def test_branches_survive_repeated_kills(env: RestateEnv, marks: Path) -> None:
 
 def test_always_replay_gives_the_same_results(replay_env: RestateEnv, tmp_path: Path) -> None:
     for workflow, input in CONFORMANCE[:3]:
-        files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"ar-{workflow}",
-                         "--json")
+        files = on_files(tmp_path, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"ar-{workflow}")
         restate = cli(replay_env, "run", FLOWS, "--workflow", workflow, "--input", input, "--key", f"ar-{workflow}")
         assert restate.returncode == 0, restate.stderr
         assert json.loads(restate.stdout) == json.loads(files.stdout)
@@ -222,3 +222,11 @@ def test_commands_restate_cannot_offer_say_so() -> None:
                            "http://127.0.0.1:9"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "NotSupportedError" in done.stderr and "durably retry" in done.stderr and "Restate mode" in done.stderr
+
+
+def test_run_json_has_the_shape_it_has_on_files(env: RestateEnv, tmp_path: Path) -> None:
+    files = json.loads(on_files(tmp_path, "run", FLOWS, "--workflow", "basics", "--input", "5", "--json").stdout)
+    restate = json.loads(cli(env, "run", FLOWS, "--workflow", "basics", "--input", "5", "--json").stdout)
+    assert restate.keys() == files.keys()
+    assert (restate["status"], restate["exit_code"], restate["result"]) == \
+        (files["status"], files["exit_code"], files["result"])

@@ -205,9 +205,10 @@ class RestateClient:
             state.error = {"type": "restate", "message": inv.get("completion_failure", "")}
         return state
 
-    def list(self, *, status: str | None = None, workflow: str | None = None, key: str | None = None,
-             limit: int | None = None) -> list[RunState]:
-        """Runs of durably workflows on this cluster, newest first."""
+    def list(self, *, status: str | list[str] | None = None, workflow: str | None = None, key: str | None = None,
+             key_prefix: str | None = None, since: datetime | None = None, until: datetime | None = None,
+             offset: int = 0, limit: int | None = None) -> list[RunState]:
+        """Runs of durably workflows on this cluster, newest first, filtered like `Engine.list`."""
         where = "target_handler_name = 'run' AND target_service_name LIKE 'durably.%'"
         if workflow is not None:
             where += f" AND target_service_name = {self._quote(PREFIX + workflow)}"
@@ -215,8 +216,12 @@ class RestateClient:
             where += f" AND target_service_key = {self._quote(key)}"
         rows = self.sql(f"SELECT * FROM sys_invocation WHERE {where} ORDER BY created_at DESC")
         states = [self._state(inv, None) for inv in rows]
-        if status is not None:
-            states = [s for s in states if s.status == status]
+        wanted = [status] if isinstance(status, str) else status
+        states = [s for s in states if (not wanted or s.status in wanted)
+                  and (key_prefix is None or (s.key or "").startswith(key_prefix))
+                  and (since is None or (s.updated_at or s.created_at) >= since)
+                  and (until is None or (s.updated_at or s.created_at) < until)]
+        states = states[offset:]
         return states[:limit] if limit else states
 
     def inspect(self, run_id: str, *, steps: bool = True) -> RunState:
