@@ -372,7 +372,7 @@ class JoinOp(Op):
 # ---- the workflow thread ------------------------------------------------------------------------------------
 
 
-class _IdleSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _IdleSelector(selectors.DefaultSelector):
     """The workflow loop's selector: `select(None)` means no callback is ready and no timer is due."""
 
     def __init__(self, on_idle: Callable[[], None]) -> None:

@@ -84,7 +84,7 @@ async def serve_async(*, host: str = "127.0.0.1", port: int = 9080, admin: str |
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = asyncio.ensure_future(serve(app(), config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+    server = asyncio.ensure_future(serve(app(), config, shutdown_trigger=stop.wait))
     await _wait_listening(host, port)
     uri = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     if admin:
