@@ -43,6 +43,7 @@ from .kernel import RunHandle
 from .policies import Retry
 from .resources import Breaker, RateLimit, Resource, resource
 from .result import Err, Ok, is_ok, partition
+from .schedules import Schedule, schedule
 from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
 from .workflow import Workflow, workflow
 
@@ -96,6 +97,7 @@ __all__ = [
     "RunNotFoundError",
     "RunParkedError",
     "RunState",
+    "Schedule",
     "SerializationError",
     "SqliteStorage",
     "StaleRunError",
@@ -121,5 +123,6 @@ __all__ = [
     "resource",
     "run",
     "run_async",
+    "schedule",
     "workflow",
 ]

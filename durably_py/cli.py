@@ -213,6 +213,10 @@ def _when(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else ""
 
 
+def _utc(value: datetime | None) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC") if value else ""
+
+
 def _path(path: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, path)) + ("," if len(path) == 1 else "") + ")"
 
@@ -1220,6 +1224,61 @@ def graph(
                 table.add_row(node.id, node.workflow, _status(node.status), node.wait or "",
                               ", ".join(node.depends_on), node.run_id or "")
             _out_console().print(table)
+
+
+def import_code(targets: list[str]) -> None:
+    """Load the scripts (paths ending in .py) or modules (dotted names) whose workflows and schedules a
+    command serves; a target that cannot be imported is a usage error."""
+    import importlib
+
+    for target in targets:
+        if target.endswith(".py") or os.sep in target:
+            path = Path(target)
+            if not path.is_file():
+                raise ValidationError(f"--import {target}: no such script",
+                                      hint="Pass a script path (app/jobs.py) or a module name (app.jobs).")
+            _import_script(path)
+            continue
+        try:
+            importlib.import_module(target)
+        except ImportError as exc:
+            raise ValidationError(f"--import {target}: {type(exc).__name__}: {exc}",
+                                  hint="Pass a module importable from here (check PYTHONPATH) or a script path.") from None
+
+
+@app.command()
+def schedules(
+    imports: Annotated[list[str] | None, typer.Option(
+        "--import", metavar="PATH_OR_MODULE", show_default=False,
+        help="A script or module declaring schedules (durably_py.schedule); repeatable.")] = None,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """List the schedules the imported code declares: cron, workflow, last fired tick and next tick (UTC)."""
+    from .schedules import states
+
+    with _guard(debug):
+        import_code(imports or [])
+        found = states(engine_at(dir, storage))
+        if as_json:
+            _print_json([{"name": s.name, "workflow": s.workflow, "cron": s.cron, "input": s.input,
+                          "registered_at": s.registered_at, "last_tick": s.last_tick, "last_run": s.last_run,
+                          "next_tick": s.next_tick} for s in found])
+            return
+        if not found:
+            _err_console().print(Text("no schedules declared (pass --import with the script or module that calls "
+                                      "durably_py.schedule)", "yellow"))
+            return
+        from rich.table import Table
+
+        table = Table(title_justify="left")
+        for column in ("name", "cron (UTC)", "workflow", "last tick", "last run", "next tick"):
+            table.add_column(column)
+        for s in found:
+            table.add_row(s.name, s.cron, s.workflow, _utc(s.last_tick), s.last_run or "", _utc(s.next_tick))
+        _out_console().print(table)
 
 
 @app.command()

@@ -45,6 +45,7 @@ from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
+from .schedules import Schedule
 from .storage import FileStorage, RunInfo, Storage, validate_key, validate_run_id
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
@@ -210,6 +211,7 @@ class Engine:
         self.placement = SyncPlacement(enabled=sync_steps == "auto")
         self.heartbeat = Heartbeat(self.storage, lease, heartbeat, CONTROL_EVERY)
         self.gates = Gates(resources)
+        self.schedules: dict[str, Schedule] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._children: dict[str, asyncio.Future[Any]] = {}
@@ -665,6 +667,20 @@ class Engine:
                 self._create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
                              priority=priority)
                 return run_id
+
+    def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
+        """Start `wf(input)` on every tick of `cron` (five fields, UTC) wherever this engine's loop serves
+        schedules; like `durably_py.schedule`, but for this engine only."""
+        from .schedules import check
+
+        item = check(wf, cron, input, name)
+        self.schedules[item.name] = item
+        return item
+
+    def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                   identity: str) -> None:
+        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`)."""
+        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget)
 
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
