@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import contextvars
 import importlib
 import inspect as pyinspect
 import os
@@ -23,6 +22,7 @@ import msgspec
 from . import graphs
 from . import records as log_format
 from .advisories import Advisory, AdvisoryTracker
+from .children import ChildPool, parked_in_join
 from .clock import Clock
 from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
 from .context import AttemptContext, WorkflowContext
@@ -149,43 +149,6 @@ def new_run_id(workflow: str) -> str:
     return f"{slug}-{''.join(digits)}"
 
 
-
-
-class ChildSlot:
-    """The engine slot a child run holds while it runs; given back while every strand of it waits in a join."""
-
-    __slots__ = ("gate", "held", "joining")
-
-    def __init__(self, gate: asyncio.Semaphore) -> None:
-        self.gate = gate
-        self.held = False
-        self.joining = 0
-
-    async def take(self) -> None:
-        await self.gate.acquire()
-        self.held = True
-
-    def give_back(self) -> None:
-        if self.held:
-            self.held = False
-            self.gate.release()
-
-    @contextlib.asynccontextmanager
-    async def parked(self) -> AsyncIterator[None]:
-        self.joining += 1
-        if self.joining == 1:
-            self.give_back()
-        try:
-            yield
-        finally:
-            self.joining -= 1
-            if self.joining == 0 and not self.held:
-                await self.take()
-
-
-CHILD_SLOT: contextvars.ContextVar[ChildSlot | None] = contextvars.ContextVar("durably_child_slot", default=None)
-
-
 class Engine:
     """Runs workflows against one storage; operates its runs by id or key."""
 
@@ -213,8 +176,7 @@ class Engine:
         self.gates = Gates(resources)
         self.schedules: dict[str, Schedule] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._slots = asyncio.Semaphore(concurrency)
-        self._children: dict[str, asyncio.Future[Any]] = {}
+        self._pool = ChildPool(concurrency, self._run_child)
         self._worker: Worker | None = None
         self._enqueued: set[str] = set()
 
@@ -636,7 +598,7 @@ class Engine:
         """Queue and child-run state belong to one event loop; a new loop starts them afresh."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._slots, self._children = loop, asyncio.Semaphore(self.concurrency), {}
+            self._loop, self._pool = loop, ChildPool(self.concurrency, self._run_child)
         return loop
 
     async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
@@ -714,38 +676,27 @@ class Engine:
         return run_id
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
-        """Run a child in this process (at most `concurrency` children at once); one task per child and loop.
+        """The outcome of a child run in this process (at most `concurrency` children run at once).
 
         A child that already ended is not run again, its end is its outcome; only `rerun_failed` (a failed
         parent being retried joins it again) resumes a failed child at its failed step."""
-        loop = self._bind_loop()
-        task = self._children.get(run_id)
-        if task is None or (rerun_failed and task.done() and not task.cancelled() and task.exception() is not None):
-            task = self._children[run_id] = loop.create_task(self._run_child(run_id, workflow, rerun_failed))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return task
+        self._bind_loop()
+        return self._pool.start(run_id, workflow, rerun_failed)
 
     async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
         info = self.storage.info(run_id)
         if info is not None and info.last.get("t") == "end" and (
                 info.last.get("status") != "failed" or not rerun_failed):
             return self._joined(workflow, History([info.header, info.last], f"run {run_id}"))
-        slot = ChildSlot(self._slots)
-        await slot.take()
-        CHILD_SLOT.set(slot)
-        try:
-            return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
-        finally:
-            slot.give_back()
+        return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""
         return await asyncio.shield(self.start_child(run_id, workflow, rerun_failed=rerun_failed))
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """While the calling run waits in a join, the engine slot it runs in (if a child) is free for others."""
-        slot = CHILD_SLOT.get()
-        return slot.parked() if slot is not None else contextlib.nullcontext()
+        """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
+        return parked_in_join()
 
     def _joined(self, workflow: Workflow | None, history: History) -> Any:
         """The result of a run another process finished (or that had finished already)."""

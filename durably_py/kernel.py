@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import random
 import sys
@@ -343,7 +344,7 @@ class RunKernel:
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
-        self.children: list[asyncio.Future[Any]] = []
+        self.children: set[asyncio.Future[Any]] = set()
         self.retrying = False
         self.joining = 0
         self.join_watch: asyncio.Task[None] | None = None
@@ -861,8 +862,8 @@ class RunKernel:
         """Record that the run ended cancelled (no compensation runs), sync the log, and stop attached children."""
         self.write(records.End(status="cancelled", error=dump_error(error), ts=time.time()))
         self.sync()
-        for task in self.children:
-            task.cancel()
+        for outcome in list(self.children):
+            outcome.cancel()
 
     # ---- parking: durable sleeps and waits for signals -----------------------------------------
     def sleep_until(self, when: datetime) -> Awaitable[None]:
@@ -1000,9 +1001,10 @@ class RunKernel:
                                   ms=0, ts=time.time()))
             self.step_done()
         if not self.shadow:
-            task = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
-            if not detached:
-                self.children.append(task)
+            outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
+            if not detached and not outcome.done():
+                self.children.add(outcome)
+                outcome.add_done_callback(self.children.discard)
         return RunHandle(run_id, workflow)
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
@@ -1081,8 +1083,79 @@ class RunKernel:
                 interrupted.exception()
 
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
-        """Join every child concurrently; one `Ok`/`Err` per handle, in order."""
-        return self.parallel([lambda h=h: self.join(h) for h in handles], None)
+        """Join every child concurrently; one `Ok`/`Err` per handle, in order (join ``i`` at ``<path>.i.0``)."""
+        handles = list(handles)
+        for handle in handles:
+            if not isinstance(handle, RunHandle):
+                raise ValidationError(f"ctx.join_all takes the RunHandles that ctx.spawn_all returned, got {handle!r}",
+                                      hint="results = await ctx.join_all(await ctx.spawn_all([...]))",
+                                      docs="docs/authoring.md#child-runs")
+        return self._join_all(self.scope().alloc(), handles)
+
+    async def _join_all(self, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
+        """One waiter for all the children (no task, coroutine or context per child): each child's join is
+        recorded as it ends, and nothing of it is kept but its result."""
+        results: list[Any] = [None] * len(handles)
+        live = []
+        for i, handle in enumerate(handles):
+            path = f"{prefix}.{i}.0"
+            rec = self.done.get(path)
+            if rec is not None:
+                self.check_label(path, rec, "ctx.join")
+                if self.on_step is not None:
+                    self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
+                results[i] = Err(load_error(rec.error)) if isinstance(rec, records.Err) else Ok(load_value(rec.value))
+                continue
+            if self.shadow:
+                self.diverge(f"ctx.join at path {path_tuple(path)} ran again: the recorded run has no result there")
+            live.append((i, path, self.engine.start_child(handle.run_id, handle.workflow,
+                                                          rerun_failed=self.retrying)))
+        if not live:
+            return results
+        all_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        remaining = len(live)
+
+        def ended(i: int, path: str, outcome: asyncio.Future[Any]) -> None:
+            nonlocal remaining
+            if all_ended.done() or outcome.cancelled() or self.cancel_error is not None:
+                return
+            try:
+                results[i] = self._record_join(path, outcome)
+            except BaseException as exc:  # noqa: BLE001 - a crash or lost lease stops the whole join
+                all_ended.set_exception(exc)
+                return
+            remaining -= 1
+            if remaining == 0:
+                all_ended.set_result(None)
+
+        for i, path, outcome in live:
+            outcome.add_done_callback(functools.partial(ended, i, path))
+        del live
+        try:
+            await self.parked_on(all_ended)
+            all_ended.result()
+        finally:
+            if not all_ended.done():
+                all_ended.cancel()
+        return results
+
+    def _record_join(self, path: str, outcome: asyncio.Future[Any]) -> Ok[Any] | Err:
+        """Record how a joined child ended (as `ctx.join` at `path` does) and return it as an `Ok` / `Err`."""
+        exc = outcome.exception()
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc
+        if exc is None:
+            try:
+                wire = dump_value(outcome.result(), "child result")
+            except Exception as error:  # noqa: BLE001 - an unserialisable result fails this join only
+                exc = error
+        if exc is not None:
+            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()))
+            self.step_done()
+            return Err(exc)
+        self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
+        self.step_done()
+        return Ok(load_value(wire))
 
     # ---- task graphs --------------------------------------------------------------------------
     def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
@@ -1356,7 +1429,7 @@ class RunKernel:
             except Complete as done:
                 result = done.value
             if self.children and self.cancel_error is None:
-                await self.parked_on(asyncio.gather(*self.children, return_exceptions=True))
+                await self.parked_on(asyncio.gather(*list(self.children), return_exceptions=True))
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)

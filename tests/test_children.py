@@ -407,3 +407,26 @@ def test_cancelling_a_parent_parked_in_join_all_cancels_it_and_its_attached_chil
     after = {r.input: r.status for r in asyncio.run(operator.list()) if r.workflow.endswith("held_child")}
     assert after["a"] == after["b"] == "cancelled"
     assert after["free"] != "cancelled"
+
+
+def test_only_running_children_hold_tasks(tmp_path) -> None:
+    seen: list[int] = []
+
+    async def count_tasks(i):
+        seen.append(len(asyncio.all_tasks()))
+        return i
+
+    @workflow
+    async def counted(ctx, i):
+        return await ctx.step(count_tasks, i)
+
+    @workflow
+    async def wide(ctx, n):
+        results = await ctx.join_all(await ctx.spawn_all([(counted, i) for i in range(n)]))
+        return sum(r.value for r in results)
+
+    engine = create_engine(FileStorage(tmp_path), concurrency=4)
+    assert asyncio.run(engine.run(wide, 300, advisories="silent")) == sum(range(300))
+    assert len(seen) == 300
+    assert max(seen) <= 12, max(seen)       # the parent, its heartbeat and join watcher, 4 running children, ...
+    assert not engine._pool.outcomes and not engine._pool.running and not engine._pool.pending

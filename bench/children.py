@@ -1,0 +1,113 @@
+"""Cost of child runs: a parent that spawns N children (`ctx.spawn_all`) and joins them (`ctx.join_all`).
+
+Usage: python bench/children.py [--only NAME ...] [--concurrency C]
+
+Rows (each in a fresh subprocess, so peak RSS is that row's alone):
+  file 1k, file 10k        FileStorage, 1,000 / 10,000 children
+  sqlite 10k, sqlite 100k  SqliteStorage, 10,000 / 100,000 children
+Columns:
+  wall     the whole run: spawn, every child's one async step, join, end
+  spawn    until `spawn_all` returned (every child created and recorded)
+  floor    creating the same number of bare runs straight through the storage (header only, no fsync
+           policy), measured in the same process: the cost spawn cannot go below
+  spawn/floor  the ratio
+  peak RSS the process's maximum resident memory (ru_maxrss) after the run
+  RSS/1k   peak RSS growth per 1,000 children over the process's RSS before the run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROWS = {"file 1k": ("file", 1_000), "file 10k": ("file", 10_000),
+        "sqlite 10k": ("sqlite", 10_000), "sqlite 100k": ("sqlite", 100_000)}
+
+
+def rss_mib() -> float:
+    """The current resident set size (Linux /proc), in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def one(kind: str, n: int, concurrency: int) -> dict[str, Any]:
+    """Run one row in this process and return its figures."""
+    from durably_py import Engine, FileStorage, SqliteStorage, workflow
+
+    marks: dict[str, float] = {}
+
+    async def tiny(i: int) -> int:
+        return i
+
+    @workflow(name="bench_child")
+    async def child(ctx: Any, i: int) -> int:
+        return await ctx.step(tiny, i)  # type: ignore[no-any-return]
+
+    @workflow(name="bench_parent")
+    async def parent(ctx: Any, count: int) -> int:
+        handles = await ctx.spawn_all([(child, i) for i in range(count)])
+        marks["spawned"] = time.perf_counter()
+        results = await ctx.join_all(handles)
+        return sum(r.value for r in results)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def storage(sub: str) -> Any:
+            return FileStorage(Path(tmp) / sub) if kind == "file" else SqliteStorage(Path(tmp) / f"{sub}.db")
+
+        floor_store = storage("floor")
+        from durably_py import records
+
+        started = time.perf_counter()
+        for i in range(n):
+            header = records.Header(v=records.LOG_VERSION, run_id=f"floor-{i}", workflow="bench_child",
+                                    fingerprint="x", input=i, input_digest="x", identity=f"floor:{i}",
+                                    created_at="2026-01-01T00:00:00+00:00", ts=0.0)
+            floor_store.create(f"floor-{i}", records.encode(header))
+        floor = time.perf_counter() - started
+        del floor_store
+
+        engine = Engine(storage("state"), concurrency=concurrency)
+        before = rss_mib()
+        started = time.perf_counter()
+        total = asyncio.run(engine.run(parent, n, advisories="silent"))
+        wall = time.perf_counter() - started
+        assert total == n * (n - 1) // 2, total
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    spawn = marks["spawned"] - started
+    return {"wall": wall, "spawn": spawn, "floor": floor, "peak": peak, "growth": (peak - before) / n * 1000}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", choices=list(ROWS), help="run only these rows")
+    parser.add_argument("--concurrency", type=int, default=4, help="the engine's concurrency (default 4)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        kind, n = ROWS[args.row]
+        print(json.dumps(one(kind, n, args.concurrency)))
+        return
+    print(f"{'row':<12} {'wall s':>8} {'spawn s':>8} {'floor s':>8} {'spawn/floor':>11} {'peak RSS MiB':>13} "
+          f"{'MiB/1k':>7}")
+    for name in args.only or list(ROWS):
+        out = subprocess.run([sys.executable, __file__, "--row", name, "--concurrency", str(args.concurrency)],
+                             capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            print(f"{name:<12} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name:<12} {r['wall']:>8.2f} {r['spawn']:>8.2f} {r['floor']:>8.2f} {r['spawn'] / r['floor']:>11.1f} "
+              f"{r['peak']:>13.0f} {r['growth']:>7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
