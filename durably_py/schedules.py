@@ -60,13 +60,13 @@ class Schedule:
     def next_tick(self, after: datetime) -> datetime:
         """The first tick strictly after `after`."""
         cron_sim, _ = _cron()
-        return next(iter(cron_sim(self.cron, after.astimezone(UTC))))  # type: ignore[no-any-return]
+        return next(iter(cron_sim(self.cron, after.astimezone(UTC))))
 
     def last_tick(self, at: datetime) -> datetime:
         """The latest tick at or before `at`."""
         cron_sim, _ = _cron()
         upper = at.astimezone(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
-        return next(iter(cron_sim(self.cron, upper, reverse=True)))  # type: ignore[no-any-return]
+        return next(iter(cron_sim(self.cron, upper, reverse=True)))
 
 
 @dataclass
