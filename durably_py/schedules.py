@@ -169,9 +169,10 @@ def all_schedules(engine: Engine) -> list[Schedule]:
 
 
 async def fire_due(engine: Engine, now: datetime | None = None) -> list[str]:
-    """Start every schedule's latest due tick that no process started yet; the ids of the runs started here.
+    """Queue every schedule's latest due tick that no process queued yet; the ids of the runs queued here.
 
-    An engine loop (a worker) calls this once per poll; any number of processes may call it at once."""
+    The run is recorded `pending` in the storage's queue, due at once, for any worker to claim. The worker
+    loop calls this once per poll; any number of processes may call it at once."""
     now = now or engine.clock.now()
     fired = []
     for item in all_schedules(engine):
@@ -181,7 +182,6 @@ async def fire_due(engine: Engine, now: datetime | None = None) -> list[str]:
             continue
         run_id = _claim(engine, item, tick)
         if run_id is not None:
-            await engine.enqueue(item.workflow, load_value(item.wire_input), key=item.key(tick))
             fired.append(run_id)
     return fired
 

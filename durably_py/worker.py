@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import DurablyError, RunCancelledError
 from .history import History
 from .kernel import Parked
+from .schedules import fire_due
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -42,6 +43,7 @@ class Worker:
         self.engine = engine
         self.concurrency = concurrency
         self.poll = poll
+        self._schedules_at = 0.0
         self.log = log
         self.active: dict[str, asyncio.Task[None]] = {}
         self.stopped: list[str] = []
@@ -110,6 +112,7 @@ class Worker:
         assert self._wake is not None
         try:
             while not self._stopping:
+                await self._fire_schedules()
                 free = self.concurrency - len(self.active)
                 claimed = 0
                 if free > 0:
@@ -139,6 +142,19 @@ class Worker:
             if self.active:
                 await asyncio.gather(*self.active.values(), return_exceptions=True)
             self.finished = True
+
+    async def _fire_schedules(self) -> None:
+        """Queue the due ticks of the schedules this process serves (at most once a second)."""
+        if time.monotonic() < self._schedules_at:
+            return
+        self._schedules_at = time.monotonic() + max(self.poll, 1.0)
+        try:
+            fired = await fire_due(self.engine)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next poll
+            self._say(f"firing schedules failed: {type(exc).__name__}: {exc}")
+            return
+        for run_id in fired:
+            self._say(f"{run_id}: queued by its schedule")
 
     async def _serve(self, lease: Any) -> None:
         """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
