@@ -49,7 +49,7 @@ def test_a_wall_clock_jump_ends_no_wait_early_or_late(wf, expected, jump) -> Non
     engine = create_engine(MemoryStorage(), clock=JumpyClock())
     result, elapsed = asyncio.run(timed(engine, wf, 0.8, jump))
     assert result == expected
-    assert 0.75 <= elapsed < 2.0, elapsed
+    assert 0.75 <= elapsed < 4.0, elapsed  # a jump back would make it an hour late
 
 
 def test_the_recorded_deadline_is_a_wall_clock_instant() -> None:
