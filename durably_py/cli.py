@@ -1555,13 +1555,8 @@ def ui(
     with _guard(debug):
         engine = engine_at(dir, storage)
         token = os.environ.get("DURABLY_UI_TOKEN") or None
-        try:
-            console.serve(engine, host=host, port=port, open_browser=open_browser, token=token,
-                          announce=lambda line: _err_console().print(Text(line, "green"), soft_wrap=True))
-        except OSError as exc:
-            raise ValidationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                                  hint="Pick another port with --port (or --port 0 for any free one).",
-                                  docs="docs/ui.md") from None
+        console.serve(engine, host=host, port=port, open_browser=open_browser, token=token,
+                      announce=lambda line: _err_console().print(Text(line, "green"), soft_wrap=True))
 
 
 def _record_time(rec: dict[str, Any]) -> str:

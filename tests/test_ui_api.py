@@ -298,6 +298,24 @@ def test_cli_off_loopback_makes_and_prints_a_token_unless_one_is_set(tmp_path: P
         proc.wait(timeout=10)
 
 
+def test_cli_port_in_use_is_an_error_with_a_hint(tmp_path: Path) -> None:
+    import re
+
+    first = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "ui", "--dir", str(tmp_path), "--port", "0"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stderr is not None
+        found = re.search(r":(\d+)/", first.stderr.readline())
+        assert found is not None
+        second = durably("ui", "--dir", str(tmp_path), "--port", found.group(1), check=False)
+        assert second.returncode != 0
+        assert "cannot listen on 127.0.0.1" in second.stderr and "hint: " in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.terminate()
+        first.wait(timeout=10)
+
+
 def test_cli_says_what_to_install_without_the_extra(tmp_path: Path) -> None:
     code = (f"import sys; sys.modules['starlette'] = None; sys.argv = ['durably', 'ui', '--dir', {str(tmp_path)!r}]; "
             "from durably_py.cli import main; main()")

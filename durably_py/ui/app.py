@@ -10,6 +10,7 @@ import asyncio
 import ipaddress
 import json
 import secrets
+import socket
 import time
 import webbrowser
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -89,6 +90,7 @@ class Console:
         self.loopback = loopback
         self.poll = poll
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.stopping: Callable[[], bool] = lambda: False  # the server sets it: streams end when it stops
         self.steps_done: dict[str, tuple[datetime | None, int | None]] = {}
 
     # ---- reads on worker threads -------------------------------------------------------------
@@ -296,7 +298,7 @@ class Console:
             yield f"event: state\ndata: {_dumps(first)}\n\n"
             seen = await anyio.to_thread.run_sync(mark)
             quiet = time.monotonic()
-            while not await request.is_disconnected():
+            while not await request.is_disconnected() and not self.stopping():
                 await asyncio.sleep(self.poll)
                 now = await anyio.to_thread.run_sync(mark)
                 if now != seen:
@@ -322,7 +324,7 @@ class Console:
 
         async def events() -> AsyncIterator[str]:
             seen = None
-            while not await request.is_disconnected():
+            while not await request.is_disconnected() and not self.stopping():
                 began = time.monotonic()
                 try:
                     page = await self._runs(filters)
@@ -335,7 +337,9 @@ class Console:
                     seen = text
                     yield f"event: runs\ndata: {text}\n\n"
                 # A listing reads every run's first and last record: poll less often when that is slow.
-                await asyncio.sleep(max(4 * self.poll, 4 * took))
+                until = time.monotonic() + max(4 * self.poll, 4 * took)
+                while time.monotonic() < until and not self.stopping():
+                    await asyncio.sleep(self.poll)
         return self._stream(events())
 
     # ---- operations ------------------------------------------------------------------------------
@@ -465,6 +469,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free one); a `ValidationError` when it cannot be had."""
+    name = host.strip("[]")
+    family = socket.AF_INET6 if ":" in name else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((name, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ValidationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                              hint="Another program (or another `durably ui`) may use that port: pick another "
+                                   "with --port, or --port 0 for any free one.", docs="docs/ui.md") from None
+    return sock
+
+
 def run_server(engine: Engine, *, host: str, port: int, open_browser: bool, token: str | None,
                announce: Callable[[str], Any]) -> None:
     """Serve the console with uvicorn until interrupted; print (and optionally open) its URL."""
@@ -474,26 +495,23 @@ def run_server(engine: Engine, *, host: str, port: int, open_browser: bool, toke
     if not loopback and token is None:
         token = secrets.token_urlsafe(24)
     app = build(engine, token=token, loopback=loopback, poll=0.25)
+    sock = listen(host, port)
+    bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1,
-                            lifespan="off")
+    url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, lifespan="off")
     server = uvicorn.Server(config)
+    app.state.console.stopping = lambda: server.should_exit
 
     async def main() -> None:
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            if port == 0:
-                bound = server.servers[0].sockets[0].getsockname()[1]
-                shown_url = url.replace(f":{port}/", f":{bound}/", 1)
-            else:
-                shown_url = url
             where = getattr(engine.storage, "dir", type(engine.storage).__name__)
-            announce(f"durably ui: {shown_url}  (storage: {where}; Ctrl-C stops)")
+            announce(f"durably ui: {url}  (storage: {where}; Ctrl-C stops)")
             if open_browser:
-                webbrowser.open(shown_url)
+                webbrowser.open(url)
         await task
 
     asyncio.run(main())
