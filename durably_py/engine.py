@@ -865,9 +865,20 @@ class Engine:
             if chosen is not None:
                 self.storage.append(lease, log_format.encode(chosen))
                 self.storage.sync(lease)
+                self._requeue(run_id, chosen)
             return True
         finally:
             self.storage.release(lease)
+
+    def _requeue(self, run_id: str, record: log_format.Record) -> None:
+        """Keep the queue true to an operation's record: an ended run leaves it, a paused one is due only once
+        resumed, a resumed or reset one is due at once (a worker re-parks it if it still sleeps or waits)."""
+        if isinstance(record, log_format.End):
+            self.storage.unschedule(run_id)
+        elif isinstance(record, log_format.Pause):
+            self.storage.schedule(run_id, None)
+        elif isinstance(record, log_format.Resume | log_format.Reset):
+            self.storage.schedule(run_id, time.time())
 
     def _drop_cancel_requests(self, run_id: str, names: tuple[str, ...] = ("$cancel", "$pause", "$resume")) -> None:
         """Acknowledge control requests left in a run's inbox (by an ended run, or ones an operation superseded)."""

@@ -250,3 +250,32 @@ def test_run_ids_carry_80_random_bits_and_a_collision_is_loud(tmp_path) -> None:
     finally:
         engine_module.new_run_id = real
     assert asyncio.run(engine.inspect(existing.run_id)).result == "one"
+
+
+def test_pause_resume_and_cancel_of_a_parked_run_keep_the_queue_true(tmp_path) -> None:
+    order.clear()
+    calls.clear()
+    engine = create_engine(FileStorage(tmp_path), concurrency=2)
+
+    async def main():
+        nap = await engine.enqueue(napper, "p")
+        doomed = await engine.enqueue(napper, "c")
+        await engine.start(poll=0.05)
+        while {(await engine.inspect(h.run_id)).status for h in (nap, doomed)} != {"sleeping"}:
+            await asyncio.sleep(0.02)
+        await engine.stop()
+        assert (await engine.pause(nap.run_id)).status == "paused"
+        assert engine.storage.entry(nap.run_id).at is None  # due only once resumed
+        assert (await engine.cancel(doomed.run_id)).status == "cancelled"
+        assert engine.storage.entry(doomed.run_id) is None  # an ended run leaves the queue
+        await asyncio.sleep(0.4)  # past the sleep's wake time: still not due while paused
+        assert engine.storage.due(10) == []
+        await engine.resume(nap.run_id)
+        assert engine.storage.due(10) == [nap.run_id]
+        await engine.start(poll=0.05)
+        value = await engine.join(nap)
+        await engine.stop()
+        return value
+
+    assert asyncio.run(main()) == ["p:before", "p:after"]
+    assert calls == {"p:before": 1, "c:before": 1, "p:after": 1}
