@@ -153,16 +153,16 @@ def _soak(engine: Any, fleet: Fleet, ids: dict[int, str], env: dict[str, str], s
     signalled: set[str] = set()
     next_kill = time.monotonic() + kill_every
     sent_by_cli = 0
-    milestones = [0.2, 0.4, 0.6, 0.8]  # also kill one worker as progress passes each of these
+    milestones = [0.1, 0.3, 0.5, 0.7]  # also kill one worker as progress passes each of these
     while time.monotonic() < deadline:
         states = {s.run_id: s.status for s in asyncio.run(engine.list())}
         done = sum(states.get(r) == "completed" for r in ids.values())
-        if done == len(ids):
-            return
         while milestones and done >= milestones[0] * len(ids):
             milestones.pop(0)
             fleet.kill_one()
             fleet.start()
+        if done == len(ids):
+            return
         for n, run_id in ids.items():
             if n % 3 == 2 and run_id not in signalled and states.get(run_id) == "waiting":
                 if sent_by_cli < cli_signals:
