@@ -62,6 +62,7 @@ NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceede
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
+YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 LOOP_COMPACT_BYTES = 64 * 1024
 
 
@@ -358,6 +359,7 @@ class RunKernel:
         self.placement = engine.placement
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
         self.step_running_since: float | None = None
+        self.next_yield = 0.0
         self.branches = 0
         self.since_compaction = 0
         self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
@@ -720,6 +722,11 @@ class RunKernel:
                 self.storm.record(failed=False, retry=number > 1)
             if self.crash_after is not None and self.matches(self.crash_after, path, label, nth):
                 self.crash()
+            if time.monotonic() >= self.next_yield:
+                # Steps that complete without suspending (quick sync steps on the loop thread, async ones that
+                # never await) would otherwise keep the loop from delivering a cancellation such as Ctrl-C.
+                self.next_yield = time.monotonic() + YIELD_EVERY
+                await asyncio.sleep(0)
             return value
 
     async def _invoke(self, fn: Callable[..., Any], args: tuple[Any, ...], is_async: bool) -> Any:

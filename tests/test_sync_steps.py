@@ -231,13 +231,15 @@ CTRL_C = textwrap.dedent('''
 ''')
 
 
-def test_one_ctrl_c_stops_a_run_of_quick_sync_steps_on_the_loop_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_one_ctrl_c_stops_a_run_of_quick_sync_steps_on_the_loop_thread(tmp_path: Path, kind: str) -> None:
+    """Steps that never suspend (quick `def` steps on the loop thread, `async def` ones that never await)."""
     import signal
     import subprocess
     import sys
 
     script = tmp_path / "ticks.py"
-    script.write_text(CTRL_C)
+    script.write_text(CTRL_C.replace("def tick(", f"{kind} tick("))
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "state")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
