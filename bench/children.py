@@ -29,9 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# bench/ holds queue.py, which would shadow the standard library's `queue` for a script run from here
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
 ROWS = {"file 1k": ("file", 1_000), "file 10k": ("file", 10_000),
         "sqlite 10k": ("sqlite", 10_000), "sqlite 100k": ("sqlite", 100_000)}
 

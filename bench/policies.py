@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-# bench/ holds a queue.py: keep the folder off sys.path so `import queue` finds the stdlib's
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-from durably_py import Engine, FileStorage, Retry, workflow  # noqa: E402
+from durably_py import Engine, FileStorage, Retry, workflow
 
 
 async def noop(i: int) -> int:

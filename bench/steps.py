@@ -36,10 +36,7 @@ from typing import Any
 
 import msgspec
 
-# bench/ holds a queue.py: keep the folder off sys.path so `import queue` finds the stdlib's
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-from durably_py import Engine, FileStorage, workflow  # noqa: E402
+from durably_py import Engine, FileStorage, workflow
 
 
 class Stop(Exception):

@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# bench/ holds scripts named like stdlib modules (queue.py): keep it off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 from durably_py import Engine, FileStorage, workflow  # noqa: E402

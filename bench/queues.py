@@ -1,7 +1,7 @@
 """The durable queue: enqueue->start latency, runs/s through N worker processes, and the due query with many
 ended runs present, on files, SQLite and PostgreSQL. Figures and ratios only; nothing passes or fails.
 
-Usage: python bench/queue.py [--runs M] [--workers N] [--ended E] [--postgres DSN_URL] [--only files,sqlite,...]
+Usage: python bench/queues.py [--runs M] [--workers N] [--ended E] [--postgres DSN_URL] [--only files,sqlite,...]
 
 Rows:
   enqueue->start    median seconds from `enqueue` returning to the run's first step starting, with the
@@ -18,25 +18,21 @@ PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created a
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
 
-# This file is named like the stdlib's `queue`: keep its folder off sys.path so `import queue` finds the stdlib.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from durably_py import create_engine, workflow  # noqa: E402
-from durably_py.storage.url import open_storage  # noqa: E402
+from durably_py import create_engine, workflow
+from durably_py.storage.url import open_storage
 
 JOBS = '''
 from durably_py import workflow
@@ -190,7 +186,7 @@ def main() -> None:
         sep = "&" if "?" in opts.postgres else "?"
         return f"{opts.postgres}{sep}schema={schema}"
 
-    print(f"durably bench/queue.py: {opts.runs} runs, {opts.workers} workers, {opts.ended} ended runs, "
+    print(f"durably bench/queues.py: {opts.runs} runs, {opts.workers} workers, {opts.ended} ended runs, "
           f"{os.cpu_count()} CPUs")
     try:
         for kind in opts.only.split(","):
