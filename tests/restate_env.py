@@ -126,7 +126,12 @@ class RestateEnv:
                     raise RuntimeError(f"restate-server did not start: {self.server_log.read_text()[-2000:]}") from None
                 time.sleep(0.05)
         self.service = Service(imports, free_port(), self.admin, self.dir / "service.log")
-        self.service.start()
+        if imports:
+            try:
+                self.service.start()
+            except BaseException:
+                self.close()
+                raise
 
     def sql(self, query: str) -> list[dict[str, Any]]:
         return http("POST", f"{self.admin}/query", {"query": query})["rows"]
