@@ -186,7 +186,7 @@ def test_kill_inside_unsafe_step_raises_step_interrupted(box: Sandbox) -> None:
 
 
 def test_second_process_joins_a_live_run(box: Sandbox) -> None:
-    spec = {"n": 5, "pause": 0.15}
+    spec = {"n": 5, "pause": 0.5}  # A outlives B's start-up even on a loaded machine
     a = box.spawn("slow", spec)
     assert box.wait_for(a, lambda: len(box.effects()) >= 1)
     b = box.spawn("slow", spec, announce=True)
