@@ -146,19 +146,20 @@ def _enqueue_all(engine: Any, jobs: Path, env: dict[str, str], count: int) -> di
 
 
 def _soak(engine: Any, fleet: Fleet, ids: dict[int, str], env: dict[str, str], storage_args: list[str],
-          deadline: float, kill_every: float, cli_signals: int) -> None:
-    """Keep 3 workers up, kill one every `kill_every` s, signal waiting askers, until every run ended."""
+          deadline: float, kill_every: float, cli_signals: int, milestones: int = 4) -> None:
+    """Keep 3 workers up, kill one every `kill_every` s and one as progress passes each of `milestones` evenly
+    spaced fractions (so a fast machine still sees that many kills), signal waiting askers, until every run ended."""
     for _ in range(3):
         fleet.start()
     signalled: set[str] = set()
     next_kill = time.monotonic() + kill_every
     sent_by_cli = 0
-    milestones = [0.1, 0.3, 0.5, 0.7]  # also kill one worker as progress passes each of these
+    marks = [(i + 0.5) / (milestones + 1) for i in range(milestones)]
     while time.monotonic() < deadline:
         states = {s.run_id: s.status for s in asyncio.run(engine.list())}
         done = sum(states.get(r) == "completed" for r in ids.values())
-        while milestones and done >= milestones[0] * len(ids):
-            milestones.pop(0)
+        while marks and done >= marks[0] * len(ids):
+            marks.pop(0)
             fleet.kill_one()
             fleet.start()
         if done == len(ids):
@@ -230,7 +231,7 @@ def test_three_hundred_runs_through_workers_killed_every_few_seconds(tmp_path: P
     fleet = Fleet(["--dir", str(state)], env, jobs)
     try:
         _soak(engine, fleet, ids, env, ["--dir", str(state)], time.monotonic() + 400, kill_every=1.5,
-              cli_signals=10)
+              cli_signals=10, milestones=8)
     finally:
         fleet.stop_all()
     _verify(engine, ids, effects)
