@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench/ holds a queue.py: keep it off the import path (it would shadow the stdlib's), add the project and tests/
+# this file is named like the restate SDK's package: keep bench/ off the import path; add the project and tests/
 sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 
 import argparse  # noqa: E402
