@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import graphs, records
 from .advisories import AdvisoryTracker, RetryStormWindow, level_for
+from .branches import checked_branches, run_branches
 from .clock import Clock
 from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from .errors import (
@@ -1343,17 +1344,7 @@ class RunKernel:
 
     def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]:
         """Allocate a path for the fan-out now; each branch runs under its own prefix."""
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
-                                        or concurrency < 1):
-            raise ValidationError(f"ctx.parallel concurrency= must be an int >= 1, got {concurrency!r}",
-                                  hint="Omit concurrency= to run every branch at once.",
-                                  docs="docs/authoring.md#parallel")
-        items = list(items)
-        for i, item in enumerate(items):
-            if not (inspect.isawaitable(item) or callable(item)):
-                raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
-                                      hint="Pass ctx.step(...) awaitables or zero-argument callables.",
-                                      docs="docs/authoring.md#parallel")
+        items = checked_branches(items, concurrency)
         scope = self.scope()
         prefix = None if all(type(item) is CoroutineType and item.cr_code in STEP_CODES for item in items) \
             else scope.alloc()
@@ -1363,32 +1354,12 @@ class RunKernel:
 
     async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
         """Run the branches; steps already allocated keep their paths, anything else gets ``<prefix>.<i>.``."""
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
+        def enter(i: int) -> None:
+            current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
 
-        async def branch(i: int, item: Any) -> Ok[Any] | Err:
-            if prefix is not None:
-                current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
-            if gate is not None:
-                await gate.acquire()
-            try:
-                value = item() if callable(item) and not inspect.isawaitable(item) else item
-                if inspect.isawaitable(value):
-                    value = await value
-                return Ok(value)
-            except Exception as exc:  # noqa: BLE001 - a branch failure is its Err result
-                return Err(exc)
-            finally:
-                if gate is not None:
-                    gate.release()
-
-        tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
         self.branches += 1
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+            return await run_branches(items, concurrency, enter if prefix is not None else None)
         finally:
             self.branches -= 1
 

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
+from ..branches import checked_branches, run_branches
 from ..errors import LoopLimitError, PurityError, ValidationError
 from ..kernel import Complete, RunHandle, StepOptions, _is_async, label_of
 from ..policies import check_timeout
@@ -105,42 +106,14 @@ class RestateWorkflowContext:
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
-                                        or concurrency < 1):
-            raise ValidationError(f"ctx.parallel concurrency= must be an int >= 1, got {concurrency!r}",
-                                  hint="Omit concurrency= to run every branch at once.",
-                                  docs="docs/authoring.md#parallel")
-        items = list(items)
-        for i, item in enumerate(items):
-            if not (inspect.isawaitable(item) or callable(item)):
-                raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
-                                      hint="Pass ctx.step(...) awaitables or zero-argument callables.",
-                                      docs="docs/authoring.md#parallel")
+        items = checked_branches(items, concurrency)
         scope = self._scope()
         prefix = None if all(isinstance(item, StepOp) for item in items) else scope.alloc()
-        return self._parallel(prefix, items, concurrency)
 
-    async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
+        def enter(i: int) -> None:
+            _scope.set(_Scope(f"{prefix}.{i}.", asyncio.current_task()))
 
-        async def branch(i: int, item: Any) -> Ok[Any] | Err:
-            if prefix is not None:
-                _scope.set(_Scope(f"{prefix}.{i}.", asyncio.current_task()))
-            if gate is not None:
-                await gate.acquire()
-            try:
-                value = item() if callable(item) and not inspect.isawaitable(item) else item
-                if inspect.isawaitable(value):
-                    value = await value
-                return Ok(value)
-            except Exception as exc:  # noqa: BLE001 - a branch failure is its Err result
-                return Err(exc)
-            finally:
-                if gate is not None:
-                    gate.release()
-
-        tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
-        return list(await asyncio.gather(*tasks))
+        return run_branches(items, concurrency, enter if prefix is not None else None)
 
     def loop(self, initial: Any, reducer: Callable[..., Any], *, snapshot_every: int | None = None,
              max_iterations: int | None = None) -> Awaitable[Any]:

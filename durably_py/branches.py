@@ -1,0 +1,58 @@
+"""`ctx.parallel`'s branches, the same in every mode: checking them, and running them to `Ok`/`Err` results."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .errors import ValidationError
+from .result import Err, Ok
+
+
+def checked_branches(items: Iterable[Any], concurrency: int | None) -> list[Any]:
+    """The branches as a list, after checking `concurrency=` and that each is an awaitable or a callable."""
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise ValidationError(f"ctx.parallel concurrency= must be an int >= 1, got {concurrency!r}",
+                              hint="Omit concurrency= to run every branch at once.",
+                              docs="docs/authoring.md#parallel")
+    items = list(items)
+    for i, item in enumerate(items):
+        if not (inspect.isawaitable(item) or callable(item)):
+            raise ValidationError(f"ctx.parallel item {i} is {item!r}, not an awaitable or a callable",
+                                  hint="Pass ctx.step(...) awaitables or zero-argument callables.",
+                                  docs="docs/authoring.md#parallel")
+    return items
+
+
+async def run_branches(items: list[Any], concurrency: int | None,
+                       enter: Callable[[int], None] | None) -> list[Ok[Any] | Err]:
+    """Run every branch (at most `concurrency` at once), each first calling `enter(i)` to take its path scope;
+    one `Ok`/`Err` per branch, in order. If the caller is cancelled, every branch is cancelled with it."""
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def branch(i: int, item: Any) -> Ok[Any] | Err:
+        if enter is not None:
+            enter(i)
+        if gate is not None:
+            await gate.acquire()
+        try:
+            value = item() if callable(item) and not inspect.isawaitable(item) else item
+            if inspect.isawaitable(value):
+                value = await value
+            return Ok(value)
+        except Exception as exc:  # noqa: BLE001 - a branch failure is its Err result
+            return Err(exc)
+        finally:
+            if gate is not None:
+                gate.release()
+
+    tasks = [asyncio.ensure_future(branch(i, item)) for i, item in enumerate(items)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
