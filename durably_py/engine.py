@@ -1,4 +1,4 @@
-"""The engine: finds or creates a run, takes its lease, runs the kernel, and operates runs by id."""
+"""The engine: finds or creates a run, takes its lease and runs the kernel; operations by id live in operations.py."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from .graphs import GraphState
 from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
+from .operations import Operations
 from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
 from .schedules import Schedule
@@ -108,14 +109,6 @@ def _plain(record: Any) -> dict[str, Any]:
     return msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else dict(record)
 
 
-def check_wait(timeout: Any, operation: str) -> None:
-    """Validate the `timeout=` of an operation that waits for the process running a run."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-        raise ValidationError(f"timeout= must be a number of seconds >= 0, got {timeout!r}",
-                              hint=f"{operation}(run, timeout=30) waits up to 30 s for the running process.",
-                              docs="docs/operations.md#pause-and-resume")
-
-
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -179,6 +172,7 @@ class Engine:
         self._pool = ChildPool(concurrency, self._run_child)
         self._worker: Worker | None = None
         self._enqueued: set[str] = set()
+        self.operations = Operations(self)
 
     # ---- finding runs -------------------------------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -365,19 +359,7 @@ class Engine:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
 
         The run need not be live: the signal waits in the run's inbox until the run reads it."""
-        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
-            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
-                                  hint="Use the name the workflow waits for: ctx.wait_for('approval').",
-                                  docs="docs/authoring.md#parking")
-        run_id = self.resolve(run)
-        wire = dump_value(payload, "payload")
-        info = self.storage.info(run_id)
-        if info is not None and info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
-            raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
-                                  hint="Signal a run that is still waiting (`durably list --status waiting`).",
-                                  docs="docs/authoring.md#parking", run_id=run_id)
-        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
-                                                                at=to_iso(datetime.now(UTC)))))
+        await self.operations.signal(run, name, payload)
 
     # ---- running --------------------------------------------------------------------------------
     async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
@@ -821,232 +803,30 @@ class Engine:
 
     async def cancel(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Cancel a run (by id or key): end it as cancelled, asking the process running it to stop first."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-            raise ValidationError(f"timeout= must be a number of seconds >= 0, got {timeout!r}",
-                                  hint="cancel(run, timeout=30) waits up to 30 s for the running process to stop.",
-                                  docs="docs/operations.md#cancel")
-        run_id = self.resolve(run)
-        deadline = time.monotonic() + timeout
-        asked = False
-        while True:
-            history, _ = self._read(run_id)
-            status = history.end.status if history.end is not None else None
-            if status == "completed":
-                late = " before the cancel request took effect" if asked else ""
-                self._drop_cancel_requests(run_id)
-                raise ValidationError(f"run {run_id} already completed{late}; there is nothing to cancel",
-                                      hint=f"`durably restart {run_id}` runs it again from the start.",
-                                      docs="docs/operations.md#cancel", run_id=run_id)
-            if status == "cancelled":
-                break
-            if self.storage.held(run_id):
-                if not asked:
-                    self._request(run_id, "$cancel")
-                    asked = True
-                while self.storage.held(run_id):
-                    if time.monotonic() >= deadline:
-                        return await self.inspect(run_id)
-                    await asyncio.sleep(JOIN_POLL)
-                continue
-            self._amend(run_id, _cancelled_end)
-        self._drop_cancel_requests(run_id)
-        state = await self.inspect(run_id)
-        for child in self._attached(state):
-            await self.cancel(child, timeout=max(deadline - time.monotonic(), 0))
-        return state
-
-    def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
-        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
-        lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=log_format.load)
-        if lease is None:
-            return False
-        try:
-            chosen = record(History(lease.records, lease.where))
-            if chosen is not None:
-                self.storage.append(lease, log_format.encode(chosen))
-                self.storage.sync(lease)
-                self._requeue(run_id, chosen)
-            return True
-        finally:
-            self.storage.release(lease)
-
-    def _requeue(self, run_id: str, record: log_format.Record) -> None:
-        """Keep the queue true to an operation's record: an ended run leaves it, a paused one is due only once
-        resumed, a resumed or reset one is due at once (a worker re-parks it if it still sleeps or waits)."""
-        if isinstance(record, log_format.End):
-            self.storage.unschedule(run_id)
-        elif isinstance(record, log_format.Pause):
-            self.storage.schedule(run_id, None)
-        elif isinstance(record, log_format.Resume | log_format.Reset):
-            self.storage.schedule(run_id, time.time())
-
-    def _drop_cancel_requests(self, run_id: str, names: tuple[str, ...] = ("$cancel", "$pause", "$resume")) -> None:
-        """Acknowledge control requests left in a run's inbox (by an ended run, or ones an operation superseded)."""
-        for message in self.storage.inbox(run_id):
-            if message.get("name") in names:
-                self.storage.ack(run_id, message["id"])
-
-    def _request(self, run_id: str, name: str) -> None:
-        """Put control request `name` ($cancel, $pause, $resume) in the run's inbox."""
-        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
-                                                                at=to_iso(datetime.now(UTC)))))
+        return await self.operations.cancel(run, timeout=timeout)
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
-        check_wait(timeout, "pause")
-        run_id = self.resolve(run)
-        deadline = time.monotonic() + timeout
-        asked = False
-        while True:
-            history, _ = self._read(run_id)
-            held = self.storage.held(run_id)
-            status = run_status(history, held)
-            if status == "paused":
-                break
-            if status in ("completed", "cancelled"):
-                late = " before the pause request took effect" if asked else ""
-                if asked:
-                    self._drop_cancel_requests(run_id, ("$pause",))
-                raise ValidationError(f"run {run_id} already {status}{late}; there is nothing to pause",
-                                      hint=f"`durably restart {run_id}` runs it again from the start.",
-                                      docs="docs/operations.md#pause-and-resume", run_id=run_id)
-            if held:
-                if not asked:
-                    self._request(run_id, "$pause")
-                    asked = True
-                if time.monotonic() >= deadline:
-                    return await self.inspect(run_id)
-                await asyncio.sleep(JOIN_POLL)
-                continue
-            if self._amend(run_id, lambda h: log_format.Pause(ts=time.time())
-                           if run_status(h, False) not in ("paused", "completed", "cancelled") else None):
-                self._drop_cancel_requests(run_id, ("$pause", "$resume"))
-        state = await self.inspect(run_id)
-        for child in self._attached(state):
-            if self._status(child) != "paused":
-                await self.pause(child, timeout=max(deadline - time.monotonic(), 0))
-        return state
+        return await self.operations.pause(run, timeout=timeout)
 
     async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Resume a paused run (by id or key): its waiting process continues it, or the next run()/retry does."""
-        check_wait(timeout, "resume")
-        run_id = self.resolve(run)
-        deadline = time.monotonic() + timeout
-        asked = False
-        while True:
-            history, _ = self._read(run_id)
-            held = self.storage.held(run_id)
-            if run_status(history, held) != "paused":
-                if asked:
-                    break
-                raise ValidationError(f"run {run_id} is {run_status(history, held)}, not paused; there is nothing "
-                                      "to resume", hint=f"`durably pause {run_id}` pauses it; `durably retry "
-                                                        f"{run_id}` continues an interrupted or failed run.",
-                                      docs="docs/operations.md#pause-and-resume", run_id=run_id)
-            if held:
-                if not asked:
-                    self._request(run_id, "$resume")
-                    asked = True
-                if time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(JOIN_POLL)
-                continue
-            if self._amend(run_id, lambda h: log_format.Resume(ts=time.time()) if h.paused else None):
-                self._drop_cancel_requests(run_id, ("$pause", "$resume"))
-                break
-        state = await self.inspect(run_id)
-        for child in self._attached(state):
-            if self._status(child) == "paused":
-                await self.resume(child, timeout=max(deadline - time.monotonic(), 0))
-        return state
-
-    def _attached(self, state: RunState) -> builtins.list[str]:
-        """The run's attached (not detached) child runs that have not ended."""
-        out = []
-        for child in state.children:
-            info = self.storage.info(child)
-            if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
-                out.append(child)
-        return out
+        return await self.operations.resume(run, timeout=timeout)
 
     async def retry(self, run: str, *, from_step: Selector | None = None,
                     on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                     on_run: Callable[[str], Any] | None = None) -> Any:
         """Resume a failed or interrupted run (by id or key); `from_step=` also runs that step and all later ones again."""
-        run_id = self.resolve(run)
-        history, _ = self._read(run_id)
-        status = run_status(history, self.storage.held(run_id))
-        if status == "running":
-            raise ValidationError(f"run {run_id} is running in another process",
-                                  hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
-                                  docs="docs/operations.md#retry", run_id=run_id)
-        if status == "paused":
-            raise ValidationError(f"run {run_id} is paused; a paused run does not continue until it is resumed",
-                                  hint=f"Resume it first with `durably resume {run_id}`, then retry it.",
-                                  docs="docs/operations.md#pause-and-resume", run_id=run_id)
-        if status == "cancelled":
-            raise ValidationError(f"run {run_id} was cancelled; a cancelled run is not resumed",
-                                  hint=f"Start it over with `durably restart {run_id}`.",
-                                  docs="docs/operations.md#retry", run_id=run_id)
-        if status == "completed" and from_step is None:
-            raise ValidationError(f"run {run_id} already completed; there is nothing to retry",
-                                  hint=f"Run steps again with `durably retry {run_id} --from-step PATH|LABEL`, or "
-                                       f"start over with `durably restart {run_id}`.",
-                                  docs="docs/operations.md#retry", run_id=run_id)
-        if from_step is not None:
-            self._reset_paths(history, from_step)
-        workflow = self.workflow_for(run_id)
-        if from_step is not None:
-            if status == "completed":
-                self._drop_cancel_requests(run_id)
-            if not self._amend(run_id, lambda h: log_format.Reset(paths=self._reset_paths(h, from_step),
-                                                              ts=time.time())):
-                raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
-                                      hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
-                                      docs="docs/operations.md#retry")
-        return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
-
-    def _reset_paths(self, history: History, selector: Any) -> builtins.list[str]:
-        """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""
-        if isinstance(selector, list):
-            selector = tuple(selector)
-        shape_ok = isinstance(selector, str) or (
-            isinstance(selector, tuple) and bool(selector) and (
-                all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in selector)
-                or (len(selector) == 2 and isinstance(selector[0], str) and isinstance(selector[1], int)
-                    and not isinstance(selector[1], bool) and selector[1] >= 1)))
-        order = list(history.done)
-        seen: dict[str, int] = {}
-        for index, path in enumerate(order if shape_ok else ()):
-            label = history.done[path].label
-            nth = seen[label] = seen.get(label, 0) + 1
-            if RunKernel.matches(selector, path, label, nth):
-                return order[index:] + [p for p in order[:index] if p.startswith(f"{path}.")]
-        steps = [f"{path_tuple(p)} {history.done[p].label}" for p in sorted(order, key=path_tuple)]
-        listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")
-        what = "matches no recorded step" if shape_ok else "is not a step selector"
-        raise ValidationError(
-            f"from_step={selector!r} {what} of run {history.header.run_id}; its steps: {listed or 'none'}",
-            hint="Select a step by its path (2,) or (3, 1, 0), by its label 'fetch', or by (label, nth) for the "
-                 "nth step with that label; `durably inspect RUN` shows paths and labels.",
-            docs="docs/operations.md#retry-from-a-step", run_id=history.header.run_id)
+        return await self.operations.retry(run, from_step=from_step, on_step=on_step, wait=wait, on_run=on_run)
 
     async def restart(self, run: str, *, on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                       on_run: Callable[[str], Any] | None = None) -> Any:
         """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
-        run_id = self.resolve(run)
-        if self.storage.held(run_id):
-            raise ValidationError(f"run {run_id} is running in another process",
-                                  hint=f"Stop it first with `durably cancel {run_id}`, then restart it.",
-                                  docs="docs/operations.md#restart", run_id=run_id)
-        history, _ = self._read(run_id)
-        workflow = self.workflow_for(run_id)
-        value = load_value(history.header.input)
-        if workflow.input_schema is not None:
-            value = workflow.input_schema.convert(value, "input")
-        return await self.run(workflow, value, key=history.header.key, fresh=True, budget=history.budget,
-                              on_step=on_step, wait=wait, on_run=on_run)
+        return await self.operations.restart(run, on_step=on_step, wait=wait, on_run=on_run)
 
+    def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
+        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
+        return self.operations.amend(run_id, record)
 
 
 def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:
@@ -1098,15 +878,6 @@ def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], buil
                 recorded=header.workflow, called=workflow.name)
         return typed
     return check
-
-
-def _cancelled_end(history: History) -> log_format.End | None:
-    """The end record that cancels a run no process holds (None when it already ended otherwise)."""
-    if history.end is not None and history.end.status != "failed":
-        return None
-    run_id = history.header.run_id
-    error = RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-    return log_format.End(status="cancelled", error=dump_error(error), ts=time.time())
 
 
 class DefaultEngine:
