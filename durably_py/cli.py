@@ -925,6 +925,9 @@ def list_runs(
     offset: Annotated[int, typer.Option("--offset", min=0, metavar="N",
                                         help="Skip the first N matching runs.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only run ids, one per line (for xargs).")] = False,
+    without_patch: Annotated[str | None, typer.Option("--without-patch", metavar="CHANGE",
+                                                      help="Only unfinished runs that may still take the old "
+                                                           "branch of ctx.patched(CHANGE).")] = None,
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
@@ -945,6 +948,12 @@ def list_runs(
         if page is None and mode == "table" and not quiet and sys.stdout.isatty():
             page = DEFAULT_PAGE
         counted = mode == "table" and not quiet  # a table says how many more runs match past the page
+        if restate and without_patch is not None:
+            from .restate.unsupported import unsupported
+
+            _report_durably_error(unsupported("durably list --without-patch", "Restate mode has no ctx.patched"),
+                                  debug)
+            raise typer.Exit(EXIT_USAGE)
         if restate:
             where = f"Restate at {restate}"
             found = _restate_client(restate, restate_admin).list(
@@ -954,7 +963,8 @@ def list_runs(
             engine = engine_at(dir, storage)
             where = engine._where()
             found = asyncio.run(engine.list(status=status or None, workflow=workflow, key_prefix=key, since=after,
-                                            until=before, offset=offset, limit=None if counted else page))
+                                            until=before, offset=offset, limit=None if counted else page,
+                                            without_patch=without_patch))
         states = found[:page] if page is not None else found
         more = len(found) - len(states)
         if quiet:
@@ -966,7 +976,8 @@ def list_runs(
         console = _out_console()
         if not states:
             filters = _filters_text(status=" --status ".join(status) if status else None, workflow=workflow,
-                                    key=key, since=since, until=until, offset=offset or None)
+                                    key=key, since=since, until=until, offset=offset or None,
+                                    without_patch=without_patch)
             console.print(Text(f"no runs match {filters} in {where}" if filters else f"no runs in {where}",
                                "bright_black"))
             return

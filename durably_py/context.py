@@ -45,6 +45,7 @@ class Kernel(Protocol):
     def random(self) -> float: ...
     def uuid(self) -> str: ...
     def replaying(self) -> bool: ...
+    def patched(self, change: str, deprecated: bool = False) -> bool: ...
     def sleep_until(self, when: datetime) -> Awaitable[None]: ...
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]: ...
     def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]: ...
@@ -291,6 +292,17 @@ class WorkflowContext:
     def uuid(self) -> str:
         """A random UUID4 string, recorded."""
         return self._kernel.uuid()
+
+    def patched(self, change: str) -> bool:
+        """True where the run takes the new code of `change`, False in a run recorded before it: wrap a changed
+        part of a deployed workflow in ``if ctx.patched("change"): new else: old``. The first answer is recorded,
+        so a run keeps its branch for good; see docs/versioning.md."""
+        return self._kernel.patched(change)
+
+    def deprecate_patch(self, change: str) -> None:
+        """Mark where ``ctx.patched(change)`` stood once its old branch is deleted: a run still on that branch
+        stops as `stale` (`StaleRunError`) instead of silently switching code; see docs/versioning.md."""
+        self._kernel.patched(change, deprecated=True)
 
     def log(self, *values: Any, **print_kwargs: Any) -> None:
         """print() to stderr (stdout stays for results), only when live, never while replaying recorded steps."""

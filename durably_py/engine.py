@@ -205,8 +205,12 @@ class Engine:
     async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
                    key: str | None = None, key_prefix: str | None = None,
                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
-                   limit: int | None = None, offset: int = 0) -> builtins.list[RunState]:
+                   limit: int | None = None, offset: int = 0,
+                   without_patch: str | None = None) -> builtins.list[RunState]:
         """Runs newest first, filtered by status, workflow name, key, last activity time and a search text.
+
+        `without_patch` keeps only the runs that may still take the old branch of ``ctx.patched(change)``:
+        not completed or cancelled, and not recorded as on its new branch (see docs/versioning.md).
 
         `status` is one status or several (any of them matches); `key` matches exactly, `key_prefix` the
         start of the key; `since`/`until` bound a run's last activity (its `updated_at`, else its
@@ -242,6 +246,10 @@ class Engine:
             if statuses is not None and (run_status(brief, info.held) if brief is not None else CORRUPT) \
                     not in statuses:
                 continue
+            if without_patch is not None:
+                brief = self._without_patch(info, brief, without_patch)
+                if brief is None:
+                    continue
             if skipped < offset:
                 skipped += 1
                 continue
@@ -340,6 +348,18 @@ class Engine:
             key=key if isinstance(key, str) else None, input=None,
             created_at=datetime.fromtimestamp(info.updated_at, UTC), updated_at=None, attempt=info.epoch,
             error=dump_error(error), warnings=[f"{error.message} (hint: {error.hint})"])
+
+    def _without_patch(self, info: RunInfo, brief: History | None, change: str) -> History | None:
+        """The run's whole history when it may still take the old branch of patch `change` (it is not
+        completed or cancelled and has not answered True there), else None. A damaged log is left out."""
+        if brief is None or brief.end is not None and brief.end.status in ("completed", "cancelled"):
+            return None
+        try:
+            history = self._read(info.run_id)[0]
+        except (CorruptLogError, RunNotFoundError):
+            return None
+        answer = history.patches.get(change)
+        return None if answer is not None and answer.value else history
 
     def _brief(self, info: RunInfo) -> History:
         """Enough history for a run's status, so `list` and `inspect` agree whatever the last record is: the

@@ -39,6 +39,7 @@ class History:
         self.waits: dict[str, r.Wait] = {}
         self.signals: set[str] = set()
         self.charges: dict[str, r.Charge] = {}
+        self.patches: dict[str, r.Patch] = {}
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
         self.end: r.End | None = None
@@ -83,6 +84,9 @@ class History:
 
     def _end(self, rec: r.End) -> None:
         self.end = rec
+
+    def _patch(self, rec: r.Patch) -> None:
+        self.patches.setdefault(rec.change, rec)  # the first answer is the run's for good
 
     def _claim(self, rec: r.Claim) -> None:
         self.claim = rec
@@ -138,6 +142,23 @@ class History:
                 totals[kind] = totals.get(kind, 0.0) + amount
         return totals
 
+    def recorded_from(self, bounds: tuple[tuple[str, int], ...]) -> bool:
+        """True when any step, sleep, wait, retry, stash, graph, snapshot or charge is recorded at a path
+        that one of `bounds` covers: ``(prefix, first)`` covers ``prefix + i`` (and everything under it) for
+        every ``i >= first``. `ctx.patched` asks this to tell a run recorded before a change (it has work
+        recorded at or after the point it asks from) from one at its live frontier. Patch answers do not count."""
+        tables: tuple[dict[str, Any], ...] = (self.done, self.fails, self.starts, self.stashes, self.waits,
+                                              self.wakes, self.graphs, self.snaps, self.charges)
+        for table in tables:
+            for path in table:
+                path = path.lstrip("$").partition("@")[0]
+                for prefix, first in bounds:
+                    if path.startswith(prefix):
+                        head = path[len(prefix):].partition(".")[0]
+                        if head.isdigit() and int(head) >= first:
+                            return True
+        return False
+
     def snapshotted(self, path: str) -> bool:
         """True for a step inside a loop iteration that a later snapshot already covers."""
         for loop, snap in self.snaps.items():
@@ -163,6 +184,7 @@ class History:
         out.extend(self.graphs.values())
         out.extend(self.charges.values())
         out.extend(self.comps.values())
+        out.extend(self.patches.values())
         out.extend(r.Advice(advisory=a) for a in self.advisories.values())
         if self.notes:
             out.append(r.Note(notes=self.notes))
@@ -199,6 +221,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Stale: History._stale,
     r.Advice: History._advice,
     r.Note: lambda h, rec: h.notes.update(rec.notes),
+    r.Patch: History._patch,
     r.End: History._end,
     r.Reopen: History.reopen,
     r.Reset: History.reset,
@@ -273,6 +296,7 @@ class RunState:
     budget: dict[str, float] | None = None
     spent: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    patches: dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -324,7 +348,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         created_at=_created(header), updated_at=_ts(history.updated),
         attempt=history.attempt, advisories=list(history.advisories.values()), annotations=dict(history.notes),
         script=header.script, parent=header.parent, budget=history.budget, spent=history.spent(),
-        warnings=warnings or [],
+        warnings=warnings or [], patches={change: rec.value for change, rec in history.patches.items()},
     )
     if history.end:
         state.result = load_value(history.end.result)

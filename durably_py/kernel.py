@@ -98,14 +98,16 @@ class Parked(BaseException):  # noqa: N818 - control flow, not an error
 class Scope:
     """Allocates the child paths of one sequential strand (the workflow body, a branch, a loop turn)."""
 
-    __slots__ = ("prefix", "n", "owner", "labels", "pending")
+    __slots__ = ("prefix", "n", "owner", "labels", "pending", "outer")
 
-    def __init__(self, prefix: str, owner: asyncio.Task[Any] | None) -> None:
+    def __init__(self, prefix: str, owner: asyncio.Task[Any] | None,
+                 outer: tuple[tuple[str, int], ...] = ()) -> None:
         self.prefix = prefix
         self.n = 0
         self.owner = owner
         self.labels: dict[str, int] = {}
         self.pending = 0
+        self.outer = outer  # (prefix, first index) of the positions that come after this strand in its enclosing ones
 
     def alloc(self) -> str:
         path = f"{self.prefix}{self.n}"
@@ -1242,6 +1244,39 @@ class RunKernel:
     def uuid(self) -> str:
         return self.recorded("ctx.uuid", lambda: str(uuidlib.uuid4()))
 
+    def patched(self, change: str, deprecated: bool = False) -> bool:
+        """`ctx.patched(change)`: True on the new code's branch, False in a run recorded before the change.
+
+        The first answer is recorded and kept for the rest of the run. Without one, the run was recorded
+        before the change exactly when it already holds work at or after the point the calling strand
+        stands at (its next path, or a later position of an enclosing strand or loop); at its live frontier
+        the answer is True. `deprecated` (`ctx.deprecate_patch`): the old branch is gone, so a run that
+        answered (or would answer) False cannot go on and is stale."""
+        if not isinstance(change, str) or not change or len(change) > 200:
+            what = "ctx.deprecate_patch" if deprecated else "ctx.patched"
+            raise ValidationError(f"{what} needs a change id of 1-200 characters, got {change!r}",
+                                  hint="Name the change, e.g. ctx.patched('send-receipt-by-email').",
+                                  docs="docs/versioning.md#ctxpatched")
+        scope = self.scope()
+        here = f"{scope.prefix}{scope.n}"
+        rec = self.history.patches.get(change)
+        if rec is None:
+            value = not self.history.recorded_from(((scope.prefix, scope.n), *scope.outer))
+            rec = records.Patch(change=change, path=here, value=value, ts=time.time())
+            self.write(rec)
+            self.history.patches.setdefault(change, rec)
+        if deprecated and not rec.value:
+            where = f"step path {path_tuple(rec.path)}"
+            raise self.replay_failed(StaleRunError(
+                f"run {self.run_id} is on the old branch of patch {change!r} (recorded before the change, at "
+                f"{where}), but the code now calls ctx.deprecate_patch({change!r}): that branch was removed",
+                hint=f"Deploy the code with `if ctx.patched({change!r}): ... else: <old branch>` again until "
+                     f"`durably list --without-patch {change}` shows no unfinished run, then retry this run "
+                     f"(`durably retry {self.run_id}`), or start it over with `durably restart {self.run_id}`.",
+                docs="docs/versioning.md#retiring-the-old-branch", run_id=self.run_id, path=path_tuple(rec.path),
+                recorded=f"patched({change!r}) = False", called=f"deprecate_patch({change!r})", patch=change))
+        return rec.value
+
     def replaying(self) -> bool:
         """True while the calling strand is before the end of its recorded steps (or a wait or sleep it parked on)."""
         try:
@@ -1304,6 +1339,8 @@ class RunKernel:
 
     async def _loop(self, path: str, initial: Any, reducer: Callable[..., Any], every: int,
                     max_iterations: int | None) -> Any:
+        caller = current_scope.get()
+        after = ((caller.prefix, caller.n), *caller.outer)
         snap = self.history.snaps.get(path)
         if snap is not None:
             state, start = load_value(snap.state), snap.iteration + 1
@@ -1316,7 +1353,7 @@ class RunKernel:
                     f"ctx.loop at path {path_tuple(path)} reached max_iterations={max_iterations} without it.done()",
                     hint="Return it.done(value) from the reducer when the work is finished, or raise max_iterations=.",
                     path=list(path_tuple(path)), iterations=i)
-            token = current_scope.set(Scope(f"{path}.{i}.", asyncio.current_task()))
+            token = current_scope.set(Scope(f"{path}.{i}.", asyncio.current_task(), ((f"{path}.", i + 1), *after)))
             try:
                 out = reducer(state, i)
                 if inspect.isawaitable(out):
@@ -1354,8 +1391,11 @@ class RunKernel:
 
     async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
         """Run the branches; steps already allocated keep their paths, anything else gets ``<prefix>.<i>.``."""
+        caller = current_scope.get()
+        after = ((caller.prefix, caller.n), *caller.outer)
+
         def enter(i: int) -> None:
-            current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task()))
+            current_scope.set(Scope(f"{prefix}.{i}.", asyncio.current_task(), after))
 
         self.branches += 1
         try:

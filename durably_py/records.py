@@ -32,6 +32,7 @@ __all__ = [
     "Header",
     "Note",
     "Ok",
+    "Patch",
     "Pause",
     "Record",
     "Reopen",
@@ -273,6 +274,18 @@ class Comp(_Base, tag="comp"):
     ts: float | None = None
 
 
+class Patch(_Base, tag="patch"):
+    """The answer `ctx.patched(change)` (or `ctx.deprecate_patch`) gave this run, fixed for the rest of its life.
+
+    `path` is where the strand stood when it was first asked (its next step's path); it is informative,
+    the answer is looked up by `change`."""
+
+    change: str = msgspec.field(name="id")
+    path: str = msgspec.field(name="p")
+    value: bool = msgspec.field(name="v")
+    ts: float | None = None
+
+
 # ---- annotations ------------------------------------------------------------------------------------------
 class Advice(_Base, tag="adv"):
     """An advisory the run raised (see `advisories.Advisory.to_dict`)."""
@@ -290,7 +303,7 @@ class Note(_Base, tag="note"):
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Stale, End,
-    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Advice, Note,
+    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Advice, Note,
 ]
 """Any record of a run's log."""
 

@@ -19,6 +19,9 @@ from ..workflow import as_workflow
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
 
+PATCH_HINT = ("Register the changed code as a new Restate deployment: invocations already running stay on the "
+              "deployment that started them, new ones take the new code (docs/restate.md#what-does-not-map).")
+
 
 class _Scope:
     """Allocates the paths of one sequential strand (the body, a parallel branch, a loop turn)."""
@@ -228,6 +231,16 @@ class RestateWorkflowContext:
     def uuid(self) -> str:
         """A random UUID4 string from the invocation's seeded generator."""
         return new_uuid(self._pump.random)
+
+    def patched(self, change: str) -> bool:
+        """Not available on Restate: version a Restate service by registering a new deployment."""
+        raise unsupported(f"ctx.patched({change!r})", "an invocation recorded before the change replays its whole "
+                          "journal, which has no entry for the answer", hint=PATCH_HINT)
+
+    def deprecate_patch(self, change: str) -> None:
+        """Not available on Restate (see `patched`)."""
+        raise unsupported(f"ctx.deprecate_patch({change!r})", "Restate journals have no patch answers",
+                          hint=PATCH_HINT)
 
     def log(self, *values: Any, **print_kwargs: Any) -> None:
         """print(), but only when the workflow is live, never while it replays its journal."""
