@@ -954,6 +954,7 @@ def list_runs(
             _report_durably_error(unsupported("durably list --without-patch", "Restate mode has no ctx.patched"),
                                   debug)
             raise typer.Exit(EXIT_USAGE)
+        past: int | None = None
         if restate:
             where = f"Restate at {restate}"
             found = _restate_client(restate, restate_admin).list(
@@ -962,11 +963,13 @@ def list_runs(
         else:
             engine = engine_at(dir, storage)
             where = engine._where()
-            found = asyncio.run(engine.list(status=status or None, workflow=workflow, key_prefix=key, since=after,
-                                            until=before, offset=offset, limit=None if counted else page,
-                                            without_patch=without_patch))
+            query: dict[str, Any] = {"status": status or None, "workflow": workflow, "key_prefix": key,
+                                     "since": after, "until": before, "without_patch": without_patch}
+            found = asyncio.run(engine.list(**query, offset=offset, limit=page))
+            if counted and page is not None and len(found) == page:  # the catalog counts what lies past the page
+                past = asyncio.run(engine.count(**query)) - offset - len(found)
         states = found[:page] if page is not None else found
-        more = len(found) - len(states)
+        more = past if past is not None else len(found) - len(states)
         if quiet:
             sys.stdout.write("".join(f"{s.run_id}\n" for s in states))
             return

@@ -17,9 +17,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-import msgspec
-
-from . import graphs
 from . import records as log_format
 from .advisories import Advisory, AdvisoryTracker
 from .children import ChildPool, parked_in_join
@@ -32,7 +29,6 @@ from .errors import (
     KeyConflictError,
     LeaseLostError,
     RunCancelledError,
-    RunNotFoundError,
     RunParkedError,
     StaleRunError,
     ValidationError,
@@ -41,21 +37,21 @@ from .errors import (
 from .events import StepEvent
 from .graphs import GraphState
 from .heartbeat import Heartbeat
-from .history import BUDGET_KINDS, History, RunState, describe, path_tuple, run_status
+from .history import BUDGET_KINDS, History, RunState
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .operations import Operations
 from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
+from .runs import PruneReport, Runs
 from .schedules import Schedule
-from .storage import FileStorage, RunInfo, Storage, validate_key, validate_run_id
+from .storage import FileStorage, RunInfo, Storage, validate_key
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
-from .timeline import Span, spans
+from .timeline import Span
 from .worker import Worker
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
-CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
 RESERVED_WAIT = 2.0
 
 
@@ -85,28 +81,6 @@ def check_checkpoint(value: Any) -> int | None:
     return value
 
 
-def check_page(limit: Any, offset: Any, since: Any = None, until: Any = None) -> None:
-    """`limit` (None or >= 1), `offset` (>= 0) and the time bounds (aware datetimes) of `Engine.list`."""
-    for name, value in (("since", since), ("until", until)):
-        if value is not None and (not isinstance(value, datetime) or value.tzinfo is None):
-            raise ValidationError(f"{name}= must be a timezone-aware datetime, got {value!r}",
-                                  hint="Pass e.g. datetime.now(UTC) - timedelta(hours=1).",
-                                  docs="docs/operations.md#listing-runs")
-    for name, value, low in (("limit", limit, 1), ("offset", offset, 0)):
-        if value is None and name == "limit":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValidationError(f"{name}= must be an integer >= {low}, got {value!r}",
-                                  hint="list(limit=50, offset=100) gives the third page of 50 runs.",
-                                  docs="docs/operations.md#listing-runs")
-
-
-FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)
-
-
-def _plain(record: Any) -> dict[str, Any]:
-    """A log record as the JSON object it is on disk."""
-    return msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else dict(record)
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -151,6 +125,7 @@ class Engine:
                  lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto") -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
+        self.runs = Runs(self.storage)
         self.concurrency = concurrency
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)
@@ -174,206 +149,86 @@ class Engine:
         self._enqueued: set[str] = set()
         self.operations = Operations(self)
 
-    # ---- finding runs -------------------------------------------------------------------------
+    # ---- finding and describing runs (runs.py) ----------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
-        log = self.storage.read(run_id)
-        if log is None:
-            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
-        return History(log.records, log.where or f"run {run_id}"), log.torn
+        return self.runs.read(run_id)
 
     def _where(self) -> str:
-        return str(getattr(self.storage, "dir", type(self.storage).__name__))
+        return self.runs.where()
 
     def resolve(self, run: str) -> str:
         """A run id from a run id or a run key."""
-        if not isinstance(run, str):
-            raise ValidationError(f"a run is named by its id or key, got {run!r}", hint="Pass the id as a string.")
-        run_id = self.storage.lookup(f"key:{run}")
-        if run_id is not None:
-            return run_id
-        validate_run_id(run)
-        if self.storage.info(run) is None:
-            raise RunNotFoundError(f"no run with id or key {run!r} in {self._where()}", run_id=run)
-        return run
+        return self.runs.resolve(run)
 
     async def inspect(self, run: str) -> RunState:
         """The state of a run (by id or key): status, steps, advisories, result or error."""
-        run_id = self.resolve(run)
-        history, torn = self._read(run_id)
-        return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
+        return await self.runs.inspect(run)
 
     async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
                    key: str | None = None, key_prefix: str | None = None,
                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
-                   limit: int | None = None, offset: int = 0,
+                   limit: int | None = None, offset: int = 0, parent: str | None = None,
                    without_patch: str | None = None) -> builtins.list[RunState]:
-        """Runs newest first, filtered by status, workflow name, key, last activity time and a search text.
+        """Runs newest activity first, filtered by status, workflow name, key, parent run, last activity time
+        and a search text.
 
         `without_patch` keeps only the runs that may still take the old branch of ``ctx.patched(change)``:
         not completed or cancelled, and not recorded as on its new branch (see docs/versioning.md).
 
         `status` is one status or several (any of them matches); `key` matches exactly, `key_prefix` the
-        start of the key; `since`/`until` bound a run's last activity (its `updated_at`, else its
-        `created_at`); `search` matches a case-insensitive substring of the run id, workflow or key; `offset`
-        skips that many matching runs and `limit` keeps at most that many. Each run is read from its first
-        and last records only."""
-        check_page(limit, offset, since, until)
-        statuses = None if status is None else {status} if isinstance(status, str) else set(status)
-        needle = search.lower() if search else None
-        out = []
-        skipped = 0
-        for info in self.storage.list_runs():
-            header = info.header
-            if workflow is not None and header.get("workflow") != workflow:
-                continue
-            if key is not None and header.get("key") != key:
-                continue
-            if key_prefix is not None and not str(header.get("key") or "").startswith(key_prefix) \
-                    or key_prefix is not None and header.get("key") is None:
-                continue
-            if needle is not None and not any(needle in str(header.get(f) or "").lower()
-                                              for f in ("run_id", "workflow", "key")):
-                continue
-            if since is not None or until is not None:
-                active = datetime.fromtimestamp(info.updated_at, UTC)
-                if (since is not None and active < since) or (until is not None and active > until):
-                    continue
-            damage: CorruptLogError | None = None
-            try:
-                brief: History | None = self._brief(info)
-            except CorruptLogError as exc:
-                brief, damage = None, exc
-            if statuses is not None and (run_status(brief, info.held) if brief is not None else CORRUPT) \
-                    not in statuses:
-                continue
-            if without_patch is not None:
-                brief = self._without_patch(info, brief, without_patch)
-                if brief is None:
-                    continue
-            if skipped < offset:
-                skipped += 1
-                continue
-            state = self._damaged(info, damage) if damage is not None \
-                else describe(brief, held=info.held, steps=False)  # type: ignore[arg-type]
-            state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
-            state.attempt = info.epoch
-            out.append(state)
-            if limit is not None and len(out) >= limit:
-                break
-        return out
+        start of the key; `parent` keeps the child runs of that run; `since`/`until` bound a run's last
+        activity; `search` matches a case-insensitive substring of the run id, workflow or key; `offset`
+        skips that many matching runs and `limit` keeps at most that many. The page is found in the
+        storage's run catalog (an index, not every log) and only its runs are read."""
+        return await self.runs.list(status=status, workflow=workflow, key=key, key_prefix=key_prefix, since=since,
+                                    until=until, search=search, limit=limit, offset=offset, parent=parent,
+                                    without_patch=without_patch)
+
+    async def count(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                    key: str | None = None, key_prefix: str | None = None,
+                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
+                    parent: str | None = None, without_patch: str | None = None) -> int:
+        """How many runs `list` gives for the same filters."""
+        return await self.runs.count(status=status, workflow=workflow, key=key, key_prefix=key_prefix,
+                                     since=since, until=until, search=search, parent=parent,
+                                     without_patch=without_patch)
 
     async def timeline(self, run: str) -> builtins.list[Span]:
         """Where the time of a run (by id or key) went: every step attempt, backoff, sleep and wait as a span."""
-        run_id = self.resolve(run)
-        log = self.storage.read(run_id)
-        if log is None:
-            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
-        return spans(log.records)
+        return await self.runs.timeline(run)
 
     async def records(self, run: str) -> builtins.list[dict[str, Any]]:
         """A run's log (by id or key) as plain JSON objects, header first, exactly as recorded."""
-        run_id = self.resolve(run)
-        log = self.storage.read(run_id)
-        if log is None:
-            raise RunNotFoundError(f"no run {run_id!r} in {self._where()}", run_id=run_id)
-        return [_plain(rec) for rec in log.records]
+        return await self.runs.records(run)
 
-    async def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
+    def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
         """A run's records (by id or key) as plain JSON objects, then each record appended later by any
         process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
-        run_id = self.resolve(run)
-        seen = 0
-        while True:
-            log = self.storage.read(run_id)
-            found = log.records if log is not None else []
-            if len(found) < seen:  # compacted meanwhile: what it kept was already shown
-                seen = len(found)
-            for rec in found[seen:]:
-                yield _plain(rec)
-            seen = len(found)
-            if self._status(run_id) in FOLLOW_STOPS:
-                return
-            await asyncio.sleep(poll)
+        return self.runs.follow(run, poll=poll)
 
     async def graph(self, run: str) -> builtins.list[GraphState]:
         """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""
-        run_id = self.resolve(run)
-        history, _ = self._read(run_id)
-        live = self.storage.held(run_id)
-        states = []
-        for prefix, record in history.graphs.items():
-            children: dict[str, str | None] = {}
-            for i, task_id in enumerate(record.tasks):
-                spawn = history.done.get(f"{prefix}.{i}.0")
-                child = spawn.value.get("run_id") if isinstance(spawn, log_format.Ok) and isinstance(spawn.value, dict) \
-                    else None
-                children[task_id] = child if isinstance(child, str) else None
-            ended = history.end.status if history.end is not None and not live else None
-            states.append(graphs.describe(run_id, path_tuple(prefix), {"tasks": record.tasks}, children, self._status,
-                                          live, ended))
-        return states
+        return await self.runs.graph(run)
+
+    async def prune(self, *, older_than: float, status: str | Iterable[str] | None = None,
+                    workflow: str | None = None, dry_run: bool = False) -> PruneReport:
+        """Delete runs that ended (completed, failed or cancelled; `status` narrows) over `older_than` seconds
+        ago, with their logs, index entries, queue entries, inboxes and key bindings; `dry_run` only reports.
+        Unfinished runs, runs a process holds and children of unfinished parents are never touched."""
+        return await self.runs.prune(older_than=older_than, status=status, workflow=workflow, dry_run=dry_run)
 
     def _status(self, run_id: str) -> str:
         """A run's status as `list` tells it ("corrupt" for a damaged log)."""
-        info = self.storage.info(run_id)
-        if info is None:
-            return "pending"
-        try:
-            return run_status(self._brief(info), info.held)
-        except CorruptLogError:
-            return CORRUPT
+        return self.runs.status(run_id)
 
     def _valid(self, info: RunInfo) -> None:
-        """Raise the `CorruptLogError` naming file, line and field if the run's header or last record is damaged."""
-        try:
-            self._brief(info)
-        except CorruptLogError:
-            self._read(info.run_id)
-            raise
+        self.runs.valid(info)
 
     def _damaged(self, info: RunInfo, error: CorruptLogError) -> RunState:
-        """How `list` shows a run whose log does not validate: status "corrupt", the error and its hint.
-
-        The error of a full read is preferred (it names the file); the run's other runs are unaffected."""
-        try:
-            self._read(info.run_id)
-        except CorruptLogError as exc:
-            error = exc
-        except DurablyError:
-            pass
-        header = info.header if isinstance(info.header, dict) else {}
-        workflow, key = header.get("workflow"), header.get("key")
-        return RunState(
-            run_id=info.run_id, status=CORRUPT, workflow=workflow if isinstance(workflow, str) else "?",
-            key=key if isinstance(key, str) else None, input=None,
-            created_at=datetime.fromtimestamp(info.updated_at, UTC), updated_at=None, attempt=info.epoch,
-            error=dump_error(error), warnings=[f"{error.message} (hint: {error.hint})"])
-
-    def _without_patch(self, info: RunInfo, brief: History | None, change: str) -> History | None:
-        """The run's whole history when it may still take the old branch of patch `change` (it is not
-        completed or cancelled and has not answered True there), else None. A damaged log is left out."""
-        if brief is None or brief.end is not None and brief.end.status in ("completed", "cancelled"):
-            return None
-        try:
-            history = self._read(info.run_id)[0]
-        except (CorruptLogError, RunNotFoundError):
-            return None
-        answer = history.patches.get(change)
-        return None if answer is not None and answer.value else history
+        return self.runs.damaged(info, error)
 
     def _brief(self, info: RunInfo) -> History:
-        """Enough history for a run's status, so `list` and `inspect` agree whatever the last record is: the
-        header and last record of a run that ended or never started, else the whole log."""
-        last = info.last.get("t")
-        if last not in ("end", "run", "pause"):
-            try:
-                return self._read(info.run_id)[0]
-            except (CorruptLogError, RunNotFoundError):
-                pass  # a damaged log never hides the run: its ends still tell a status
-        history = History([info.header], f"run {info.run_id}")
-        if last in ("end", "pause"):
-            history.add(log_format.load_one(info.last, f"run {info.run_id}"))
-        return history
+        return self.runs.brief(info)
 
     async def signal(self, run: str, name: str, payload: Any = None) -> None:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.

@@ -2,8 +2,9 @@
 
 A run is an append-only sequence of records (JSON objects, one per line in the
 file adapter). The first record is the run header ``{"t": "run", "v": 1, ...}``.
-Adapters store and return records; they never interpret them beyond the header
-and the last record (for `list_runs`). The kernel encodes records to bytes once
+Adapters store and return records; they never interpret them beyond the header,
+the last record, and whether an appended line is an end, reopen or reset record (the run catalog,
+`catalog.py`, that `list_runs` answers from). The kernel encodes records to bytes once
 (``msgspec``) and hands the adapter complete newline-terminated lines.
 
 Signals (`send`/`inbox`/`ack`) live in a per-run inbox beside the log, not in it: any process may send
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
@@ -300,6 +301,7 @@ class RunInfo:
     held: bool
     updated_at: float
     epoch: int = 0  # how many times the run was claimed (its workflow attempt)
+    state: str | None = None  # the catalog's state ("open" or the end status) where the adapter keeps one
 
 
 @dataclass
@@ -419,8 +421,26 @@ class Storage(Protocol):
     def info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag, without reading its whole log (None if unknown)."""
 
-    def list_runs(self) -> list[RunInfo]:
-        """Every run, newest first."""
+    def list_runs(self, *, state: str | Iterable[str] | None = None, workflow: str | None = None,
+                  key: str | None = None, key_prefix: str | None = None, search: str | None = None,
+                  parent: str | None = None, since: float | None = None, until: float | None = None,
+                  limit: int | None = None, offset: int = 0) -> list[RunInfo]:
+        """Runs matching every given filter (`catalog.RunFilter`), most recently active first, answered from
+        the adapter's index (never by reading every log): `state` is "open" (not ended) or an end status
+        ("completed", "failed", "cancelled"), or several; `since`/`until` bound the last activity in epoch
+        seconds; `offset` skips, `limit` keeps at most that many. Without arguments: every run. An adapter
+        may learn that an ended run was opened again (a reopen or reset record) only when it is queued again
+        (`schedule`), as the engine always does."""
+
+    def count_runs(self, *, state: str | Iterable[str] | None = None, workflow: str | None = None,
+                   key: str | None = None, key_prefix: str | None = None, search: str | None = None,
+                   parent: str | None = None, since: float | None = None, until: float | None = None) -> int:
+        """How many runs `list_runs` would give for the same filters, from the index."""
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run for good: its log, index entry, queue entry, inbox and the identity bindings that name
+        it. The bytes freed; None, with nothing removed, while a live owner holds the run; 0 if unknown.
+        The caller decides whether a run may go (adapters do not judge its state)."""
 
     def send(self, run_id: str, data: bytes) -> None:
         """Durably and atomically store one signal line for the run, whoever holds its lease (or none does)."""

@@ -13,6 +13,9 @@ Layout under ``dir``::
                           "w": [signal names that wake it], "c": created}; replaced atomically (temp file and
                           rename) under the flock of queue/.lock, deleted when the run ends. The due query
                           lists this directory only, so ended runs cost it nothing.
+    catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
+                          last activity per run; `fileindex.py`): written at create, queue changes and delete,
+                          never per step, and repaired from the logs whenever it is missing or behind them
 
 Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
 non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
@@ -34,10 +37,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -72,11 +75,15 @@ from .base import (
     validate_ttl,
     validate_wait,
 )
+from .catalog import OPEN, RunFilter, header_fields, validate_page
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .fileindex import FileCatalog
 
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
@@ -211,6 +218,7 @@ class FileStorage:
         self._mine: set[_Held] = set()
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
+        self._catalog: FileCatalog | None = None
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -251,7 +259,7 @@ class FileStorage:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now); its queue
         entry is written first, so a crash in between leaves an entry without a log, which `due` skips."""
         log = self._log(run_id)
-        validate_header(run_id, header)
+        fields = header_fields(validate_header(run_id, header))
         at = validate_at(at)
         priority = validate_priority(priority)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +269,8 @@ class FileStorage:
             queued = not self._entry_path(run_id).exists() and not log.exists()
             if queued:
                 self._write_entry(entry)
+        if queued:
+            self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
         try:
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
@@ -273,6 +283,7 @@ class FileStorage:
             except FileExistsError:
                 if queued:
                     self._entry_path(run_id).unlink(missing_ok=True)
+                    self._indexed(lambda catalog: catalog.refresh(run_id))
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
                     hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
@@ -493,6 +504,7 @@ class FileStorage:
                 os.close(fd)
             os.close(held.fd)
             held.fd = -1
+            self._indexed(lambda catalog: catalog.rescan(held.run_id))
             try:
                 os.replace(tmp, held.log)
             except BaseException:
@@ -552,22 +564,114 @@ class FileStorage:
         """Where an identity's binding lives: its SHA-256, never the identity itself."""
         return self.index_dir / hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
 
-    def list_runs(self) -> list[RunInfo]:
-        """Every run, newest (last written) first, reading only each log's first and last lines."""
+    def catalog(self) -> FileCatalog:
+        """The run catalog beside the logs (`fileindex.FileCatalog`), opened on first use."""
+        if self._catalog is None:
+            from .fileindex import FileCatalog
+
+            self._catalog = FileCatalog(self.dir / "catalog.db", self.runs_dir, self._run_names)
+        return self._catalog
+
+    def _indexed(self, change: Callable[[FileCatalog], None]) -> None:
+        """Apply `change` to the catalog; a catalog that cannot be written never fails the run (the next
+        listing repairs it from the logs)."""
+        import sqlite3
+
+        try:
+            change(self.catalog())
+        except sqlite3.Error:
+            pass
+
+    def _run_names(self) -> list[str]:
+        """The ids of every run that has a log."""
         try:
             names = os.listdir(self.runs_dir)
         except FileNotFoundError:
             return []
+        return [name[:-6] for name in names
+                if name.endswith(".jsonl") and not name.startswith(".") and _is_run_id(name[:-6])]
+
+    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+        """Runs matching the filter (`catalog.RunFilter`), most recently active first, from the catalog; each
+        run's `RunInfo` read from its log's first and last lines."""
+        query = RunFilter.of(**where)
+        limit, offset = validate_page(limit, offset)
+        if not self.runs_dir.exists():
+            return []
         infos = []
-        for name in sorted(names):
-            run_id = name[:-6]
-            if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
-                continue
+        for run_id in self.catalog().query(query, limit, offset):
             info = self.info(run_id)
             if info is not None:
                 infos.append(info)
-        infos.sort(key=lambda info: info.updated_at, reverse=True)
         return infos
+
+    def count_runs(self, **where: Any) -> int:
+        """How many runs match the filter, from the catalog."""
+        query = RunFilter.of(**where)
+        if not self.runs_dir.exists():
+            return 0
+        return self.catalog().count(query)
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run for good: its identity binding (while it still names this run), queue entry, log,
+        sidecars, inbox and catalog row. The bytes freed; None, with nothing removed, while a process holds
+        the run; 0 for an unknown run. The log goes first after the binding, so a crash part-way leaves
+        leftovers no listing shows, which a later `delete` removes."""
+        log = self._log(run_id)
+        lock = _OsLock(self._lock_path(run_id))
+        with _registry_lock:
+            mine = self._lock_path(run_id) in _registry
+        if mine or not lock.acquire(create=False) and os.path.exists(lock.path):
+            return None
+        try:
+            try:
+                with open(log, "rb") as f:
+                    identity = (decode_record(f.readline()) or {}).get("identity")
+            except FileNotFoundError:
+                identity = None
+            if isinstance(identity, str) and identity:
+                self._unbind(identity, run_id)
+            with self._queue_lock():
+                self._entry_path(run_id).unlink(missing_ok=True)
+            freed = 0
+            inbox = self.runs_dir / f"{run_id}.inbox"
+            paths = [log, *(inbox / name for name in _listdir(inbox)), self.runs_dir / f"{run_id}.owner"]
+            for path in paths:
+                try:
+                    freed += path.stat().st_size
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+            try:
+                inbox.rmdir()
+            except FileNotFoundError:
+                pass
+            self._signal_ids.pop(run_id, None)
+            self._indexed(lambda catalog: catalog.remove(run_id))
+            Path(lock.path).unlink(missing_ok=True)
+            return freed
+        finally:
+            lock.release()
+
+    def _unbind(self, identity: str, run_id: str) -> None:
+        """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""
+        path = self._index_path(identity)
+        lock = _OsLock(str(path) + ".lock")
+        deadline = time.monotonic() + 10
+        while not lock.acquire():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+        try:
+            if self.lookup(identity) == run_id:
+                path.unlink(missing_ok=True)
+        finally:
+            lock.release()
+
+    def reindex(self) -> int:
+        """Rebuild the run catalog from the logs (it repairs itself; this is for a state dir edited by hand);
+        the number of runs indexed."""
+        return self.catalog().rebuild()
 
     def info(self, run_id: str) -> RunInfo | None:
         """One run's `RunInfo` from its log's ends (None if unknown or the log vanished meanwhile)."""
@@ -724,12 +828,14 @@ class FileStorage:
             keep = old.priority if old is not None else 0
             created = old.created if old is not None else time.time()
             self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
+        self._indexed(lambda catalog: catalog.refresh(run_id))
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue entry (a no-op when there is none)."""
         path = self._entry_path(validate_run_id(run_id))
         with self._queue_lock():
             path.unlink(missing_ok=True)
+        self._indexed(lambda catalog: catalog.refresh(run_id))
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
@@ -789,6 +895,8 @@ class FileStorage:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
+        if self._catalog is not None:
+            self._catalog.close()
 
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
@@ -810,6 +918,14 @@ def _is_run_id(name: str) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def _listdir(directory: Path) -> list[str]:
+    """The names in `directory` ([] when it does not exist)."""
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _signal_files(directory: Path) -> list[str]:

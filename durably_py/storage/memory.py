@@ -41,12 +41,13 @@ from .base import (
     validate_ttl,
     validate_wait,
 )
+from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
 
 class _Run:
     """One run's log bytes, lease state and signal inbox."""
 
-    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals")
+    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals", "state", "fields")
 
     def __init__(self, data: bytes, order: int) -> None:
         self.data = bytearray(data)
@@ -57,6 +58,8 @@ class _Run:
         self.order = order
         self.synced = 0
         self.signals: list[tuple[str, bytes]] = []  # (signal id, line), in send order
+        self.state = OPEN  # the catalog state: "open" or the end status
+        self.fields = header_fields(decode_record(data))  # workflow, key, parent
 
 
 class MemoryStorage:
@@ -135,6 +138,7 @@ class MemoryStorage:
     def _touch(self, run: _Run, data: bytes) -> None:
         """Append `data` and mark the run as just updated."""
         run.data += data
+        run.state = state_after(run.state, data)
         run.updated = time.time()
         run.order = next(self._order)
 
@@ -192,6 +196,7 @@ class MemoryStorage:
         with self._lock:
             run = self._current(lease)
             run.data = bytearray(data)
+            run.state = state_after(OPEN, data)
             run.synced = len(data)
             self.fsyncs += 1
             run.updated = time.time()
@@ -218,31 +223,53 @@ class MemoryStorage:
     def info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""
         validate_run_id(run_id)
-        return next((info for info in self.list_runs() if info.run_id == run_id), None) \
-            if run_id in self._runs else None
+        with self._lock:
+            run = self._runs.get(run_id)
+            return None if run is None else self._info(run_id, run, time.monotonic())
 
-    def list_runs(self) -> list[RunInfo]:
-        """Every run, most recently updated first."""
+    def _info(self, run_id: str, run: _Run, now: float) -> RunInfo:
+        """A run's `RunInfo` (call with the lock held)."""
+        header = decode_record(bytes(run.data[: run.data.find(b"\n") + 1])) or {}
+        last = decode_record(bytes(last_line(run.data))) or header
+        return RunInfo(run_id, header, last, run.owner is not None and run.expires >= now, run.updated, run.epoch,
+                       run.state)
+
+    def _matching(self, where: dict[str, Any]) -> list[tuple[str, _Run]]:
+        """The runs passing the filter, most recently updated first (call with the lock held)."""
+        query = RunFilter.of(**where)
+        found = [(run_id, run) for run_id, run in self._runs.items()
+                 if query.matches(run_id, run.state, *run.fields, run.updated)]
+        found.sort(key=lambda item: item[1].order, reverse=True)
+        return found
+
+    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+        """Runs matching the filter (`catalog.RunFilter`), most recently updated first."""
+        limit, offset = validate_page(limit, offset)
         now = time.monotonic()
         with self._lock:
-            rows = [
-                (
-                    run.order,
-                    run_id,
-                    bytes(run.data[: run.data.find(b"\n") + 1]),
-                    bytes(last_line(run.data)),
-                    run.owner is not None and run.expires >= now,
-                    run.updated,
-                    run.epoch,
-                )
-                for run_id, run in self._runs.items()
-            ]
-        rows.sort(reverse=True)
-        infos = []
-        for _, run_id, first, last, held, updated, epoch in rows:
-            header = decode_record(first) or {}
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
-        return infos
+            found = self._matching(where)[offset: None if limit is None else offset + limit]
+            return [self._info(run_id, run, now) for run_id, run in found]
+
+    def count_runs(self, **where: Any) -> int:
+        """How many runs match the filter."""
+        with self._lock:
+            return len(self._matching(where))
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run, its inbox, queue entry and identity bindings; the bytes freed, None (nothing removed)
+        while an owner holds its lease, 0 for an unknown run."""
+        validate_run_id(run_id)
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return 0
+            if run.owner is not None and run.expires >= time.monotonic():
+                return None
+            del self._runs[run_id]
+            self._queue.pop(run_id, None)
+            for identity in [i for i, bound in self._index.items() if bound == run_id]:
+                del self._index[identity]
+            return len(run.data) + sum(len(line) for _, line in run.signals)
 
     def send(self, run_id: str, data: bytes) -> None:
         """Store one signal line in the run's inbox; `RunNotFoundError` if unknown."""

@@ -55,6 +55,7 @@ from .base import (
     validate_ttl,
     validate_wait,
 )
+from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
 if TYPE_CHECKING:
     import psycopg
@@ -101,6 +102,47 @@ CREATE TABLE IF NOT EXISTS {s}.queue (
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON {s}.queue (priority DESC, due, created) WHERE due IS NOT NULL;
 """
+
+
+_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
+_CATALOG = """
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS workflow TEXT;
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS key TEXT;
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS parent TEXT;
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS state TEXT NOT NULL DEFAULT 'open';
+CREATE INDEX IF NOT EXISTS runs_by_updated ON {s}.runs (updated DESC, run_id DESC);
+CREATE INDEX IF NOT EXISTS runs_by_state ON {s}.runs (state, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_workflow ON {s}.runs (workflow, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_key ON {s}.runs (key);
+CREATE INDEX IF NOT EXISTS runs_by_parent ON {s}.runs (parent) WHERE parent IS NOT NULL
+"""
+
+
+def _ensure_catalog(conn: Any, schema: str) -> None:
+    """The run catalog's columns and indexes on ``runs``; a schema from before them gets them filled in from
+    each run's header and log (once, under the schema's advisory lock)."""
+    found = conn.execute("SELECT 1 FROM information_schema.columns WHERE table_schema = %s AND table_name = 'runs'"
+                         " AND column_name = 'state'", (schema,)).fetchone()
+    if found is not None:
+        return
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{schema}",))
+        again = conn.execute("SELECT 1 FROM information_schema.columns WHERE table_schema = %s"
+                             " AND table_name = 'runs' AND column_name = 'state'", (schema,)).fetchone()
+        if again is not None:
+            return
+        for statement in _CATALOG.format(s=f'"{schema}"').split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        runs = conn.execute(f'SELECT run_id, header FROM "{schema}".runs').fetchall()
+        for run_id, header_line in runs:
+            chunks = conn.execute(f'SELECT data FROM "{schema}".records WHERE run_id = %s ORDER BY seq',
+                                  (run_id,)).fetchall()
+            header = decode_record(bytes(header_line))
+            good = (header or {}).get("t") == "run"
+            state = state_after(OPEN, b"".join(bytes(c[0]) for c in chunks)) if good else OPEN
+            conn.execute(f'UPDATE "{schema}".runs SET workflow = %s, key = %s, parent = %s, state = %s'
+                         " WHERE run_id = %s", (*header_fields(header), state, run_id))
 
 
 def _psycopg() -> Any:
@@ -172,6 +214,7 @@ class PostgresStorage:
                         for statement in _TABLES.format(s=f'"{self.schema}"').split(";"):
                             if statement.strip():
                                 conn.execute(statement)
+                _ensure_catalog(conn, self.schema)
             except BaseException:
                 conn.close()
                 raise
@@ -250,18 +293,18 @@ class PostgresStorage:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         statement; `ValidationError` if the id exists."""
         validate_run_id(run_id)
-        validate_header(run_id, header)
+        fields = header_fields(validate_header(run_id, header))
         at = validate_at(at)
         validate_priority(priority)
         header = bytes(header)
         now = time.time()
         created = self._write(
-            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size) VALUES (%s, %s, %s, %s)"
-            " ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
+            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
             f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
             " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
             f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
-            (run_id, header, header, len(header), now if at is None else at, priority, now, header),
+            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header),
         )
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
@@ -356,11 +399,15 @@ class PostgresStorage:
         if type(data) is not bytes or not data.endswith(b"\n"):
             validate_lines(data)
         data = bytes(data)
+        state = ""
+        if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
+            rows = self._fetch(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
+            state = state_after(rows[0][0] if rows else OPEN, data)
         if not self._mine(lease) or self._write(
             f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
-            f" WHERE {_FENCE} RETURNING run_id)"
+            + (", state = %s" if state else "") + f" WHERE {_FENCE} RETURNING run_id)"
             f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
-            (last_line(data), len(data), lease.run_id, lease.epoch, lease.owner, data),
+            (last_line(data), len(data), *((state,) if state else ()), lease.run_id, lease.epoch, lease.owner, data),
         ) == 0:
             raise self._lost(lease)
 
@@ -390,9 +437,9 @@ class PostgresStorage:
             raise self._lost(lease)
         with self._cursor(transaction=True) as cur:
             cur.execute(
-                f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp()"
+                f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp(), state = %s"
                 f" WHERE {_FENCE}",
-                (header, last_line(data), len(data), lease.run_id, lease.epoch, lease.owner),
+                (header, last_line(data), len(data), state_after(OPEN, data), lease.run_id, lease.epoch, lease.owner),
             )
             if cur.rowcount == 0:
                 raise self._lost(lease)
@@ -432,20 +479,51 @@ class PostgresStorage:
         found = self._infos("WHERE run_id = %s", (run_id,))
         return found[0] if found else None
 
-    def list_runs(self) -> list[RunInfo]:
-        """Every run, most recently updated first."""
-        return self._infos("ORDER BY updated DESC, created DESC, run_id DESC", ())
+    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+        """Runs matching the filter (`catalog.RunFilter`), most recently updated first, from indexed columns."""
+        clause, params = RunFilter.of(**where).where("%s", "to_timestamp({})")
+        limit, offset = validate_page(limit, offset)
+        return self._infos((f"WHERE {clause} " if clause else "")
+                           + "ORDER BY updated DESC, run_id DESC LIMIT %s OFFSET %s", (*params, limit, offset))
+
+    def count_runs(self, **where: Any) -> int:
+        """How many runs match the filter."""
+        clause, params = RunFilter.of(**where).where("%s", "to_timestamp({})")
+        rows = self._fetch(f"SELECT count(*) FROM {self._runs}" + (f" WHERE {clause}" if clause else ""),
+                           tuple(params))
+        return int(rows[0][0])
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
+        freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
+        validate_run_id(run_id)
+        with self._cursor(transaction=True) as cur:
+            cur.execute(f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
+                        " WHERE run_id = %s FOR UPDATE", (run_id,))
+            row = cur.fetchone()
+            if row is None:
+                return 0
+            if row[0]:
+                return None
+            cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._records} WHERE run_id = %s", (run_id,))
+            freed = int(cur.fetchone()[0])  # type: ignore[index]
+            cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._signals} WHERE run_id = %s", (run_id,))
+            freed += int(cur.fetchone()[0])  # type: ignore[index]
+            for table in (self._records, self._signals, self._queue, self._identities, self._runs):
+                cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
+        return freed
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         rows = self._fetch(
             "SELECT run_id, header, last, owner IS NOT NULL AND lease_expires >= clock_timestamp(),"
-            f" extract(epoch FROM updated)::float8, epoch FROM {self._runs} {clause}",
+            f" extract(epoch FROM updated)::float8, epoch, state FROM {self._runs} {clause}",
             params,
         )
         infos = []
-        for run_id, header_line, last, held, updated, epoch in rows:
+        for run_id, header_line, last, held, updated, epoch, state in rows:
             header = decode_record(bytes(header_line)) or {}
-            infos.append(RunInfo(run_id, header, decode_record(bytes(last)) or header, bool(held), updated, epoch))
+            infos.append(RunInfo(run_id, header, decode_record(bytes(last)) or header, bool(held), updated, epoch,
+                                 state))
         return infos
 
     # ---- the queue ------------------------------------------------------------------------------

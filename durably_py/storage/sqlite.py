@@ -57,6 +57,7 @@ from .base import (
     validate_ttl,
     validate_wait,
 )
+from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
 SCHEMA_VERSION = 3  # 2 added signals, 3 the queue; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
@@ -133,6 +134,7 @@ class SqliteStorage:
                     if 0 < version < 3:
                         _queue_unended(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                _ensure_catalog(conn)
             self._conn = conn
         return self._conn
 
@@ -147,7 +149,7 @@ class SqliteStorage:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         transaction; `ValidationError` if the id exists."""
         validate_run_id(run_id)
-        validate_header(run_id, header)
+        fields = header_fields(validate_header(run_id, header))
         at = validate_at(at)
         validate_priority(priority)
         header = bytes(header)
@@ -155,8 +157,9 @@ class SqliteStorage:
         with self._lock, _transaction(self._db()) as db:
             try:
                 db.execute(
-                    "INSERT INTO runs (run_id, header, created, updated, last, size) VALUES (?, ?, ?, ?, ?, ?)",
-                    (run_id, header, now, now, header, len(header)),
+                    "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run_id, header, now, now, header, len(header), *fields, OPEN),
                 )
             except sqlite3.IntegrityError:
                 raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
@@ -254,6 +257,9 @@ class SqliteStorage:
             validate_lines(data)
         data = bytes(data)
         with self._lock, _transaction(self._db()) as db:
+            if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
+                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+                self._fenced(db, lease, "state = ?", (state_after(row[0] if row else OPEN, data),))
             self._fenced(db, lease, "updated = ?, last = ?, size = size + ?", (time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
@@ -286,8 +292,8 @@ class SqliteStorage:
             self._fenced(
                 db,
                 lease,
-                "header = ?, last = ?, size = ?, updated = ?",
-                (header, last_line(data), len(data), time.time()),
+                "header = ?, last = ?, size = ?, updated = ?, state = ?",
+                (header, last_line(data), len(data), time.time(), state_after(OPEN, data)),
             )
             db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
@@ -319,9 +325,39 @@ class SqliteStorage:
         found = self._infos("WHERE run_id = ?", (run_id,))
         return found[0] if found else None
 
-    def list_runs(self) -> list[RunInfo]:
-        """Every run, most recently updated first."""
-        return self._infos("ORDER BY updated DESC, rowid DESC", ())
+    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+        """Runs matching the filter (`catalog.RunFilter`), most recently updated first, from the runs table's
+        indexed columns."""
+        clause, params = RunFilter.of(**where).where()
+        limit, offset = validate_page(limit, offset)
+        return self._infos((f"WHERE {clause} " if clause else "") + "ORDER BY updated DESC, run_id DESC LIMIT ? OFFSET ?",
+                           (*params, -1 if limit is None else limit, offset))
+
+    def count_runs(self, **where: Any) -> int:
+        """How many runs match the filter."""
+        clause, params = RunFilter.of(**where).where()
+        with self._lock:
+            row = self._db().execute("SELECT count(*) FROM runs" + (f" WHERE {clause}" if clause else ""),
+                                     params).fetchone()
+        return int(row[0])
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
+        freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
+        validate_run_id(run_id)
+        with self._lock, _transaction(self._db()) as db:
+            row = db.execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
+                return 0
+            if row[0] is not None and row[1] is not None and row[1] >= time.time():
+                return None
+            freed = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE run_id = ?",
+                               (run_id,)).fetchone()[0]
+            freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM signals WHERE run_id = ?",
+                                (run_id,)).fetchone()[0]
+            for table in ("records", "signals", "queue", "identities", "runs"):
+                db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+        return int(freed)
 
     def _require(self, db: sqlite3.Connection, run_id: str) -> None:
         """Raise `RunNotFoundError` unless the run exists."""
@@ -427,15 +463,46 @@ class SqliteStorage:
         with self._lock:
             rows = (
                 self._db()
-                .execute(f"SELECT run_id, header, last, owner, lease_expires, updated, epoch FROM runs {clause}", params)
+                .execute("SELECT run_id, header, last, owner, lease_expires, updated, epoch, state FROM runs "
+                         + clause, params)
                 .fetchall()
             )
         infos = []
-        for run_id, header_line, last, owner, expires, updated, epoch in rows:
+        for run_id, header_line, last, owner, expires, updated, epoch, state in rows:
             header = decode_record(header_line) or {}
             held = owner is not None and expires is not None and expires >= now
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch))
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch, state))
         return infos
+
+
+_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
+_CATALOG_COLUMNS = {"workflow": "TEXT", "key": "TEXT", "parent": "TEXT", "state": "TEXT NOT NULL DEFAULT 'open'"}
+_CATALOG_INDEXES = """
+CREATE INDEX IF NOT EXISTS runs_by_updated ON runs (updated DESC, run_id DESC);
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
+CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL
+"""
+
+
+def _ensure_catalog(db: sqlite3.Connection) -> None:
+    """The run catalog's columns and indexes on ``runs``; a database from before them gets them filled in
+    from each run's header and log (once)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+    missing = [name for name in _CATALOG_COLUMNS if name not in have]
+    for name in missing:
+        db.execute(f"ALTER TABLE runs ADD COLUMN {name} {_CATALOG_COLUMNS[name]}")
+    if missing:
+        for run_id, header in db.execute("SELECT run_id, header FROM runs").fetchall():
+            data = b"".join(row[0] for row in db.execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq",
+                                                         (run_id,)))
+            good = (decode_record(header) or {}).get("t") == "run"
+            db.execute("UPDATE runs SET workflow = ?, key = ?, parent = ?, state = ? WHERE run_id = ?",
+                       (*header_fields(decode_record(header)), state_after(OPEN, data) if good else OPEN, run_id))
+    for statement in _CATALOG_INDEXES.split(";"):
+        if statement.strip():
+            db.execute(statement)
 
 
 def _queue_unended(db: sqlite3.Connection) -> None:

@@ -1,0 +1,241 @@
+"""The file adapter's run catalog: one SQLite table beside the logs, rebuilt from them whenever in doubt.
+
+The logs stay the truth; this index only answers "which runs match, newest first" without opening every
+log. It lives in ``<dir>/catalog.db`` (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``: never an fsync of
+its own on the step path), one row per run: workflow, key, parent (from the header), state (``open`` or the
+end status) and when the run was last active.
+
+`FileStorage` writes a row when it creates a run (before its log exists, so a crash in between leaves a row
+without a log, which a listing drops) and refreshes it when a run is claimed, queued again or taken out of
+the queue (it ended). Nothing is written per step or per append. Before answering, a query
+
+- rebuilds the table from the logs when it is missing, unreadable or empty while logs exist;
+- reconciles which runs exist with the ``runs/`` directory whenever that directory changed since the last
+  reconcile (logs copied in, a row lost to a machine crash, a log deleted by hand);
+- re-reads the tail of every open run whose log grew or shrank since its row was written, so a run that
+  ended in a process killed before it could say so is listed with its end, and open runs sort by their
+  last write.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .catalog import OPEN, RunFilter, header_fields, state_after
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    workflow TEXT,
+    key TEXT,
+    parent TEXT,
+    state TEXT NOT NULL,
+    updated REAL NOT NULL,
+    size INTEGER NOT NULL DEFAULT -1
+);
+CREATE INDEX IF NOT EXISTS runs_by_updated ON runs (updated DESC, run_id DESC);
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
+CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
+CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL;
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
+"""
+
+Row = tuple[str, str | None, str | None, str | None, str, float, int]
+"""run_id, workflow, key, parent, state, updated, size (the log bytes the state was read from)."""
+
+_HEADER = msgspec.json.Decoder(dict[str, Any])
+
+
+class FileCatalog:
+    """The index of one state directory's runs; `names` lists the run ids that have a log (from
+    `FileStorage`)."""
+
+    def __init__(self, path: Path, runs_dir: Path, names: Callable[[], list[str]]) -> None:
+        self.path = path
+        self.runs_dir = runs_dir
+        self._names = names
+        self._conn: sqlite3.Connection | None = None
+        self._pid = 0
+        self._lock = threading.RLock()
+
+    def _db(self) -> sqlite3.Connection:
+        """The connection (opened, and the schema made, on first use and again after a fork)."""
+        if self._conn is None or self._pid != os.getpid():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                conn = self._open()
+            except sqlite3.DatabaseError:  # a damaged index is thrown away: the logs rebuild it
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+                conn = self._open()
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute("PRAGMA quick_check(1)").fetchone()
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+    # ---- writes, from FileStorage -----------------------------------------------------------------
+    def put(self, row: Row) -> None:
+        """Insert or replace one run's row."""
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+
+    def refresh(self, run_id: str) -> None:
+        """Bring one run's row up to date with its log, reading only what was appended since the row was
+        written (the whole log when the row is new or the log shrank); the row goes when the log is gone."""
+        with self._lock:
+            old = self._db().execute("SELECT workflow, key, parent, state, size FROM runs WHERE run_id = ?",
+                                     (run_id,)).fetchone()
+        row = self._scan(run_id, old)
+        with self._write() as db:
+            if row is None:
+                db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
+            else:
+                db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+
+    def _scan(self, run_id: str, old: Any) -> Row | None:
+        """A run's row from its row `old` (None: none yet) and its log's new lines (None: no log)."""
+        try:
+            f = open(self.runs_dir / f"{run_id}.jsonl", "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            st = os.fstat(f.fileno())
+            start = old[4] if old is not None and 0 < old[4] <= st.st_size else 0
+            f.seek(start)
+            data = f.read(st.st_size - start)
+        data = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
+        if start:
+            workflow, key, parent = old[0], old[1], old[2]
+            state = state_after(old[3], data)
+        else:
+            first = data[: data.find(b"\n") + 1]
+            try:
+                header: Any = _HEADER.decode(first) if first else None
+            except msgspec.DecodeError:
+                header = None
+            workflow, key, parent = header_fields(header)
+            good = isinstance(header, dict) and header.get("t") == "run"
+            state = state_after(OPEN, data) if good else OPEN
+        return (run_id, workflow, key, parent, state, st.st_mtime, start + len(data))
+
+    def rescan(self, run_id: str) -> None:
+        """Make the next refresh of a run read its whole log (it is about to be replaced by a compaction)."""
+        with self._write() as db:
+            db.execute("UPDATE runs SET size = -1 WHERE run_id = ?", (run_id,))
+
+    def remove(self, run_id: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
+
+    # ---- queries ------------------------------------------------------------------------------
+    def query(self, where: RunFilter, limit: int | None, offset: int) -> list[str]:
+        """Ids of matching runs, most recently active first."""
+        self.repair()
+        clause, params = where.where()
+        sql = "SELECT run_id FROM runs" + (f" WHERE {clause}" if clause else "") \
+            + " ORDER BY updated DESC, run_id DESC LIMIT ? OFFSET ?"
+        with self._lock:
+            rows = self._db().execute(sql, (*params, -1 if limit is None else limit, offset)).fetchall()
+        return [row[0] for row in rows]
+
+    def count(self, where: RunFilter) -> int:
+        self.repair()
+        clause, params = where.where()
+        with self._lock:
+            return int(self._db().execute("SELECT count(*) FROM runs" + (f" WHERE {clause}" if clause else ""),
+                                          params).fetchone()[0])
+
+    def state(self, run_id: str) -> str | None:
+        with self._lock:
+            row = self._db().execute("SELECT state FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    # ---- repair -------------------------------------------------------------------------------
+    def repair(self) -> None:
+        """Bring the index in line with the logs: which runs exist (when ``runs/`` changed), then the ends of
+        open runs whose logs changed size."""
+        try:
+            mtime = os.stat(self.runs_dir).st_mtime_ns
+        except FileNotFoundError:
+            mtime = 0
+        # a change within the file system's timestamp granularity of this look would go unseen: a directory
+        # changed in the last two seconds is listed again next time
+        stamp = "recent" if time.time_ns() - mtime < 2_000_000_000 else str(mtime)
+        with self._lock:
+            db = self._db()
+            row = db.execute("SELECT value FROM meta WHERE name = 'runs_dir'").fetchone()
+            if row is None or row[0] != stamp or stamp == "recent":
+                self._reconcile(stamp)
+            stale = [run_id for run_id, size in db.execute("SELECT run_id, size FROM runs WHERE state = ?", (OPEN,))
+                     if self._size(run_id) != size]
+        for run_id in stale:
+            self.refresh(run_id)
+
+    def _size(self, run_id: str) -> int:
+        try:
+            return os.stat(self.runs_dir / f"{run_id}.jsonl").st_size
+        except FileNotFoundError:
+            return -2
+
+    def _reconcile(self, stamp: str) -> None:
+        """Add a row for every log without one and drop rows whose log is gone (a listing of ``runs/``)."""
+        names = set(self._names())
+        with self._lock:
+            known = {row[0] for row in self._db().execute("SELECT run_id FROM runs")}
+        rows = [row for row in (self._scan(run_id, None) for run_id in names - known) if row is not None]
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+            for run_id in known - names:
+                if not (self.runs_dir / f"{run_id}.jsonl").exists():  # created meanwhile: keep it
+                    db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('runs_dir', ?)", (stamp,))
+
+    def rebuild(self) -> int:
+        """Drop every row and read them all again from the logs; the number of runs indexed."""
+        with self._write() as db:
+            db.execute("DELETE FROM runs")
+            db.execute("DELETE FROM meta")
+        self.repair()
+        with self._lock:
+            return int(self._db().execute("SELECT count(*) FROM runs").fetchone()[0])
