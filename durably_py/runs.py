@@ -300,6 +300,7 @@ class Runs:
         process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
         run_id = self.resolve(run)
         seen = 0
+        last = False
         while True:
             log = self.storage.read(run_id)
             found = log.records if log is not None else []
@@ -308,8 +309,11 @@ class Runs:
             for rec in found[seen:]:
                 yield _plain(rec)
             seen = len(found)
-            if self.status(run_id) in FOLLOW_STOPS:
+            if last:
                 return
+            if self.status(run_id) in FOLLOW_STOPS:
+                last = True  # one more read: the end may have been appended after the one above
+                continue
             await asyncio.sleep(poll)
 
     async def graph(self, run: str) -> builtins.list[GraphState]:
