@@ -90,18 +90,14 @@ def raw_service() -> Any:
 
 
 def serve(port: int) -> None:
-    """Child process: serve the durably workflows and the raw one on `port`."""
+    """Child process: serve the durably workflows and the raw one on `port` until SIGTERM."""
     import restate
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
 
     from durably_py.restate import workflow_service
+    from durably_py.restate.server import serve_async
 
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
     services = [workflow_service(w) for w in (bench_seq, bench_seq_sync, bench_fan, bench_branches)]
-    asyncio.run(hypercorn_serve(restate.app([*services, raw_service()]), config))  # type: ignore[arg-type]
+    asyncio.run(serve_async(port=port, admin=None, asgi=restate.app([*services, raw_service()])))
 
 
 def post(url: str, body: Any, timeout: float = 300) -> Any:
@@ -142,7 +138,12 @@ def main() -> None:
         results = measure(env.ingress, args.rounds, args.throughput)
     finally:
         child.terminate()
-        child.wait()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            print("the benchmark's service did not stop on SIGTERM: killed", file=sys.stderr)
+            child.kill()
+            child.wait()
         env.close()
     report(results, args.rounds)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -230,3 +231,23 @@ def test_run_json_has_the_shape_it_has_on_files(env: RestateEnv, tmp_path: Path)
     assert restate.keys() == files.keys()
     assert (restate["status"], restate["exit_code"], restate["result"]) == \
         (files["status"], files["exit_code"], files["result"])
+
+
+def test_service_serves_back_to_back_runs_and_stops_on_sigterm_and_ctrl_c(env: RestateEnv) -> None:
+    from restate_env import http
+
+    for i in range(20):
+        spec = {"branches": 8, "steps": 3, "tag": f"b2b{i}"}
+        done = http("POST", f"{env.ingress}/durably.fan_branches/b2b-{i}/run", spec, timeout=60)
+        assert done == [[f"b2b{i}-{b}-{s}" for s in range(3)] for b in range(8)]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = env.service.proc
+        assert proc is not None and proc.poll() is None
+        proc.send_signal(sig)
+        try:
+            assert proc.wait(30) == 0
+        finally:
+            env.service.kill()
+            env.service.start()
+        assert http("POST", f"{env.ingress}/durably.fan_branches/b2b-{sig.name}/run",
+                    {"branches": 2, "steps": 1, "tag": sig.name}, timeout=60) == [[f"{sig.name}-0-0"], [f"{sig.name}-1-0"]]

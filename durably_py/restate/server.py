@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import signal
 import socket
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +67,62 @@ async def _wait_listening(host: str, port: int) -> None:
     raise ValidationError(f"the service did not start listening on {host}:{port}")
 
 
+_STOP = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Callable[[], None]:
+    """Set `stop` on the first SIGINT or SIGTERM (exit at once on the second); return the undo.
+
+    `loop.add_signal_handler` is not enough: asyncio keeps one handler per signal and the Restate SDK's app
+    installs its own SIGTERM handler on the serving loop when its first request arrives, so a handler set
+    before that silently stops firing and the server never stops. Here the two signals are blocked in this
+    thread (and so in every thread it starts from now on) and taken by a thread of ours with
+    `signal.sigwait`, which no handler can pre-empt. Where that is unavailable (not Unix, or not the main
+    thread) it falls back to `loop.add_signal_handler`."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        for sig in _STOP:
+            loop.add_signal_handler(sig, stop.set)
+        return lambda: None
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP)
+    done = threading.Event()
+
+    def wait() -> None:
+        received = 0
+        while not done.is_set():
+            sig = signal.sigwait(_STOP)
+            if done.is_set():
+                return
+            received += 1
+            if received > 1:
+                os._exit(128 + sig)
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop is closed: the server has stopped already
+                return
+
+    thread = threading.Thread(target=wait, name="durably-restate-signals", daemon=True)
+    thread.start()
+
+    def undo() -> None:
+        done.set()
+        if thread.ident is not None and thread.is_alive():
+            signal.pthread_kill(thread.ident, signal.SIGTERM)  # blocked there: sigwait takes it and returns
+            thread.join(1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    return undo
+
+
 async def serve_async(*, host: str = "127.0.0.1", port: int = 9080, admin: str | None = DEFAULT_ADMIN,
-                      advertise: str | None = None, announce: Any = None) -> None:
-    """Serve every imported workflow until SIGINT/SIGTERM; register the deployment first when `admin` is set."""
+                      advertise: str | None = None, announce: Any = None, asgi: Any = None) -> None:
+    """Serve every imported workflow (or the ASGI app `asgi`) until SIGINT/SIGTERM; register the deployment
+    first when `admin` is set."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
     from .service import app
 
-    if not REGISTRY:
+    if not REGISTRY and asgi is None:
         raise ValidationError("no workflows to serve", hint="Pass --import SCRIPT_OR_MODULE defining @workflow "
                               "functions.", docs="docs/restate.md#serving")
     config = Config()
@@ -81,20 +131,22 @@ async def serve_async(*, host: str = "127.0.0.1", port: int = 9080, admin: str |
     config.errorlog = None
     config.graceful_timeout = 1.0
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    server = asyncio.ensure_future(serve(app(), config, shutdown_trigger=stop.wait))
-    await _wait_listening(host, port)
-    uri = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    if admin:
-        answer = await asyncio.to_thread(register, admin, uri)
-        services = [s.get("name") for s in answer.get("services", [])]
-    else:
-        services = [f"durably.{name}" for name in sorted(REGISTRY)]
-    if announce is not None:
-        announce(uri, services)
-    await server
+    undo = stop_on_signals(asyncio.get_running_loop(), stop)
+    try:
+        server = asyncio.ensure_future(serve(asgi if asgi is not None else app(), config,
+                                             shutdown_trigger=stop.wait))
+        await _wait_listening(host, port)
+        uri = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        if admin:
+            answer = await asyncio.to_thread(register, admin, uri)
+            services = [s.get("name") for s in answer.get("services", [])]
+        else:
+            services = [f"durably.{name}" for name in sorted(REGISTRY)]
+        if announce is not None:
+            announce(uri, services)
+        await server
+    finally:
+        undo()
 
 
 def free_port() -> int:
