@@ -99,14 +99,14 @@ OutputOption = Annotated[str | None, typer.Option("--output", "-o", metavar="FOR
                                                   help="table (default), json, or jsonl (one JSON value per "
                                                        "line); --json is -o json.")]
 DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks of errors.")]
-RestateOption = Annotated[str | None, typer.Option("--restate", envvar="DURABLY_RESTATE", metavar="URL",
-                                                   show_default=False,
-                                                   help="Operate runs on Restate at this ingress URL "
-                                                        "(docs/restate.md).")]
-RestateAdminOption = Annotated[str | None, typer.Option("--restate-admin", envvar="DURABLY_RESTATE_ADMIN", metavar="URL",
-                                                        show_default=False,
-                                                        help="Restate admin URL (default: the ingress host, "
-                                                             "port 9070).")]
+RestateOption = Annotated[str | None, typer.Option("--restate", metavar="URL", show_default=False,
+                                                   help="Operate runs on Restate at this ingress URL (or "
+                                                        "$DURABLY_RESTATE, or restate in config.toml; "
+                                                        "docs/restate.md).")]
+RestateAdminOption = Annotated[str | None, typer.Option("--restate-admin", metavar="URL", show_default=False,
+                                                        help="Restate admin URL (or $DURABLY_RESTATE_ADMIN, or "
+                                                             "restate_admin in config.toml; default: the ingress "
+                                                             "host, port 9070).")]
 
 
 # ---- where the state is ---------------------------------------------------------------------------
@@ -116,12 +116,20 @@ _terminated = False
 _jsonl = False
 
 
-def settings_for(dir: str | None, storage: str | None) -> config.Settings:
-    """The effective settings of a command: its `--dir`/`--storage` flags, then env, config, discovery."""
+def settings_for(dir: str | None, storage: str | None, restate: str | None = None,
+                 restate_admin: str | None = None) -> config.Settings:
+    """The effective settings of a command: its `--dir`/`--storage`/`--restate` flags, then env, config, discovery."""
     global _color
-    found = config.resolve(dir, storage)
+    found = config.resolve(dir, storage, restate=restate, restate_admin=restate_admin)
     _color = found.color
     return found
+
+
+def _restate_target(dir: str | None, storage: str | None, restate: str | None,
+                    restate_admin: str | None) -> tuple[str | None, str | None]:
+    """The Restate ingress and admin URLs a command uses (no ingress: it works on local runs)."""
+    found = settings_for(dir, storage, restate, restate_admin)
+    return found.restate, found.restate_admin
 
 
 def open_engine(settings: config.Settings) -> Engine:
@@ -702,7 +710,7 @@ def run(
     as_json = _json_output(as_json, output, debug)
     args = list(args or [])
     with _guard(debug):
-        settings = settings_for(dir, storage)
+        settings = settings_for(dir, storage, restate, restate_admin)
         if not script.is_file():
             raise ValidationError(f"no script file {str(script)!r}",
                                   hint="Pass the path of a Python file, e.g. durably run job.py.")
@@ -711,9 +719,9 @@ def run(
                                   hint="Without --workflow the script's own run(...) calls decide input and key; "
                                        "pass them as script arguments after `--`.")
     script = script.resolve()
-    if restate:
-        raise typer.Exit(_run_on_restate(script, workflow, input, key, fresh, no_wait, restate, restate_admin,
-                                         as_json, debug))
+    if settings.restate:
+        raise typer.Exit(_run_on_restate(script, workflow, input, key, fresh, no_wait, settings.restate,
+                                         settings.restate_admin, as_json, debug))
     engine: Engine | None = None
     with contextlib.suppress(DurablyError):
         engine = open_engine(settings)
@@ -801,8 +809,10 @@ def _run_on_restate(script: Path, workflow: str | None, input: str | None, key: 
     return code
 
 
-def _not_on_restate(restate: str | None, command: str, debug: bool) -> None:
+def _not_on_restate(dir: str | None, storage: str | None, restate: str | None, command: str, debug: bool) -> None:
     """Commands Restate mode cannot offer say so (exit 2) instead of acting on local files."""
+    with _guard(debug):
+        restate = _restate_target(dir, storage, restate, None)[0]
     if restate:
         from .restate.unsupported import unsupported
 
@@ -938,6 +948,7 @@ def list_runs(
 ) -> None:
     """List runs, newest first: `durably list -q --status failed | xargs -n1 durably retry`."""
     with _guard(debug):
+        restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         mode = output_mode(as_json, output)
         for one in status or []:
             if one not in STATUSES:
@@ -1190,6 +1201,7 @@ def inspect(
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
+        restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         engine: Engine | None = None
         if restate:
             state = _restate_client(restate, restate_admin).inspect(run)
@@ -1313,6 +1325,7 @@ def signal(
     """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
+        restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         value = _parse_input(payload, "PAYLOAD")
         if restate:
             _restate_client(restate, restate_admin).signal(run, name, value)
@@ -1425,6 +1438,7 @@ def cancel(
     """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
+        restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         seconds = parse_duration(timeout)
         if restate:
             client = _restate_client(restate, restate_admin)
@@ -1457,7 +1471,7 @@ def pause(
     restate: RestateOption = None,
 ) -> None:
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
-    _not_on_restate(restate, "durably pause", debug)
+    _not_on_restate(dir, storage, restate, "durably pause", debug)
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).pause(run, timeout=parse_duration(timeout)))
@@ -1477,7 +1491,7 @@ def resume(
     restate: RestateOption = None,
 ) -> None:
     """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
-    _not_on_restate(restate, "durably resume", debug)
+    _not_on_restate(dir, storage, restate, "durably resume", debug)
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).resume(run))
@@ -1507,7 +1521,7 @@ def retry(
     restate: RestateOption = None,
 ) -> None:
     """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON."""
-    _not_on_restate(restate, "durably retry", debug)
+    _not_on_restate(dir, storage, restate, "durably retry", debug)
     as_json = _json_output(as_json, output, debug)
     try:
         selector = parse_step(from_step) if from_step is not None else None
@@ -1543,7 +1557,7 @@ def restart(
     restate: RestateOption = None,
 ) -> None:
     """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
-    _not_on_restate(restate, "durably restart", debug)
+    _not_on_restate(dir, storage, restate, "durably restart", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
@@ -1699,9 +1713,12 @@ def config_command(
         rows = [("storage", settings.storage, settings.sources.get("storage")) if settings.storage is not None
                 else ("dir", settings.dir, settings.sources.get("dir")),
                 ("color", "true" if settings.color else "false", settings.sources.get("color"))]
+        rows += [(name.replace("_", "-"), value, settings.sources.get(name))
+                 for name, value in (("restate", settings.restate), ("restate_admin", settings.restate_admin))
+                 if value is not None]
         out = Text()
         for name, value, source in rows:
-            out.append(f"{name:<8}", "bold")
+            out.append(f"{name:<7} ", "bold")
             out.append(f"{value}")
             out.append(f"  ({source})\n", "bright_black")
         project = settings.project / config.CONFIG_FILE if settings.project else None
@@ -1773,7 +1790,8 @@ def serve(
         if not restate:
             raise ValidationError("durably serve needs --restate",
                                   hint="durably serve --restate --import flows.py; see docs/restate.md.")
-        serve_restate(list(imports or []), host=host, port=port, admin=restate_admin, register=not no_register,
+        admin = _restate_target(None, None, None, restate_admin)[1]
+        serve_restate(list(imports or []), host=host, port=port, admin=admin, register=not no_register,
                       announce=lambda uri, services: _err_console().print(
                           Text(f"serving {', '.join(services)} at {uri}", "green")))
 

@@ -1,16 +1,22 @@
 """Where the CLI keeps its state and how it prints: one resolution every command shares.
 
 Each setting comes from the first source that sets it: a command-line flag, then the environment
-(`DURABLY_DIR`, `DURABLY_STORAGE`, `NO_COLOR`), then the project's `.durably/config.toml` (the nearest
-`.durably/` folder in the current directory or a parent, found the way git finds `.git`), then the user's
-`config.toml` under `platformdirs.user_config_dir("durably")`. Without any of them the state dir is that
-nearest `.durably/`, else `./.durably`. The file keys are the flags' names: `dir`, `storage`, `color`.
+(`DURABLY_DIR`, `DURABLY_STORAGE`, `NO_COLOR`, `DURABLY_RESTATE`, `DURABLY_RESTATE_ADMIN`), then the project's
+`.durably/config.toml` (the nearest `.durably/` folder in the current directory or a parent, found the way git
+finds `.git`), then the user's `config.toml` under `platformdirs.user_config_dir("durably")`. Without any of
+them the state dir is that nearest `.durably/`, else `./.durably`. The file keys are the flags' names: `dir`,
+`storage`, `color`, `restate`, `restate_admin`.
+
+The Restate admin URL belongs with its ingress URL: an admin URL from a lower source than the ingress URL's
+(say the project file's, under a `--restate` flag) is not paired with it; the admin is then the ingress host
+on port 9070, as when none is set.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,8 @@ from .errors import ValidationError
 
 STATE_DIR = ".durably"
 CONFIG_FILE = "config.toml"
-KEYS = ("dir", "storage", "color")
+KEYS = ("dir", "storage", "color", "restate", "restate_admin")
+RESTATE_ADMIN_PORT = 9070
 
 EXAMPLE_CONFIG = """\
 # durably settings for this project. Every key is optional; command-line flags and the environment
@@ -33,6 +40,11 @@ EXAMPLE_CONFIG = """\
 
 # false turns colours off, like NO_COLOR=1.
 # color = true
+
+# Operate runs on Restate (docs/restate.md): its ingress URL, and its admin URL (default: port 9070 of the
+# ingress host). Like --restate / --restate-admin, or DURABLY_RESTATE / DURABLY_RESTATE_ADMIN.
+# restate = "http://127.0.0.1:8080"
+# restate_admin = "http://127.0.0.1:9070"
 """
 
 EXAMPLE_GITIGNORE = """\
@@ -50,6 +62,8 @@ class Settings:
     dir: str | None = None
     storage: str | None = None
     color: bool = True
+    restate: str | None = None
+    restate_admin: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
     project: Path | None = None
     user_file: Path | None = None
@@ -60,7 +74,8 @@ class Settings:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form for `durably config --json`."""
-        return {"dir": self.dir, "storage": self.storage, "color": self.color, "sources": dict(self.sources),
+        return {"dir": self.dir, "storage": self.storage, "color": self.color, "restate": self.restate,
+                "restate_admin": self.restate_admin, "sources": dict(self.sources),
                 "project": str(self.project) if self.project else None,
                 "user_config": str(self.user_file) if self.user_file else None}
 
@@ -105,16 +120,37 @@ def read_config(path: Path) -> dict[str, Any]:
         if not isinstance(value, expected):
             raise ValidationError(f"config file {path}: {name} must be a {expected.__name__}, got {value!r}",
                                   hint='e.g. dir = ".durably", color = false.', docs="docs/cli.md#configuration")
+        if name.startswith("restate") and isinstance(value, str):
+            check_url(value, f"config file {path}: {name}")
     return data
+
+
+def check_url(url: str, what: str) -> str:
+    """`url` if it is an http(s) URL with a host, else a `ValidationError` naming `what`."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValidationError(f"{what} must be an http:// or https:// URL, got {url!r}",
+                              hint="e.g. http://127.0.0.1:8080 for the ingress, http://127.0.0.1:9070 for the admin API.",
+                              docs="docs/restate.md#operating-runs")
+    return url
+
+
+def default_restate_admin(ingress: str) -> str:
+    """The admin URL that goes with a Restate ingress URL when none is set: the same host, port 9070."""
+    parts = urllib.parse.urlsplit(ingress)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{parts.scheme}://{host}:{RESTATE_ADMIN_PORT}"
 
 
 def _falsy(value: str) -> bool:
     return value.strip().lower() in ("0", "false", "no", "off")
 
 
-def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | None = None,
+def resolve(dir: str | None = None, storage: str | None = None, *, restate: str | None = None,
+            restate_admin: str | None = None, cwd: Path | None = None,
             environ: dict[str, str] | None = None) -> Settings:
-    """The effective settings: flags (`dir`, `storage`) > environment > project config > user config > discovery."""
+    """The effective settings: flags (`dir`, `storage`, `restate`, `restate_admin`) > environment > project
+    config > user config > discovery."""
     env = os.environ if environ is None else environ
     base = (cwd or Path.cwd()).resolve()
     if dir is not None and storage is not None:
@@ -128,10 +164,15 @@ def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | N
     user_file = user_config_file()
     settings = Settings(project=project, user_file=user_file)
     layers: list[tuple[dict[str, str], dict[str, Any], Path]] = []
-    if dir is not None or storage is not None:
-        layers.append(({"dir": "--dir", "storage": "--storage"}, {"dir": dir, "storage": storage}, base))
-    env_layer: dict[str, Any] = {"dir": env.get("DURABLY_DIR") or None, "storage": env.get("DURABLY_STORAGE") or None}
-    env_names = {"dir": "$DURABLY_DIR", "storage": "$DURABLY_STORAGE", "color": "$NO_COLOR"}
+    if any(flag is not None for flag in (dir, storage, restate, restate_admin)):
+        layers.append(({"dir": "--dir", "storage": "--storage", "restate": "--restate",
+                        "restate_admin": "--restate-admin"},
+                       {"dir": dir, "storage": storage, "restate": restate, "restate_admin": restate_admin}, base))
+    env_layer: dict[str, Any] = {"dir": env.get("DURABLY_DIR") or None, "storage": env.get("DURABLY_STORAGE") or None,
+                                 "restate": env.get("DURABLY_RESTATE") or None,
+                                 "restate_admin": env.get("DURABLY_RESTATE_ADMIN") or None}
+    env_names = {"dir": "$DURABLY_DIR", "storage": "$DURABLY_STORAGE", "color": "$NO_COLOR",
+                 "restate": "$DURABLY_RESTATE", "restate_admin": "$DURABLY_RESTATE_ADMIN"}
     if "NO_COLOR" in env and env["NO_COLOR"] != "":
         env_layer["color"] = False
     elif env.get("DURABLY_COLOR"):
@@ -142,6 +183,7 @@ def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | N
     for path, root in [*files, (user_file, base)]:
         layers.append((dict.fromkeys(KEYS, str(path)), read_config(path), root))
 
+    _resolve_restate(settings, [(names, values) for names, values, _ in layers])
     for names, values, root in layers:
         if "dir" not in settings.sources and "storage" not in settings.sources:
             if values.get("storage") is not None:
@@ -158,6 +200,32 @@ def resolve(dir: str | None = None, storage: str | None = None, *, cwd: Path | N
         settings.sources["dir"] = "nearest .durably/" if project is not None else "default"
     settings.sources.setdefault("color", "default")
     return settings
+
+
+def _resolve_restate(settings: Settings, layers: list[tuple[dict[str, str], dict[str, Any]]]) -> None:
+    """The Restate URLs: each from the first layer that sets it, the admin only from the ingress's layer or above.
+
+    Where runs live is one choice: a state dir or storage URL from a higher layer than the ingress URL (a
+    `--dir` flag over a project file's `restate`) means local runs, and no ingress URL is in effect (the admin
+    URL still is, for `durably serve --restate`)."""
+    ingress_level = admin_level = len(layers)
+    location = next((level for level, (_, values) in enumerate(layers)
+                     if values.get("dir") is not None or values.get("storage") is not None), len(layers))
+    for level, (names, values) in enumerate(layers):
+        if settings.restate is None and values.get("restate"):
+            settings.restate = check_url(values["restate"], names["restate"])
+            settings.sources["restate"] = names["restate"]
+            ingress_level = level
+        if settings.restate_admin is None and values.get("restate_admin"):
+            settings.restate_admin = check_url(values["restate_admin"], names["restate_admin"])
+            settings.sources["restate_admin"] = names["restate_admin"]
+            admin_level = level
+    if ingress_level > location:
+        settings.restate = None
+        settings.sources.pop("restate", None)
+    elif settings.restate is not None and admin_level > ingress_level:
+        settings.restate_admin = default_restate_admin(settings.restate)
+        settings.sources["restate_admin"] = "default: the ingress host, port 9070"
 
 
 def init_project(folder: Path) -> list[Path]:

@@ -251,3 +251,51 @@ def test_service_serves_back_to_back_runs_and_stops_on_sigterm_and_ctrl_c(env: R
             env.service.start()
         assert http("POST", f"{env.ingress}/durably.fan_branches/b2b-{sig.name}/run",
                     {"branches": 2, "steps": 1, "tag": sig.name}, timeout=60) == [[f"{sig.name}-0-0"], [f"{sig.name}-1-0"]]
+
+
+def durably_in(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in `cwd` with no Restate flags, the user's config under `cwd`/user-config, and `env` added."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=60, env={**clean, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(cwd / "user-config"),
+                                           "DURABLY_TEST_MARKS": os.environ["DURABLY_TEST_MARKS"], **env})
+
+
+def test_restate_urls_come_from_flags_env_project_and_user_config(env: RestateEnv, tmp_path: Path) -> None:
+    project, user = tmp_path / "project", tmp_path / "project" / "user-config" / "durably" / "config.toml"
+    (project / ".durably").mkdir(parents=True)
+    user.parent.mkdir(parents=True)
+    user.write_text(f'restate = "{env.ingress}"\nrestate_admin = "{env.admin}"\n')
+    ran = durably_in(project, "run", FLOWS, "--workflow", "basics", "--input", "4", "--key", "cfg-user")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["a"] == 5 and not (project / ".durably" / "runs").exists()
+
+    shown = json.loads(durably_in(project, "config", "--json").stdout)
+    assert (shown["restate"], shown["restate_admin"]) == (env.ingress, env.admin)
+    assert shown["sources"]["restate"] == shown["sources"]["restate_admin"] == str(user)
+    config_file = project / ".durably" / "config.toml"
+    config_file.write_text('restate = "http://127.0.0.1:9"\nrestate_admin = "http://127.0.0.1:9"\n')
+    shown = json.loads(durably_in(project, "config", "--json").stdout)
+    assert shown["restate"] == "http://127.0.0.1:9" and shown["sources"]["restate"] == str(config_file)
+    unreachable = durably_in(project, "inspect", "cfg-user")
+    assert unreachable.returncode != 0 and "cannot reach Restate" in unreachable.stderr
+    from_env = durably_in(project, "inspect", "cfg-user", "--json", DURABLY_RESTATE=env.ingress,
+                          DURABLY_RESTATE_ADMIN=env.admin)
+    assert json.loads(from_env.stdout)["status"] == "completed", from_env.stderr
+    # an admin URL from a lower source than the ingress URL is not paired with it
+    paired = json.loads(durably_in(project, "config", "--json", DURABLY_RESTATE="http://other:8080").stdout)
+    assert paired["restate_admin"] == "http://other:9070" and paired["sources"]["restate"] == "$DURABLY_RESTATE"
+    flagged = durably_in(project, "list", "--json", "--workflow", "basics", "--restate", env.ingress,
+                         "--restate-admin", env.admin, DURABLY_RESTATE="http://127.0.0.1:9")
+    assert "cfg-user" in [r["run_id"] for r in json.loads(flagged.stdout)], flagged.stderr
+
+    config_file.write_text(f'restate = "{env.ingress}"\nrestate_admin = "{env.admin}"\n')
+    listed = durably_in(project, "list", "--json", "--workflow", "basics")
+    assert "cfg-user" in [r["run_id"] for r in json.loads(listed.stdout)], listed.stderr
+    refused = durably_in(project, "retry", "cfg-user")
+    assert refused.returncode == 2 and "Restate mode" in refused.stderr
+    local = durably_in(project, "run", FLOWS, "--workflow", "basics", "--input", "4", "--dir", str(tmp_path / "files"))
+    assert local.returncode == 0 and list((tmp_path / "files" / "runs").glob("basics-*")), local.stderr
+    config_file.write_text('restate = "127.0.0.1:8080"\n')
+    bad = durably_in(project, "list")
+    assert bad.returncode == 2 and "restate must be an http:// or https:// URL" in bad.stderr
