@@ -164,6 +164,12 @@ class Engine:
         """The state of a run (by id or key): status, steps, advisories, result or error."""
         return await self.runs.inspect(run)
 
+    async def export(self, run: str) -> bytes:
+        """The run's whole log (by id or key) as validated JSONL: its header, with the workflow name and input,
+        then every record. A self-contained history for `TestEngine.replay` (`durably export`); a child run
+        has a log of its own, which the parent's history does not include (its joins record the results)."""
+        return await self.runs.export(run)
+
     async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
                    key: str | None = None, key_prefix: str | None = None,
                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
@@ -242,7 +248,6 @@ class Engine:
                   advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
                   on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                   run_id: str | None = None,
-                  crash_after: Selector | None = None, crash_in_step: Selector | None = None,
                   on_run: Callable[[str], Any] | None = None) -> Any:
         """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
 
@@ -277,7 +282,7 @@ class Engine:
         outcome: tuple[str, BaseException | None] = ("interrupted", None)
         try:
             value = await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                      advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait)
+                                      advisories, on_advisory, on_step, torn, wait)
             outcome = ("completed", None)
             return value
         except Parked as parked:
@@ -294,15 +299,13 @@ class Engine:
     async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                      budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                      on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                     torn: str | None, crash_after: Selector | None = None, crash_in_step: Selector | None = None,
-                     wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
+                     torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
         """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after."""
         run_id = lease.run_id
         parked_on: tuple[str, ...] = ()
         try:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                       advisories, on_advisory, on_step, torn, crash_after, crash_in_step, wait,
-                                       stopping)
+                                       advisories, on_advisory, on_step, torn, wait, stopping)
         except Parked as parked:
             at, parked_on = park_entry(history, parked.status)
             self.storage.schedule(run_id, at, wait=parked_on)
@@ -574,8 +577,7 @@ class Engine:
     async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                        on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                       torn: str | None, crash_after: Selector | None, crash_in_step: Selector | None,
-                       wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
+                       torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
@@ -589,8 +591,7 @@ class Engine:
         kernel = RunKernel(engine=self, storage=self.storage, lease=lease, history=history, workflow=workflow,
                            attempt_cls=AttemptContext,
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
-                           on_step=on_step, advisories=tracker, crash_after=crash_after, crash_in_step=crash_in_step,
-                           wait=wait)
+                           on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
         if history.end is not None and history.end.status == "failed":
             kernel.write(log_format.Reopen(ts=time.time()))
@@ -619,26 +620,6 @@ class Engine:
             raise
         finally:
             self.heartbeat.remove(kernel)
-
-    async def shadow(self, wf: Any, run_id: str, *, on_step: Callable[[StepEvent], Any] | None = None) -> RunKernel:
-        """Replay a finished run once more against its own log, writing nothing; the kernel tells what diverged."""
-        workflow = as_workflow(wf)
-        history, _ = self._read(run_id)
-        tracker = AdvisoryTracker(run_id, now=self.clock.now, silent=True,
-                                  restored=[Advisory.from_dict(a) for a in history.advisories.values()])
-        kernel = RunKernel(engine=self, storage=self.storage, lease=None, history=history,  # type: ignore[arg-type]
-                           attempt_cls=AttemptContext,
-                           workflow=workflow, input=None, clock=self.clock, executor=self.executor,
-                           checkpoint_every=None, on_step=on_step, advisories=tracker)
-        kernel.shadow = True
-        value = load_value(history.header.input)
-        kernel.input = workflow.input_schema.convert(value, "input") if workflow.input_schema else value
-        try:
-            await kernel.run(WorkflowContext(kernel))
-        except Exception as exc:  # noqa: BLE001 - the caller reads kernel.divergence / the error
-            if kernel.divergence is None:
-                kernel.divergence = f"the replayed workflow raised {type(exc).__name__}: {exc}"
-        return kernel
 
     # ---- operating runs by id ---------------------------------------------------------------------
     def workflow_for(self, run: str) -> Workflow:

@@ -131,6 +131,21 @@ class StaleRunError(DurablyError):
     anchor = "stalerunerror"
 
 
+class ReplayDivergenceError(DurablyError, AssertionError):
+    """A recorded history replayed against new code: at `path` the code calls another step than the recorded one."""
+
+    path: tuple[int, ...] | None
+    recorded: str | None
+    called: str | None
+    report: Any
+
+    default_hint = (
+        "The new code would not resume this run: keep the recorded steps in their order (add new ones after "
+        "them), or branch on ctx.patched() so recorded runs keep the old path."
+    )
+    anchor = "replaydivergenceerror"
+
+
 class BudgetExceededError(DurablyError):
     """Charges passed the run's budget; raised before the next step starts."""
 

@@ -157,6 +157,38 @@ current_attempt: contextvars.ContextVar[Attempt] = contextvars.ContextVar("durab
 
 Selector = tuple[int, ...] | str | tuple[str, int]
 
+
+def selects(selector: Selector | None, path: str, label: str, nth: int) -> bool:
+    """Whether a step selector (a path tuple, a label, or `(label, nth)` from 1) picks the nth step so labelled."""
+    if selector is None:
+        return False
+    if isinstance(selector, str):
+        return selector == label
+    if len(selector) == 2 and isinstance(selector[0], str):
+        return selector[0] == label and selector[1] == nth
+    return tuple(selector) == path_tuple(path)
+
+
+class Observer(Protocol):
+    """What a test harness sees of one live execution (`durably_py.testing`: crash injection, replay checks).
+
+    A kernel has none unless `observing` makes one for it, so each hook point costs one attribute check.
+    A hook may set `kernel.dead` and raise `Crash` to stop the run exactly as a killed process would."""
+
+    def unrecorded(self, kernel: RunKernel, path: str, kind: str, label: str) -> None:
+        """Work the log has no record of is about to start at `path`: a step (`kind` "step", `label` its label)
+        a compensation (`kind` "compensation", `label` its step's label) or a ctx call (`kind` and `label` both
+        "ctx.sleep", "ctx.wait_for", "ctx.spawn", "ctx.join", "ctx.graph", "ctx.loop", "ctx.now", "ctx.random"
+        or "ctx.uuid")."""
+
+    def step_ran(self, kernel: RunKernel, path: str, label: str, recorded: bool) -> None:
+        """A step's function returned: called before its result is written (`recorded` False) and after (True)."""
+
+
+observing: contextvars.ContextVar[Callable[[RunKernel], Observer | None] | None] = contextvars.ContextVar(
+    "durably_observing", default=None)
+"""Makes the `Observer` of each kernel created in this context (`durably_py.testing` sets it)."""
+
 _current_tasks: dict[Any, asyncio.Task[Any]] | None = getattr(asyncio.tasks, "_current_tasks", None)
 _running_loop = asyncio.events._get_running_loop
 
@@ -311,7 +343,6 @@ class RunKernel:
                  workflow: Workflow, attempt_cls: Callable[[RunKernel, str, int, Any], Attempt],
                  input: Any, clock: Clock, executor: Executor, checkpoint_every: int | None,
                  on_step: Callable[[StepEvent], Any] | None, advisories: AdvisoryTracker,
-                 crash_after: Selector | None = None, crash_in_step: Selector | None = None,
                  wait: bool = True, poll: float = 0.2) -> None:
         self.attempt_cls = attempt_cls
         self.engine = engine
@@ -338,12 +369,6 @@ class RunKernel:
         self.last_sync = time.monotonic()
         self.syncs = 0
         self.dead = False
-        self.shadow = False
-        self.divergence: str | None = None
-        self.result_wire: Any = None
-        self.crash_after = crash_after
-        self.crash_in_step = crash_in_step
-        self.label_seen: dict[str, int] = {}
         self.executions: dict[str, int] = {}
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
@@ -367,14 +392,14 @@ class RunKernel:
         self.since_compaction = 0
         self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
         self.stopping: Callable[[], bool] | None = None  # a worker's graceful stop: no new steps once it says so
+        make = observing.get()
+        self.observer: Observer | None = make(self) if make is not None else None
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
         """Append one record (thread-safe); in a crashed run nothing more is written."""
         if self.dead:
             raise Crash()
-        if self.shadow:
-            return
         if self.lost is not None:
             raise self.lost
         data = records.encode(rec)
@@ -393,7 +418,7 @@ class RunKernel:
 
         The in-memory history drops the same records, so each compaction costs what the log keeps, not
         what the run wrote. Off when the storage does not compact (`compact_above_bytes=None`)."""
-        if self.shadow or self.dead or self.since_compaction < LOOP_COMPACT_BYTES \
+        if self.dead or self.since_compaction < LOOP_COMPACT_BYTES \
                 or getattr(self.storage, "compact_above_bytes", None) is None:
             return
         with self.lock:
@@ -422,7 +447,7 @@ class RunKernel:
 
     def sync(self) -> None:
         """Make everything written so far survive a machine crash."""
-        if self.dead or self.shadow:
+        if self.dead:
             return
         with self.lock:
             self.storage.sync(self.lease)
@@ -451,28 +476,6 @@ class RunKernel:
         if emitted is not None and not self.dead:
             self.write(records.Advice(advisory=emitted.to_dict()))
 
-    # ---- crash injection ----------------------------------------------------------------------
-    @staticmethod
-    def matches(selector: Selector | None, path: str, label: str, nth: int) -> bool:
-        if selector is None:
-            return False
-        if isinstance(selector, str):
-            return selector == label
-        if len(selector) == 2 and isinstance(selector[0], str):
-            return selector[0] == label and selector[1] == nth
-        return tuple(selector) == path_tuple(path)
-
-    def crash(self) -> None:
-        self.dead = True
-        raise Crash()
-
-    def diverge(self, message: str) -> None:
-        """Shadow replay found work that was not recorded: remember the first divergence and stop."""
-        if self.divergence is None:
-            self.divergence = message
-        raise PurityError(message, hint="Move wall-clock reads, randomness and I/O out of the workflow body into "
-                                        "ctx.now()/ctx.random()/ctx.step().")
-
     # ---- steps ----------------------------------------------------------------------------------
     def scope(self) -> Scope:
         """The calling strand's scope; paths may only be allocated by the task that owns it."""
@@ -496,8 +499,6 @@ class RunKernel:
         if recorded == label:
             return
         where = f"step path {path_tuple(path)}: recorded as {recorded!r}, now called {label!r}"
-        if self.shadow:
-            self.diverge(f"the workflow took another branch on replay; at {where}")
         if self.code_changed:
             raise self.replay_failed(StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
@@ -588,14 +589,13 @@ class RunKernel:
 
     async def _execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                        opts: StepOptions) -> Any:
-        if self.shadow:
-            self.diverge(f"step {label!r} at path {path_tuple(path)} ran again: the recorded run has no step there")
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, "step", label)
         if self.stopping is not None and self.stopping():
             raise Parked("interrupted", "stopped by its worker before its next step")
         if time.monotonic() >= self.next_control:
             await self.boundary()
         self.check_budget()
-        nth = self.label_seen[label] = self.label_seen.get(label, 0) + 1
         prior = self.history.fails.get(path)
         number = prior.attempt + 1 if prior else 1
         if prior is not None:
@@ -610,7 +610,7 @@ class RunKernel:
                                        ts=time.time()))
                 self.emit(path, label, "failed", number, error=error)
                 raise error
-        return await self._attempts(scope, path, label, fn, args, opts, number, nth)
+        return await self._attempts(scope, path, label, fn, args, opts, number)
 
     def alone(self, scope: Scope) -> bool:
         """True when the calling step is the only work of any run in this process that could want the loop now:
@@ -618,7 +618,7 @@ class RunKernel:
         return scope.pending == 1 and not self.branches and len(self.running) == 1 and RunKernel.live == 1
 
     async def _attempts(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                        opts: StepOptions, number: int, nth: int) -> Any:
+                        opts: StepOptions, number: int) -> Any:
         is_async = _is_async(fn)
         while True:
             if opts.unsafe:
@@ -679,8 +679,8 @@ class RunKernel:
                     finally:
                         self.watchdog.remove(watch)
                 outcome = True
-                if self.crash_in_step is not None and self.matches(self.crash_in_step, path, label, nth):
-                    self.crash()
+                if self.observer is not None:
+                    self.observer.step_ran(self, path, label, False)
                 wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
                 value = load_value(wire)
                 if opts.schema is not None:
@@ -723,8 +723,8 @@ class RunKernel:
                 self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
             if self.storm.retries or number > 1:
                 self.storm.record(failed=False, retry=number > 1)
-            if self.crash_after is not None and self.matches(self.crash_after, path, label, nth):
-                self.crash()
+            if self.observer is not None:
+                self.observer.step_ran(self, path, label, True)
             if time.monotonic() >= self.next_yield:
                 # Steps that complete without suspending (quick sync steps on the loop thread, async ones that
                 # never await) would otherwise keep the loop from delivering a cancellation such as Ctrl-C.
@@ -776,7 +776,7 @@ class RunKernel:
         if self.cancel_error is not None:
             raise self.cancel_error
         now = time.monotonic()
-        if self.shadow or (not force and now < self.next_control):
+        if not force and now < self.next_control:
             return
         self.next_control = now + CONTROL_EVERY
         for message in self.storage.inbox(self.run_id):
@@ -808,7 +808,7 @@ class RunKernel:
         A cancel stops the steps in flight: async ones are cancelled, sync ones on worker threads are
         abandoned with `attempt().cancelled` set, and the run ends cancelled. A pause takes effect at the
         next step boundary."""
-        if self.dead or self.shadow or self.cancel_error is not None:
+        if self.dead or self.cancel_error is not None:
             return
         try:
             self.control(force=True)
@@ -822,11 +822,11 @@ class RunKernel:
 
     async def boundary(self, force: bool = False) -> None:
         """A durable boundary: act on control requests, and while the run is paused wait here until it resumes."""
-        if self.stopping is not None and not self.shadow and self.stopping():
+        if self.stopping is not None and self.stopping():
             raise Parked("interrupted", "stopped by its worker")
         if not self.history.paused:
             self.control(force)
-        if self.history.paused and not self.shadow:
+        if self.history.paused:
             await self.hold()
 
     async def hold(self) -> None:
@@ -892,10 +892,10 @@ class RunKernel:
         return self._sleep(path, when)
 
     async def _sleep(self, path: str, when: datetime) -> None:
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, "ctx.sleep", "ctx.sleep")
         wake = self.history.wakes.get(path)
         if wake is None:
-            if self.shadow:
-                self.diverge(f"ctx.sleep at path {path_tuple(path)} ran again: the recorded run has no sleep there")
             self.write(records.Wake(path=path, at=to_iso(when), ts=time.time()))
             self.sync()
         else:
@@ -925,11 +925,10 @@ class RunKernel:
         return self._wait(path, name, compiled, timeout)
 
     async def _wait(self, path: str, name: str, schema: Any, timeout: float | None) -> Any:
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, "ctx.wait_for", "ctx.wait_for")
         opened = self.history.waits.get(path)
         if opened is None:
-            if self.shadow:
-                self.diverge(f"ctx.wait_for({name!r}) at path {path_tuple(path)} ran again: "
-                             "the recorded run has no wait there")
             deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
             self.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
                                     ts=time.time()))
@@ -1004,17 +1003,16 @@ class RunKernel:
                     f"the record of ctx.spawn at path {path_tuple(path)} names no child run",
                     hint="The log was edited; start over with fresh=True.", run_id=self.run_id))
         else:
-            if self.shadow:
-                self.diverge(f"ctx.spawn at path {path_tuple(path)} ran again: the recorded run has no child there")
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
             run_id = self.engine.create_child(self.run_id, path, workflow, input, detached)
             self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
                                   ms=0, ts=time.time()))
             self.step_done()
-        if not self.shadow:
-            outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
-            if not detached and not outcome.done():
-                self.children.add(outcome)
-                outcome.add_done_callback(self.children.discard)
+        outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
+        if not detached and not outcome.done():
+            self.children.add(outcome)
+            outcome.add_done_callback(self.children.discard)
         return RunHandle(run_id, workflow)
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
@@ -1033,8 +1031,8 @@ class RunKernel:
         return self._join(path, handle)
 
     async def _join(self, path: str, handle: RunHandle) -> Any:
-        if self.shadow:
-            self.diverge(f"ctx.join at path {path_tuple(path)} ran again: the recorded run has no result there")
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
         try:
             value = await self.wait_child(handle)
             wire = dump_value(value, "child result")
@@ -1116,8 +1114,8 @@ class RunKernel:
                     self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
                 results[i] = Err(load_error(rec.error)) if isinstance(rec, records.Err) else Ok(load_value(rec.value))
                 continue
-            if self.shadow:
-                self.diverge(f"ctx.join at path {path_tuple(path)} ran again: the recorded run has no result there")
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
             live.append((i, path, self.engine.start_child(handle.run_id, handle.workflow,
                                                           rerun_failed=self.retrying)))
         if not live:
@@ -1179,8 +1177,8 @@ class RunKernel:
         shape = {n.id: {"workflow": n.workflow.name, "depends_on": list(n.depends_on)} for n in nodes}
         recorded = self.history.graphs.get(prefix)
         if recorded is None:
-            if self.shadow:
-                self.diverge(f"ctx.graph at path {path_tuple(prefix)} ran again: the recorded run has no graph there")
+            if self.observer is not None:
+                self.observer.unrecorded(self, prefix, "ctx.graph", "ctx.graph")
             self.write(records.Graph(path=prefix, tasks=shape, ts=time.time()))
         elif recorded.tasks != shape:
             changed = StaleRunError if self.code_changed else PurityError
@@ -1228,8 +1226,8 @@ class RunKernel:
             if isinstance(rec, records.Err):
                 raise load_error(rec.error)
             return load_value(rec.value)
-        if self.shadow:
-            self.diverge(f"{label}() at path {path_tuple(path)} ran again: the recorded run has no value there")
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, label, label)
         wire = dump_value(make(), label)
         self.write(records.Ok(attempt=1, path=path, label=label, value=wire, ms=0, ts=time.time()))
         self.step_done()
@@ -1362,8 +1360,8 @@ class RunKernel:
                 current_scope.reset(token)
             if isinstance(out, LoopDone):
                 wire = dump_value(out.value, "loop result")
-                if self.shadow and path not in self.done:
-                    self.diverge(f"ctx.loop at path {path_tuple(path)} finished again: the recorded run has no result")
+                if self.observer is not None and path not in self.done:
+                    self.observer.unrecorded(self, path, "ctx.loop", "ctx.loop")
                 self.write(records.Ok(attempt=1, path=path, label="ctx.loop", value=wire, ms=0, ts=time.time()))
                 self.step_done()
                 return load_value(wire)
@@ -1413,6 +1411,8 @@ class RunKernel:
             if path in self.history.comps or path not in order:
                 continue
             fn, value, label = self.compensations[path]
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "compensation", label)
             try:
                 out = await self._invoke(fn, (value,), _is_async(fn))
                 del out
@@ -1441,7 +1441,7 @@ class RunKernel:
     async def _run(self, ctx: object) -> Any:
         try:
             try:
-                if self.history.paused and not self.shadow:
+                if self.history.paused:
                     await self.hold()
                 result = await self.workflow(ctx, self.input)
             except Complete as done:
@@ -1477,7 +1477,6 @@ class RunKernel:
         if self.cancel_error is not None:
             self.finish_cancelled(self.cancel_error)
             raise self.cancel_error
-        self.result_wire = wire
         self.write(records.End(status="completed", result=wire, ts=time.time()))
         self.sync()
         return value

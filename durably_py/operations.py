@@ -23,7 +23,7 @@ from .codec import dump_error, dump_value, load_value, to_iso
 from .errors import CorruptLogError, RunCancelledError, RunNotFoundError, ValidationError
 from .events import StepEvent
 from .history import History, RunState, path_tuple, run_status
-from .kernel import RunKernel, Selector
+from .kernel import Selector, selects
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -349,7 +349,7 @@ class Operations:
         for index, path in enumerate(order if shape_ok else ()):
             label = history.done[path].label
             nth = seen[label] = seen.get(label, 0) + 1
-            if RunKernel.matches(selector, path, label, nth):
+            if selects(selector, path, label, nth):
                 return order[index:] + [p for p in order[:index] if p.startswith(f"{path}.")]
         steps = [f"{path_tuple(p)} {history.done[p].label}" for p in sorted(order, key=path_tuple)]
         listed = ", ".join(steps[:30]) + (f", … ({len(steps) - 30} more)" if len(steps) > 30 else "")

@@ -295,6 +295,14 @@ class Runs:
             raise RunNotFoundError(f"no run {run_id!r} in {self.where()}", run_id=run_id)
         return [_plain(rec) for rec in log.records]
 
+    async def export(self, run: str) -> bytes:
+        """A run's whole log (by id or key) as validated JSONL, header first: a self-contained history."""
+        run_id = self.resolve(run)
+        log = self.storage.read(run_id)
+        if log is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self.where()}", run_id=run_id)
+        return b"".join(log_format.encode(r) for r in log_format.load(log.records, log.where or f"run {run_id}"))
+
     async def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
         """A run's records (by id or key) as plain JSON objects, then each record appended later by any
         process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""

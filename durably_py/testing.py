@@ -1,4 +1,5 @@
-"""Test workflows fast and exactly: memory storage, a fake clock, crash injection and shadow replay.
+"""Test workflows fast and exactly: memory storage, a fake clock, crash injection, shadow replay, and
+replaying recorded histories against new code.
 
 `TestEngine` runs workflows through the real engine and kernel, over `MemoryStorage` and a
 `FakeClock` (retry backoffs and `ctx.now()` use virtual time, so an hour of backoff takes
@@ -7,6 +8,12 @@ milliseconds). `crash_after=` / `crash_in_step=` stop a run exactly as a killed 
 (shadow replay): a step path that moved or a step that ran again fails the test with
 `ShadowReplayError`. `engine.sync` offers the same calls for plain, non-async tests.
 
+`TestEngine.replay(history, workflow)` (and `assert_replays`) replays a history exported with
+`durably export` against the current code without running any step the history answers, and
+raises `ReplayDivergenceError` at the first path where the code calls another step than the one
+recorded. `replay_check` does the same for the runs of a store (`durably replay-check`).
+
+All of it watches the kernel through one hook, `kernel.Observer`: production kernels have none.
 `Crash` is the simulated process death itself: raising it from a step or a compensation stops
 the run right there, exactly like crash injection does.
 """
@@ -14,25 +21,43 @@ the run right there, exactly like crash injection does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-from .advisories import Advisory
+from . import records
+from .advisories import Advisory, AdvisoryTracker
 from .clock import FakeClock
 from .codec import encode, load_error, load_value
+from .context import AttemptContext, WorkflowContext
 from .engine import Engine
-from .errors import PurityError, RunNotFoundError, RunParkedError, ValidationError
+from .errors import (
+    CorruptLogError,
+    DurablyError,
+    PurityError,
+    ReplayDivergenceError,
+    RunNotFoundError,
+    RunParkedError,
+    StaleRunError,
+    ValidationError,
+)
 from .events import StepEvent
-from .history import History, RunState
-from .kernel import Crash, Selector
+from .history import History, RunState, path_tuple
+from .kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
 from .storage import MemoryStorage, Storage
+from .storage.base import parse_log
 from .workflow import Workflow, as_workflow
 
-__all__ = ["Crash", "ShadowReplayError", "SyncTestEngine", "TestEngine", "TestRunResult", "TestStep"]
+__all__ = ["Crash", "ReplayDivergenceError", "ReplayReport", "ShadowReplayError", "SyncTestEngine", "TestEngine",
+           "TestRunResult", "TestStep", "assert_replays", "inject_crash", "load_history", "replay_check"]
 
 RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused"]
 StepListener = Callable[[StepEvent], Any]
+HistorySource = str | os.PathLike[str] | bytes
+UNFINISHED = ("pending", "running", "interrupted", "waiting", "sleeping", "paused", "stale", "corrupt")
 
 
 class ShadowReplayError(PurityError):
@@ -103,8 +128,218 @@ class TestRunResult:
         return out
 
 
+# ---- crash injection ----------------------------------------------------------------------------
+
+class _CrashInjection:
+    """Stops the first run it sees, after (or inside) the step a selector names, as a killed process would."""
+
+    def __init__(self, after: Selector | None, in_step: Selector | None) -> None:
+        self.after = after
+        self.in_step = in_step
+        self.run_id: str | None = None
+        self.seen: dict[str, int] = {}
+        self.nth: dict[str, int] = {}
+
+    def attach(self, kernel: RunKernel) -> Observer | None:
+        if self.run_id is None:
+            self.run_id = kernel.run_id
+        return self if kernel.run_id == self.run_id else None
+
+    def unrecorded(self, kernel: RunKernel, path: str, kind: str, label: str) -> None:
+        if kind == "step":
+            self.nth[path] = self.seen[label] = self.seen.get(label, 0) + 1
+
+    def step_ran(self, kernel: RunKernel, path: str, label: str, recorded: bool) -> None:
+        selector = self.after if recorded else self.in_step
+        if selector is not None and selects(selector, path, label, self.nth.get(path, 0)):
+            kernel.dead = True
+            raise Crash()
+
+
+@contextlib.contextmanager
+def inject_crash(*, after: Selector | None = None, in_step: Selector | None = None) -> Iterator[None]:
+    """Within the block, the first run an engine starts or resumes dies like a killed process: right after the
+    step `after` names was recorded, or inside the step `in_step` names once its function returned (its
+    result unrecorded). A selector is a label, `(label, nth)` (the nth execution of that label, from 1) or a
+    path tuple. The engine's `run` then raises `Crash`; resume the run to continue it.
+
+        with inject_crash(after="reserve"):
+            asyncio.run(engine.run(place_order, order))   # raises Crash
+    """
+    if after is None and in_step is None:
+        yield
+        return
+    token = observing.set(_CrashInjection(after, in_step).attach)
+    try:
+        yield
+    finally:
+        observing.reset(token)
+
+
+# ---- replaying recorded histories -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """How a recorded history replayed against the current code.
+
+    `ok` is False at a divergence (at `path` the history recorded step `recorded` and the code now calls
+    `called`; `message` says it in full) or when the history is `damaged` (`message` names file and line).
+    `frontier` is the path where the code went past the end of the history (None when the replay reached
+    the recorded end); `recorded_steps` counts the results the history holds; `status` is the recorded
+    run's status when it was exported; `result` is what the code returned when the replay completed."""
+
+    run_id: str
+    workflow: str
+    status: str
+    ok: bool
+    recorded_steps: int
+    frontier: tuple[int, ...] | None = None
+    frontier_label: str | None = None
+    path: tuple[int, ...] | None = None
+    recorded: str | None = None
+    called: str | None = None
+    message: str = ""
+    damaged: bool = False
+    result: Any = None
+    recorded_result: Any = None
+
+    def line(self) -> str:
+        """One line for a report: `ok ...` or `diverged at path P: recorded X, now Y`."""
+        if self.damaged:
+            return f"{self.run_id}: damaged: {self.message}"
+        if not self.ok:
+            if self.path is not None and self.recorded is not None:
+                return (f"{self.run_id}: diverged at path {self.path}: recorded {self.recorded!r}, "
+                        f"now {self.called!r}")
+            return f"{self.run_id}: diverged: {self.message}"
+        where = f"stopped at the recorded frontier, path {self.frontier} ({self.frontier_label})" \
+            if self.frontier is not None else "replayed to the recorded end"
+        return f"{self.run_id}: ok ({self.recorded_steps} recorded results; {where})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (`durably replay-check --json`)."""
+        return {"run_id": self.run_id, "workflow": self.workflow, "status": self.status,
+                "result": "ok" if self.ok else "damaged" if self.damaged else "diverged",
+                "recorded_steps": self.recorded_steps,
+                "frontier": list(self.frontier) if self.frontier is not None else None,
+                "frontier_label": self.frontier_label,
+                "path": list(self.path) if self.path is not None else None,
+                "recorded": self.recorded, "called": self.called, "message": self.message}
+
+
+class _Replay:
+    """The observer of a replay: the first unrecorded work stops the run there (a divergence when `strict`)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.stopped_at: tuple[str, str, str] | None = None  # (path, kind, label)
+
+    def unrecorded(self, kernel: RunKernel, path: str, kind: str, label: str) -> None:
+        if self.stopped_at is None:
+            self.stopped_at = (path, kind, label)
+        kernel.dead = True
+        raise Crash()
+
+    def step_ran(self, kernel: RunKernel, path: str, label: str, recorded: bool) -> None:
+        """Never called: a replay stops before any step body runs."""
+
+
+class _ReplayServices:
+    """What a replayed kernel asks of an engine: children are answered from the history, never started."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.concurrency = engine.concurrency
+        self.gates = engine.gates
+        self.placement = engine.placement
+        self._engine = engine
+
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+        raise Crash()  # unreachable: the observer stops an unrecorded spawn first
+
+    def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # a parent reads its children's results from its own join records
+        return done
+
+    def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._engine.parked_in_join()
+
+
+def _without_holds(typed: list[records.Record]) -> list[records.Record]:
+    """The records replay reads: pause/resume requests only hold a live run, and a replay never holds."""
+    return [r for r in typed if not isinstance(r, records.Pause | records.Resume)]
+
+
+async def _replay(engine: Engine, typed: list[records.Record], where: str, workflow: Workflow, *,
+                  strict: bool) -> tuple[ReplayReport, records.End | None]:
+    """Replay validated records against `workflow` in a scratch store, running no step; report the outcome
+    and the end record the replay wrote (None when it stopped before the end)."""
+    history = History(_without_holds(typed), where)
+    recorded_end = history.end
+    report = await _replay_history(engine, history, History(typed, where).paused, where, workflow, strict=strict)
+    return report, history.end if history.end is not recorded_end else None
+
+
+async def _replay_history(engine: Engine, history: History, paused: bool, where: str, workflow: Workflow, *,
+                          strict: bool) -> ReplayReport:
+    header = history.header
+    run_id = header.run_id
+    recorded_status = history.end.status if history.end is not None else \
+        ("paused" if paused else (history.parked() or "interrupted"))
+    if header.workflow != workflow.name:
+        raise ValidationError(f"{where} is a history of workflow {header.workflow!r}, not {workflow.name!r}",
+                              hint=f"Replay it against the workflow named {header.workflow!r}.",
+                              docs="docs/testing.md#replaying-recorded-histories", run_id=run_id)
+    scratch = MemoryStorage()
+    scratch.create(run_id, records.encode(header))
+    lease = scratch.claim(run_id, "replay", 3600.0)
+    assert lease is not None
+    tracker = AdvisoryTracker(run_id, now=engine.clock.now, silent=True,
+                              restored=[Advisory.from_dict(a) for a in history.advisories.values()])
+    kernel = RunKernel(engine=_ReplayServices(engine), storage=scratch, lease=lease, history=history,
+                       workflow=workflow, attempt_cls=AttemptContext, input=None, clock=engine.clock,
+                       executor=engine.executor, checkpoint_every=None, on_step=None, advisories=tracker, wait=False)
+    observer = _Replay(strict)
+    kernel.observer = observer
+    recorded_done = len(history.done)
+    recorded_end = history.end
+    value = load_value(header.input)
+    kernel.input = workflow.input_schema.convert(value, "input") if workflow.input_schema else value
+    base: dict[str, Any] = {"run_id": run_id, "workflow": workflow.name, "status": recorded_status,
+            "recorded_result": load_value(recorded_end.result) if recorded_end is not None else None}
+    try:
+        result = await kernel.run(WorkflowContext(kernel))
+    except Crash:
+        assert observer.stopped_at is not None
+        path, kind, label = observer.stopped_at
+        what = f"step {label!r}" if kind == "step" else label if kind != "compensation" else \
+            f"the compensation of step {label!r}"
+        if strict:
+            return ReplayReport(**base, ok=False, recorded_steps=recorded_done, path=path_tuple(path),
+                                message=f"{what} at path {path_tuple(path)} ran again: the recorded run has "
+                                        "nothing there")
+        return ReplayReport(**base, ok=True, recorded_steps=recorded_done, frontier=path_tuple(path),
+                            frontier_label=label)
+    except (PurityError, StaleRunError) as exc:
+        where_at: Any = getattr(exc, "path", None)
+        return ReplayReport(**base, ok=False, recorded_steps=recorded_done,
+                            path=tuple(where_at) if where_at is not None else None, recorded=getattr(exc, "recorded", None),
+                            called=getattr(exc, "called", None), message=str(exc))
+    except Parked as parked:
+        return ReplayReport(**base, ok=True, recorded_steps=recorded_done, frontier=None, frontier_label=parked.status,
+                            message=f"the replay parked: {parked.detail}")
+    except Exception as exc:  # noqa: BLE001 - the replayed workflow's own error is compared with the record
+        if recorded_end is not None and recorded_end.status in ("failed", "cancelled") and recorded_end.error \
+                and str(recorded_end.error.get("type", "")).rsplit(".", 1)[-1] == type(exc).__name__:
+            return ReplayReport(**base, ok=True, recorded_steps=recorded_done)
+        return ReplayReport(**base, ok=False, recorded_steps=recorded_done,
+                            message=f"the replayed workflow raised {type(exc).__name__}: {exc}")
+    return ReplayReport(**base, ok=True, recorded_steps=recorded_done, result=result)
+
+
 class TestEngine:
-    """The real engine over memory storage and a fake clock, with crash injection and shadow replay."""
+    """The real engine over memory storage and a fake clock, with crash injection, shadow replay and replay
+    of recorded histories."""
 
     __test__ = False
 
@@ -125,10 +360,10 @@ class TestEngine:
         """Run a workflow under the engine's identity and resume rules; report how it ended instead of raising."""
         workflow = as_workflow(wf)
 
-        def start(found: Callable[[str], None]) -> Awaitable[Any]:
-            return self.engine.run(workflow, input, key=key, budget=budget, advisories=advisories,
-                                   on_step=self._listener(on_step), on_run=found, crash_after=crash_after,
-                                   crash_in_step=crash_in_step, wait=False)
+        async def start(found: Callable[[str], None]) -> Any:
+            with inject_crash(after=crash_after, in_step=crash_in_step):
+                return await self.engine.run(workflow, input, key=key, budget=budget, advisories=advisories,
+                                             on_step=self._listener(on_step), on_run=found, wait=False)
 
         return await self._drive(workflow, start, advisories)
 
@@ -142,9 +377,10 @@ class TestEngine:
                                    run_id=run_id)
         advisories = self._advisories.get(run_id)
 
-        def start(found: Callable[[str], None]) -> Awaitable[Any]:
-            return self.engine.run(workflow, run_id=run_id, advisories=advisories, on_step=self._listener(on_step),
-                                   on_run=found, crash_after=crash_after, crash_in_step=crash_in_step, wait=False)
+        async def start(found: Callable[[str], None]) -> Any:
+            with inject_crash(after=crash_after, in_step=crash_in_step):
+                return await self.engine.run(workflow, run_id=run_id, advisories=advisories,
+                                             on_step=self._listener(on_step), on_run=found, wait=False)
 
         return await self._drive(workflow, start, advisories)
 
@@ -161,22 +397,42 @@ class TestEngine:
         workflow = self._workflows.get(run_id)
         if workflow is None:
             raise RunNotFoundError(f"no run {run_id!r} was started by this TestEngine", run_id=run_id)
-        kernel = await self.engine.shadow(workflow, run_id)
+        log = self.storage.read(run_id)
+        if log is None:
+            raise RunNotFoundError(f"no run {run_id!r} in this TestEngine's storage", run_id=run_id)
+        typed = records.load(log.records, log.where)
         end = self._history(run_id).end
+        report, replayed_end = await _replay(self.engine, typed, f"run {run_id}", workflow, strict=True)
+        divergence = None if report.ok else report.message
+        if divergence is None and replayed_end is None:
+            divergence = f"the replay ended {report.frontier_label or 'early'}: {report.message}"
         recorded = end.result if end is not None else None
-        replayed = kernel.result_wire
-        same_result = kernel.divergence is None and encode(recorded) == encode(replayed)
-        if kernel.divergence is None and same_result:
+        replayed = replayed_end.result if replayed_end is not None else None
+        if divergence is None and encode(recorded) == encode(replayed):
             return
         lines = [f"shadow replay of run {run_id} (workflow {workflow.name!r}) did not reproduce the recorded run"]
-        if kernel.divergence is not None:
-            lines.append(f"  first divergence: {kernel.divergence}")
+        if divergence is not None:
+            lines.append(f"  first divergence: {divergence}")
         lines.append(f"  result recorded: {load_value(recorded)!r}")
-        lines.append(f"  result replayed: {load_value(replayed)!r}" if kernel.divergence is None
+        lines.append(f"  result replayed: {load_value(replayed)!r}" if divergence is None
                      else "  result replayed: (none: the replay stopped at the divergence)")
         raise ShadowReplayError("\n".join(lines), docs="docs/testing.md#shadow-replay", run_id=run_id,
-                                divergence=kernel.divergence,
-                                recorded=load_value(recorded), replayed=load_value(replayed))
+                                divergence=divergence, recorded=load_value(recorded), replayed=load_value(replayed))
+
+    async def replay(self, history: HistorySource, wf: Any) -> ReplayReport:
+        """Replay a recorded history (an exported file's path, or its bytes) against the workflow's current code.
+
+        No step the history answers runs. The first path where the code calls another step (or ctx call)
+        than the one recorded raises `ReplayDivergenceError` naming the path, the recorded label and the one
+        now called; a history that does not decode raises `CorruptLogError` naming file and line. Code that
+        goes past the end of the history stops there and passes (new code may legitimately do more): the
+        report's `frontier` says where."""
+        workflow = as_workflow(wf)
+        typed, where = load_history(history)
+        report, _ = await _replay(self.engine, typed, where, workflow, strict=False)
+        if not report.ok:
+            raise _divergence(report, where)
+        return report
 
     def close(self) -> None:
         """Release the engine's worker threads (the pytest fixture does this after each test)."""
@@ -295,6 +551,10 @@ class SyncTestEngine:
         """`TestEngine.verify` from synchronous code."""
         _block(self._engine.verify(run_id))
 
+    def replay(self, history: HistorySource, wf: Any) -> ReplayReport:
+        """`TestEngine.replay` from synchronous code."""
+        return _block(self._engine.replay(history, wf))
+
 
 def _block(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine to its end; refuse inside a running event loop, where it would deadlock."""
@@ -306,3 +566,67 @@ def _block(coro: Coroutine[Any, Any, Any]) -> Any:
     raise ValidationError("TestEngine.sync was called inside a running event loop",
                           hint="In async code, await the TestEngine's own run()/resume().",
                           docs="docs/testing.md")
+
+
+# ---- recorded histories: loading, asserting, checking a store ---------------------------------------
+
+def load_history(source: HistorySource) -> tuple[list[records.Record], str]:
+    """The validated records of an exported history (a file path, or its bytes) and where they came from.
+
+    A history that does not decode is a `CorruptLogError` naming the file, the line and the field; a
+    history cut short (a last line without its newline that is not a whole record) is one too."""
+    if isinstance(source, bytes | bytearray):
+        data, where = bytes(source), "history"
+    else:
+        where = os.fspath(source)
+        try:
+            data = Path(where).read_bytes()
+        except OSError as exc:
+            raise ValidationError(f"cannot read history {where}: {exc.strerror or exc}",
+                                  hint="Pass the file `durably export RUN > run.jsonl` wrote.",
+                                  docs="docs/testing.md#replaying-recorded-histories") from None
+    if data and not data.endswith(b"\n"):
+        data += b"\n"
+    lines, good, torn = parse_log(data, where)
+    if torn is not None:
+        line = data.count(b"\n", 0, good) + 1
+        raise CorruptLogError(f"{where}, line {line}: the line is not a JSON object; {torn}",
+                              hint="Export the run again with `durably export RUN > FILE`.",
+                              path=where, line=line, field=None)
+    return records.load(lines, where), where
+
+
+def _divergence(report: ReplayReport, where: str) -> ReplayDivergenceError:
+    if report.path is not None and report.recorded is not None:
+        head = (f"{where} (run {report.run_id}) diverged at path {report.path}: recorded {report.recorded!r}, "
+                f"now {report.called!r}")
+    else:
+        head = f"{where} (run {report.run_id}) diverged"
+    return ReplayDivergenceError(f"{head}\n  {report.message}", run_id=report.run_id, path=report.path,
+                                 recorded=report.recorded, called=report.called, report=report)
+
+
+def assert_replays(history: HistorySource, wf: Any) -> ReplayReport:
+    """Replay an exported history against `wf` in a fresh `TestEngine`; raise `ReplayDivergenceError` (an
+    `AssertionError`) at the first divergence, else return the report. For plain (non-async) tests."""
+    with TestEngine() as engine:
+        return engine.sync.replay(history, wf)
+
+
+async def replay_check(engine: Engine, wf: Any, *, status: str | Iterable[str] | None = None) -> list[ReplayReport]:
+    """Replay every run of workflow `wf` in `engine`'s store whose status is one of `status` (default: the
+    unfinished ones, and damaged logs) against `wf`'s current code; one report per run, nothing written.
+
+    `durably replay-check` is this function with a report line per run."""
+    workflow = as_workflow(wf)
+    statuses = UNFINISHED if status is None else (status,) if isinstance(status, str) else tuple(status)
+    reports = []
+    for state in await engine.list(status=statuses, workflow=workflow.name):
+        try:
+            typed, where = load_history(await engine.export(state.run_id))
+            report, _ = await _replay(engine, typed, f"run {state.run_id}", workflow, strict=False)
+        except DurablyError as exc:
+            report = ReplayReport(run_id=state.run_id, workflow=workflow.name, status=state.status, ok=False,
+                                  recorded_steps=0, message=f"{type(exc).__name__}: {exc}", damaged=True)
+        reports.append(report)
+    return reports

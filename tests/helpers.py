@@ -1,4 +1,5 @@
-"""Test scaffolding shared by the suites: cutting a run off, running a coroutine, checking an error, the CLI."""
+"""Test scaffolding shared by the suites: cutting a run off, crashing one, running a coroutine, checking an error,
+the CLI."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from durably_py import DurablyError
+from durably_py import DurablyError, Engine
+from durably_py.testing import inject_crash
 
 
 class Stop(BaseException):  # noqa: N818 - stands in for a killed process, not an error
@@ -26,6 +28,21 @@ def check_error(exc: BaseException) -> None:
     """`exc` is a durably error a user can act on: it has a hint and a docs link."""
     assert isinstance(exc, DurablyError)
     assert exc.hint and exc.docs
+
+
+def interrupt(engine: Engine, wf: Any, input: Any, after: tuple[int, ...]) -> str:
+    """Run `wf` until the process 'dies' right after step `after`; return the run id."""
+    started: list[str] = []
+    try:
+        with inject_crash(after=after):
+            asyncio.run(engine.run(wf, input, on_run=started.append))
+    except Exception:
+        raise
+    except BaseException:  # noqa: BLE001 - the simulated process death
+        pass
+    else:
+        raise AssertionError("the run did not crash")
+    return started[0]
 
 
 def durably(*args: str, cwd: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:

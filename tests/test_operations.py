@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import interrupt
 from typer.testing import CliRunner
 
 from durably_py import (
@@ -76,20 +77,6 @@ def invoke(*args: str) -> Any:
 def only_run(engine: Engine) -> str:
     (state,) = asyncio.run(engine.list())
     return state.run_id
-
-
-def interrupt(engine: Engine, wf: Any, input: Any, after: tuple[int, ...]) -> str:
-    """Run `wf` until the process 'dies' right after step `after`; return the run id."""
-    started: list[str] = []
-    try:
-        asyncio.run(engine.run(wf, input, crash_after=after, on_run=started.append))
-    except Exception:
-        raise
-    except BaseException:  # noqa: BLE001 - the simulated process death
-        pass
-    else:
-        raise AssertionError("the run did not crash")
-    return started[0]
 
 
 def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:

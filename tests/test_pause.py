@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import interrupt
 from typer.testing import CliRunner
 
 from durably_py import (
@@ -86,20 +87,6 @@ def engine(state_dir: Path) -> Engine:
 
 def invoke(*args: str) -> Any:
     return runner.invoke(app, list(args))
-
-
-def interrupt(engine: Engine, wf: Any, input: Any, after: tuple[int, ...]) -> str:
-    """Run `wf` until the process 'dies' right after step `after`; return the run id."""
-    started: list[str] = []
-    try:
-        asyncio.run(engine.run(wf, input, crash_after=after, on_run=started.append))
-    except Exception:
-        raise
-    except BaseException:  # noqa: BLE001 - the simulated process death
-        pass
-    else:
-        raise AssertionError("the run did not crash")
-    return started[0]
 
 
 def statuses(engine: Engine, **filters: Any) -> dict[str, str]:
