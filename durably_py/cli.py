@@ -1695,6 +1695,59 @@ def logs(
         asyncio.run(tail())
 
 
+@app.command()
+def export(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Write a run's history (its header and every record, as JSONL) to stdout, for replaying it in tests."""
+    with _guard(debug):
+        data = asyncio.run(engine_at(dir, storage).export(run))
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+
+
+@app.command("replay-check")
+def replay_check(
+    script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script with the new workflow code.",
+                                           show_default=False)],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to check.")],
+    status: StatusOption = None,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Replay every unfinished run of a workflow (or those with --status) against SCRIPT's code, running no
+    step; one line per run, exit 1 if any diverged."""
+    from .testing import replay_check as check
+
+    with _guard(debug):
+        settings = settings_for(dir, storage)
+        if not script.is_file():
+            raise ValidationError(f"no script file {str(script)!r}",
+                                  hint="Pass the path of a Python file, e.g. durably replay-check jobs.py -w nightly.")
+        script = script.resolve()
+        with _environment(script, settings, []):
+            _import_script(script)
+            wf = _find_workflow(workflow, script)
+            reports = asyncio.run(check(open_engine(settings), wf, status=status or None))
+        damaged = sum(r.damaged for r in reports)
+        diverged = sum(not r.ok for r in reports) - damaged
+        if as_json:
+            _print_json({"workflow": workflow, "checked": len(reports), "diverged": diverged, "damaged": damaged,
+                         "runs": [r.to_dict() for r in reports]})
+        else:
+            for report in reports:
+                sys.stdout.write(report.line() + "\n")
+            sys.stdout.write(f"{len(reports)} run(s) of {workflow!r} checked, {diverged} diverged"
+                             + (f", {damaged} damaged\n" if damaged else "\n"))
+        if diverged or damaged:
+            raise typer.Exit(EXIT_FAILED)
+
+
 @app.command("config")
 def config_command(
     dir: DirOption = None,

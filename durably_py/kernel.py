@@ -176,7 +176,7 @@ class Observer(Protocol):
     A hook may set `kernel.dead` and raise `Crash` to stop the run exactly as a killed process would."""
 
     def unrecorded(self, kernel: RunKernel, path: str, kind: str, label: str) -> None:
-        """Work the log has no record of is about to start at `path`: a step (`kind` "step", `label` its label)
+        """Work the log has no record of is about to start at `path`: a step (`kind` "step", `label` its label),
         a compensation (`kind` "compensation", `label` its step's label) or a ctx call (`kind` and `label` both
         "ctx.sleep", "ctx.wait_for", "ctx.spawn", "ctx.join", "ctx.graph", "ctx.loop", "ctx.now", "ctx.random"
         or "ctx.uuid")."""
