@@ -10,17 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import log_files
 
 
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
     """A fresh `.durably` state dir for the test (not created until a run needs it)."""
     return tmp_path / ".durably"
-
-
-def log_files(state_dir: Path) -> list[Path]:
-    """Every run log under `state_dir`, sorted by name."""
-    return sorted((state_dir / "runs").glob("*.jsonl"))
 
 
 @pytest.fixture

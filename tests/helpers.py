@@ -1,5 +1,5 @@
 """Test scaffolding shared by the suites: cutting a run off, crashing one, running a coroutine, checking an error,
-the CLI."""
+waiting for a condition, finding run logs, the CLI in this process and in a subprocess."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from typer.testing import CliRunner
+
 from durably_py import DurablyError, Engine
+from durably_py.cli import app
 from durably_py.testing import inject_crash
+
+runner = CliRunner()
 
 
 class Stop(BaseException):  # noqa: N818 - stands in for a killed process, not an error
@@ -43,6 +49,24 @@ def interrupt(engine: Engine, wf: Any, input: Any, after: tuple[int, ...]) -> st
     else:
         raise AssertionError("the run did not crash")
     return started[0]
+
+
+def log_files(state_dir: Path) -> list[Path]:
+    """Every run log under `state_dir`, sorted by name."""
+    return sorted((state_dir / "runs").glob("*.jsonl"))
+
+
+def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:
+    """Poll `check` every 20 ms until it is true; fail the test after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def invoke(*args: str) -> Any:
+    """`durably ARGS` in this process (typer's runner): exit code and output, no subprocess."""
+    return runner.invoke(app, list(args))
 
 
 def durably(*args: str, cwd: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:

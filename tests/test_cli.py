@@ -11,13 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from helpers import invoke
 
 from durably_py import Retry, attempt, run, workflow
-from durably_py.cli import app, parse_duration
+from durably_py.cli import parse_duration
 from durably_py.errors import ValidationError
-
-runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +58,6 @@ async def cli_pipeline(ctx: Any, n: int) -> dict[str, Any]:
 async def cli_broken(ctx: Any, n: int) -> int:
     await ctx.step(double, n)
     return await ctx.step(explode, n)
-
-
-def invoke(*args: str) -> Any:
-    return runner.invoke(app, list(args))
 
 
 @pytest.fixture

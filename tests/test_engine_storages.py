@@ -3,12 +3,9 @@
 import asyncio
 
 import pytest
+from helpers import Stop
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, workflow
-
-
-class Stop(BaseException):
-    """Escapes run() like a killed process."""
 
 
 @pytest.fixture(params=["file", "memory", "sqlite"])

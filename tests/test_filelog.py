@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Stop
+from helpers import Stop, log_files
 
 from durably_py import (
     CorruptLogError,
@@ -59,10 +59,6 @@ class Steps:
         with pytest.raises(Stop):
             run(self.wf, tag, dir=state_dir)
         self.stop_after = None
-
-
-def log_files(state_dir: Path) -> list[Path]:
-    return sorted((state_dir / "runs").glob("*.jsonl"))
 
 
 def the_log(state_dir: Path) -> Path:

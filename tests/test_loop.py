@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+from helpers import Stop
 
 from durably_py import (
     FileStorage,
@@ -13,10 +14,6 @@ from durably_py import (
     create_engine,
     workflow,
 )
-
-
-class Stop(BaseException):
-    """Escapes run() like a killed process: nothing more is recorded."""
 
 
 def make(stop_at=None, snapshot_every=None, max_iterations=None, log=None):

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import interrupt
-from typer.testing import CliRunner
+from helpers import interrupt, invoke, wait_until
 
 from durably_py import (
     Engine,
@@ -27,9 +26,8 @@ from durably_py import (
     create_engine,
     workflow,
 )
-from durably_py.cli import app, parse_step
+from durably_py.cli import parse_step
 
-runner = CliRunner()
 calls: dict[str, int] = {}
 broken: set[str] = set()
 undone: list[str] = []
@@ -70,20 +68,9 @@ def engine(state_dir: Path) -> Engine:
     return create_engine(FileStorage(state_dir))
 
 
-def invoke(*args: str) -> Any:
-    return runner.invoke(app, list(args))
-
-
 def only_run(engine: Engine) -> str:
     (state,) = asyncio.run(engine.list())
     return state.run_id
-
-
-def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 # ---- cancel -------------------------------------------------------------------------------------

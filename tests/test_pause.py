@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import interrupt
-from typer.testing import CliRunner
+from helpers import interrupt, invoke, wait_until
 
 from durably_py import (
     Engine,
@@ -27,10 +26,8 @@ from durably_py import (
     create_engine,
     workflow,
 )
-from durably_py.cli import app
 from durably_py.testing import TestEngine
 
-runner = CliRunner()
 calls: dict[str, int] = {}
 broken: set[str] = set()
 
@@ -85,10 +82,6 @@ def engine(state_dir: Path) -> Engine:
     return create_engine(FileStorage(state_dir))
 
 
-def invoke(*args: str) -> Any:
-    return runner.invoke(app, list(args))
-
-
 def statuses(engine: Engine, **filters: Any) -> dict[str, str]:
     return {s.run_id: s.status for s in asyncio.run(engine.list(**filters))}
 
@@ -98,13 +91,6 @@ async def until(check: Callable[[], Any], seconds: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
-
-
-def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 # ---- runs no process holds --------------------------------------------------------------------------

@@ -3,13 +3,10 @@
 import asyncio
 
 import pytest
+from helpers import Stop
 
 from durably_py import MemoryStorage, PurityError, StaleRunError, create_engine
 from durably_py.workflow import Workflow
-
-
-class Stop(BaseException):
-    """Escapes run() like a killed process."""
 
 
 def test_a_changed_workflow_does_not_fail_or_compensate_the_run() -> None:
