@@ -135,9 +135,9 @@ def test_concurrent_claims_from_many_machines_get_distinct_epochs(postgres_stora
 def test_a_lapsed_owner_is_fenced_once_another_machine_claims(postgres_storage: Machines) -> None:
     a, b = postgres_storage(), postgres_storage()
     a.create("r1", header("r1"))
-    old = a.claim("r1", "laptop", 0.05)
+    old = a.claim("r1", "laptop", 1.0)  # long enough for the two checks below on a loaded machine
     assert old is not None and b.held("r1") is True and b.claim("r1", "server", LONG) is None
-    time.sleep(0.1)
+    time.sleep(1.1)
     assert b.held("r1") is False
     a.append(old, line(t="step", i=1))  # lapsed, but nobody claimed yet: still the current epoch
     new = b.claim("r1", "server", LONG)
