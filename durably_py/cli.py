@@ -33,6 +33,7 @@ from .engine import Engine, RunHook, engine_for, set_run_hook
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
 from .events import StepEvent
 from .history import RunState, StepState, path_tuple
+from .runs import check_retention
 from .worker import Worker
 from .workflow import REGISTRY, Workflow, load_script
 
@@ -1919,6 +1920,9 @@ def worker(
     poll: Annotated[float, typer.Option("--poll", min=0.01, metavar="SECONDS",
                                         help="How often to look for due runs when idle.")] = 0.2,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run.")] = False,
+    retention: Annotated[str | None, typer.Option("--retention", metavar="DURATION",
+                                                  help="Delete runs this long after they ended (30d, 12h), "
+                                                       "checked every tenth of it, at most hourly.")] = None,
     dir: DirOption = None,
     storage: StorageOption = None,
     debug: DebugOption = False,
@@ -1933,6 +1937,8 @@ def worker(
         engine.lease_ttl = lease
         engine.heartbeat_every = max(lease / 3, 0.05)
         engine.concurrency = concurrency
+        if retention is not None:
+            engine.retention = check_retention(parse_duration(retention))
 
         def say(message: str) -> None:
             if not quiet:
@@ -1945,6 +1951,7 @@ def worker(
         say(f"durably worker {engine.owner} on {where}: concurrency {concurrency}, serving {served}")
         asyncio.run(_serve(loop_worker, say))
         say(f"durably worker stopped after {loop_worker.ran} run turns"
+            + (f"; pruned {loop_worker.pruned} ended runs" if loop_worker.pruned else "")
             + (f"; {len(loop_worker.stopped)} stopped part-way and due again" if loop_worker.stopped else ""))
     raise typer.Exit(0)
 
@@ -2007,6 +2014,48 @@ def enqueue(
             sys.stdout.write(handle.run_id + "\n")
 
 
+@app.command()
+def prune(
+    older_than: Annotated[str, typer.Option("--older-than", metavar="DURATION",
+                                            help="Only runs that ended at least this long ago: 30d, 12h, 90m.")],
+    status: Annotated[list[str] | None, typer.Option(
+        "--status", "-s", metavar="STATUS", show_default=False,
+        help="Only runs that ended so (completed, failed, cancelled; repeatable). Default: all three.")] = None,
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+                                                 help="Only runs of this workflow.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    output: OutputOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Delete ended runs (log, index entry, inbox, key binding) and say what that freed. Unfinished runs,
+    runs a process holds and children of unfinished parents are never touched."""
+    as_json = _json_output(as_json, output, debug)
+    with _guard(debug):
+        for one in status or []:
+            if one not in ("completed", "failed", "cancelled"):
+                raise ValidationError(f"prune deletes ended runs only; {one!r} is not an end status",
+                                      hint="Use --status completed, failed or cancelled.",
+                                      docs="docs/storage.md#retention")
+        engine = engine_at(dir, storage)
+        report = asyncio.run(engine.prune(older_than=parse_duration(older_than), status=status or None,
+                                          workflow=workflow, dry_run=dry_run))
+        if as_json:
+            _print_json(report.to_dict())
+            return
+        verb = "would delete" if dry_run else "deleted"
+        size = f"{report.bytes / 1e6:,.1f} MB" if report.bytes >= 100_000 else f"{report.bytes:,} bytes"
+        console = _out_console()
+        console.print(Text(f"{verb} {len(report.runs)} ended runs ({size}) from {engine._where()}",
+                           "green" if report.runs else "bright_black"))
+        if report.kept:
+            console.print(Text(f"kept {len(report.kept)} that matched: "
+                               + "; ".join(f"{run_id} ({why})" for run_id, why in list(report.kept.items())[:5])
+                               + (" ..." if len(report.kept) > 5 else ""), "bright_black"))
+
+
 def main() -> None:
     """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
@@ -2023,3 +2072,4 @@ __all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json"
 
 if __name__ == "__main__":
     main()
+

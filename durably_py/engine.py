@@ -42,7 +42,7 @@ from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .operations import Operations
 from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
-from .runs import PruneReport, Runs
+from .runs import PruneReport, Runs, check_retention
 from .schedules import Schedule
 from .storage import FileStorage, RunInfo, Storage, validate_key
 from .storage.url import open_storage, parse_storage_url
@@ -123,9 +123,11 @@ class Engine:
                  budget: dict[str, float] | None = None,
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
                  lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None,
-                 resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto") -> None:
+                 resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
+                 retention: float | None = None) -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
+        self.retention = check_retention(retention)
         self.concurrency = concurrency
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)

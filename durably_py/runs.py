@@ -58,6 +58,16 @@ def check_page(limit: Any, offset: Any, since: Any = None, until: Any = None) ->
                                   docs="docs/operations.md#listing-runs")
 
 
+def check_retention(seconds: Any) -> float | None:
+    """Validate `retention=` (seconds after their end that ended runs are kept, or None to keep them)."""
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int | float)
+                                or not 0 < seconds < float("inf")):
+        raise ValidationError(f"retention= must be a number of seconds > 0 or None, got {seconds!r}",
+                              hint="retention=30 * 86400 deletes runs 30 days after they end.",
+                              docs="docs/storage.md#retention")
+    return None if seconds is None else float(seconds)
+
+
 def _plain(record: Any) -> dict[str, Any]:
     """A log record as the JSON object it is on disk."""
     return msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else dict(record)
@@ -159,8 +169,9 @@ class Runs:
         candidates = catalog_states(statuses) if statuses is not None else None
         if without_patch is not None:  # completed and cancelled runs never take a branch again
             candidates = tuple(s for s in (candidates or (OPEN, *ENDED)) if s in (OPEN, "failed"))
+        chunk = _PAGE if limit is None else min(_PAGE, max(32, offset + limit))
         while limit is None or len(out) < limit:
-            infos = self.storage.list_runs(state=candidates, limit=_PAGE, offset=at, **where)
+            infos = self.storage.list_runs(state=candidates, limit=chunk, offset=at, **where)
             at += len(infos)
             for info in infos:
                 described = self.state(info)
@@ -174,8 +185,9 @@ class Runs:
                 out.append(described)
                 if limit is not None and len(out) >= limit:
                     break
-            if len(infos) < _PAGE:
+            if len(infos) < chunk:
                 break
+            chunk = min(_PAGE, chunk * 2)
         return out
 
     async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
@@ -344,7 +356,13 @@ class Runs:
 
     # ---- retention ----------------------------------------------------------------------------
     async def prune(self, *, older_than: float, status: str | Iterable[str] | None = None,
-                    workflow: str | None = None, dry_run: bool = False, now: float | None = None) -> PruneReport:
+                    workflow: str | None = None, dry_run: bool = False) -> PruneReport:
+        """`prune_now` on a worker thread, so a long prune never holds the event loop."""
+        return await asyncio.to_thread(self.prune_now, older_than=older_than, status=status, workflow=workflow,
+                                       dry_run=dry_run)
+
+    def prune_now(self, *, older_than: float, status: str | Iterable[str] | None = None,
+                  workflow: str | None = None, dry_run: bool = False, now: float | None = None) -> PruneReport:
         """Delete runs that ended (completed, failed or cancelled; `status` narrows) and were last active more
         than `older_than` seconds ago, of `workflow` if given. A run that has not ended, one whose parent has
         not ended, and one a process holds are never touched."""

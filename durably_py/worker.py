@@ -44,6 +44,8 @@ class Worker:
         self.concurrency = concurrency
         self.poll = poll
         self._schedules_at = 0.0
+        self._prune_at = 0.0
+        self.pruned = 0
         self.log = log
         self.active: dict[str, asyncio.Task[None]] = {}
         self.stopped: list[str] = []
@@ -113,6 +115,7 @@ class Worker:
         try:
             while not self._stopping:
                 await self._fire_schedules()
+                await self._prune()
                 free = self.concurrency - len(self.active)
                 claimed = 0
                 if free > 0:
@@ -155,6 +158,22 @@ class Worker:
             return
         for run_id in fired:
             self._say(f"{run_id}: queued by its schedule")
+
+    async def _prune(self) -> None:
+        """Delete the runs that ended more than the engine's `retention` ago (a tenth of it apart, at most
+        hourly), on a worker thread; nothing without a retention."""
+        retention = self.engine.retention
+        if retention is None or time.monotonic() < self._prune_at:
+            return
+        self._prune_at = time.monotonic() + min(3600.0, max(retention / 10, self.poll))
+        try:
+            report = await self.engine.prune(older_than=retention)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
+            self._say(f"pruning ended runs failed: {type(exc).__name__}: {exc}")
+            return
+        if report.runs:
+            self.pruned += len(report.runs)
+            self._say(f"pruned {len(report.runs)} ended runs ({report.bytes:,} bytes)")
 
     async def _serve(self, lease: Any) -> None:
         """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
