@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import check_error, durably, interrupt
+from helpers import check_error, durably, interrupt, log_files
 
 from durably_py import CorruptLogError, ReplayDivergenceError, create_engine, workflow
 from durably_py.testing import TestEngine, assert_replays, replay_check
@@ -278,3 +283,90 @@ def test_an_exported_file_checked_against_reordered_code_through_the_api(tmp_pat
         assert_replays(history, swapped)
     assert (caught.value.path, caught.value.recorded, caught.value.called) == ((0,), "reserve", "charge")
     assert calls == []
+
+
+@workflow(name="replay-child")
+async def child(ctx, order):
+    return await ctx.step(ship, order)
+
+
+@workflow(name="replay-parent")
+async def parent(ctx, orders):
+    handles = await ctx.spawn_all([(child, o) for o in orders])
+    results = await ctx.join_all(handles)
+    picked = await ctx.parallel([ctx.step(reserve, o) for o in orders])
+    return [r.value for r in results] + [p.value for p in picked]
+
+
+@workflow(name="replay-parent")
+async def parent_parallel_swapped(ctx, orders):
+    handles = await ctx.spawn_all([(child, o) for o in orders])
+    results = await ctx.join_all(handles)
+    picked = await ctx.parallel([ctx.step(charge, o) for o in orders])
+    return [r.value for r in results] + [p.value for p in picked]
+
+
+def test_a_parent_replays_from_its_own_history_without_its_children(tmp_path: Path) -> None:
+    engine = create_engine(tmp_path / ".durably")
+    assert asyncio.run(engine.run(parent, ["P1", "P2"])) == ["shipped P1", "shipped P2", "reserved P1", "reserved P2"]
+    (state,) = asyncio.run(engine.list(workflow="replay-parent"))
+    history = asyncio.run(engine.export(state.run_id))
+    assert len(asyncio.run(engine.list(workflow="replay-child"))) == 2  # runs of their own, with their own logs
+    assert all(json.loads(line).get("workflow") != "replay-child" for line in history.splitlines())
+    calls.clear()
+    report = assert_replays(history, parent)
+    assert report.ok and report.result == ["shipped P1", "shipped P2", "reserved P1", "reserved P2"]
+    with pytest.raises(ReplayDivergenceError) as caught:
+        assert_replays(history, parent_parallel_swapped)
+    assert caught.value.path == (2,) and caught.value.recorded == "reserve" and caught.value.called == "charge"
+    assert calls == []
+
+
+KILLED = '''
+import time
+from durably_py import workflow
+
+def reserve(order):
+    return f"reserved {order}"
+
+def charge(order):
+    return f"charged {order}"
+
+def hang(order):
+    time.sleep(600)
+
+@workflow
+async def order(ctx, order):
+    STEPS
+    await ctx.step(hang, order)
+    return [a, b]
+'''
+
+
+def test_replay_check_of_a_run_killed_with_sigkill(tmp_path: Path) -> None:
+    v1 = tmp_path / "v1.py"
+    v1.write_text(KILLED.replace("STEPS", "a = await ctx.step(reserve, order); b = await ctx.step(charge, order)"))
+    v2 = tmp_path / "v2.py"
+    v2.write_text(KILLED.replace("STEPS", "b = await ctx.step(charge, order); a = await ctx.step(reserve, order)"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", str(v1), "--workflow", "order",
+                             "--input", '"K1"'], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            logs = log_files(tmp_path / ".durably")
+            if logs and logs[0].read_text().count('"t":"ok"') >= 2:
+                break
+            assert time.monotonic() < deadline, "the run never recorded its first two steps"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    same = durably("replay-check", str(v1), "--workflow", "order", "--json", cwd=tmp_path)
+    assert same.returncode == 0, same.stdout + same.stderr
+    (run,) = json.loads(same.stdout)["runs"]
+    assert run["result"] == "ok" and run["frontier"] == [2] and run["frontier_label"] == "hang"
+    changed = durably("replay-check", str(v2), "--workflow", "order", cwd=tmp_path)
+    assert changed.returncode == 1
+    assert "diverged at path (0,): recorded 'reserve', now 'charge'" in changed.stdout
