@@ -42,6 +42,7 @@ from .errors import (
     RunNotFoundError,
     RunParkedError,
     StaleRunError,
+    StepFailedError,
     ValidationError,
 )
 from .events import StepEvent
@@ -329,8 +330,9 @@ async def _replay_history(engine: Engine, history: History, paused: bool, where:
         return ReplayReport(**base, ok=True, recorded_steps=recorded_done, frontier=None, frontier_label=parked.status,
                             message=f"the replay parked: {parked.detail}")
     except Exception as exc:  # noqa: BLE001 - the replayed workflow's own error is compared with the record
+        now = exc.type_name if isinstance(exc, StepFailedError) else f"{type(exc).__module__}:{type(exc).__qualname__}"
         if recorded_end is not None and recorded_end.status in ("failed", "cancelled") and recorded_end.error \
-                and str(recorded_end.error.get("type", "")).rsplit(".", 1)[-1] == type(exc).__name__:
+                and recorded_end.error.get("type") == now:
             return ReplayReport(**base, ok=True, recorded_steps=recorded_done)
         return ReplayReport(**base, ok=False, recorded_steps=recorded_done,
                             message=f"the replayed workflow raised {type(exc).__name__}: {exc}")

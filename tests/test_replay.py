@@ -370,3 +370,42 @@ def test_replay_check_of_a_run_killed_with_sigkill(tmp_path: Path) -> None:
     changed = durably("replay-check", str(v2), "--workflow", "order", cwd=tmp_path)
     assert changed.returncode == 1
     assert "diverged at path (0,): recorded 'reserve', now 'charge'" in changed.stdout
+
+
+class Declined(Exception):
+    """A step failure the recorded run ended with."""
+
+
+def decline(order: str) -> str:
+    calls.append("decline")
+    raise Declined(f"card declined for {order}")
+
+
+@workflow(name="declined-order")
+async def declined_order(ctx, order):
+    await ctx.step(reserve, order)
+    return await ctx.step(decline, order)
+
+
+def test_a_failed_run_replays_green_and_imports_nothing_its_history_names(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = create_engine(tmp_path / ".durably")
+    with pytest.raises(Declined):
+        asyncio.run(engine.run(declined_order, "D1"))
+    (state,) = asyncio.run(engine.list(workflow="declined-order"))
+    history = asyncio.run(engine.export(state.run_id))
+    calls.clear()
+    report = assert_replays(history, declined_order)
+    assert report.ok and report.status == "failed"
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "planted_side_effect.py").write_text(
+        f"open({str(tmp_path / 'imported')!r}, 'w').close()\nclass Declined(Exception):\n    pass\n")
+    monkeypatch.syspath_prepend(str(planted))
+    crafted = history.replace(f"{__name__}:Declined".encode(), b"planted_side_effect:Declined")
+    assert crafted != history
+    report = assert_replays(crafted, declined_order)  # replayed as StepFailedError naming the recorded type
+    assert report.ok
+    assert not (tmp_path / "imported").exists() and "planted_side_effect" not in sys.modules
+    assert calls == []
