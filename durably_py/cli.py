@@ -177,7 +177,12 @@ def _json_default(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, set | frozenset | tuple):
         return list(value)
-    return repr(value)
+    from .schema import to_builtins
+
+    try:  # a typed result (dataclass, Struct, pydantic model...) prints as the JSON it is stored as
+        return to_builtins(value)
+    except Exception:  # noqa: BLE001 - anything else prints as its repr
+        return repr(value)
 
 
 def to_json(value: Any) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
-from durably_py import Retry, StepInterruptedError, workflow
+from durably_py import DurablyError, Retry, StepInterruptedError, attempt, workflow
 
 MARKS = Path(os.environ.get("DURABLY_TEST_MARKS", "/tmp/durably-restate-marks"))
 
@@ -166,3 +168,74 @@ async def fan_branches(ctx, spec: dict) -> list:
 async def budgeted(ctx) -> str:
     ctx.charge(usd=1)
     return "charged"
+
+
+@workflow
+async def chatty(ctx, tag: str) -> int:
+    ctx.log(f"before {tag}")
+    a = await ctx.step(add, 1, 2)
+    ctx.log(f"after {tag}")
+    b = await ctx.step(add, a, 3)
+    ctx.log(f"end {tag}")
+    return b
+
+
+@dataclass
+class Order:
+    item: str
+    qty: int
+
+
+@dataclass
+class Quote:
+    item: str
+    total: float
+
+
+def price(order: Order) -> dict:
+    return {"item": order.item, "total": order.qty * 2.5}
+
+
+def bad_quote(order: Order) -> dict:
+    return {"item": order.item}
+
+
+@workflow(input=Order, output=Quote)
+async def typed(ctx, order: Order) -> Quote:
+    quote = await ctx.step(price, order, schema=Quote)
+    assert isinstance(quote, Quote)
+    try:
+        await ctx.step(bad_quote, order, schema=Quote)
+        bad = None
+    except Exception as exc:  # noqa: BLE001 - the schema error's class is part of the result
+        bad = type(exc).__name__
+    await ctx.sleep_until(ctx.now() + timedelta(seconds=0.05))
+    return Quote(f"{quote.item} ({bad})", quote.total)
+
+
+def stashing() -> str:
+    attempt().stash("half")
+    return "stashed"
+
+
+async def turn(state: int, it) -> object:
+    return it.done(state) if state >= 2 else state + 1
+
+
+@workflow
+async def features(ctx) -> list:
+    """Each optional feature's outcome: its value, or the class and message of the error it raised."""
+    tries = {"stash": lambda: ctx.step(stashing),
+             "snapshot": lambda: ctx.loop(0, turn, snapshot_every=1),
+             "uses": lambda: ctx.step(add, 1, 1, uses="api"),
+             "concurrency_key": lambda: ctx.step(add, 1, 1, concurrency_key="k", concurrency_limit=1),
+             "graph": lambda: ctx.graph({}),
+             "annotate": lambda: ctx.annotate(note=1)}
+    out = []
+    for name, call in tries.items():
+        try:
+            value = call()
+            out.append([name, await value if value is not None else None])
+        except DurablyError as exc:
+            out.append([name, f"{type(exc).__name__}: {exc.message}"])
+    return out

@@ -30,7 +30,8 @@ def run_workflow(script: Path, workflow: str, input: Any, *, key: str | None, wa
     run_id = client.start(wf.name, input, key=key)
     if on_run is not None:
         on_run(run_id)
-    return client.result(run_id, wait=wait)
+    result = client.result(run_id, wait=wait)
+    return wf.output_schema.convert(result, "result") if wf.output_schema is not None else result
 
 
 def serve(imports: list[str], *, host: str, port: int, admin: str | None, register: bool,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
@@ -243,8 +244,9 @@ class RestateWorkflowContext:
                           hint=PATCH_HINT)
 
     def log(self, *values: Any, **print_kwargs: Any) -> None:
-        """print(), but only when the workflow is live, never while it replays its journal."""
+        """print() to stderr (stdout stays for results), only when live, never while it replays its journal."""
         if not self._pump.replaying:
+            print_kwargs.setdefault("file", sys.stderr)
             print(*values, **print_kwargs)
 
     def complete(self, value: Any = None) -> NoReturn:
