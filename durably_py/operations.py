@@ -241,20 +241,23 @@ class Operations:
 
     # ---- records and requests -------------------------------------------------------------------
     def amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
-        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
-        engine = self.engine
-        lease = self.storage.claim(run_id, engine.owner, engine.lease_ttl, check=log_format.load)
-        if lease is None:
+        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held.
+
+        The run is not claimed (`Storage.amend`), so an operator's record is not a workflow attempt."""
+        chosen: builtins.list[log_format.Record] = []
+
+        def choose(records: builtins.list[Any], where: str) -> bytes | None:
+            picked = record(History(records, where))
+            if picked is None:
+                return None
+            chosen.append(picked)
+            return log_format.encode(picked)
+
+        if not self.storage.amend(run_id, choose, check=log_format.load):
             return False
-        try:
-            chosen = record(History(lease.records, lease.where))
-            if chosen is not None:
-                self.storage.append(lease, log_format.encode(chosen))
-                self.storage.sync(lease)
-                self.requeue(run_id, chosen)
-            return True
-        finally:
-            self.storage.release(lease)
+        if chosen:
+            self.requeue(run_id, chosen[0])
+        return True
 
     def requeue(self, run_id: str, record: log_format.Record) -> None:
         """Keep the queue true to an operation's record: an ended run leaves it, a paused one is due only once

@@ -182,6 +182,69 @@ def test_second_claim_while_held(store: Any) -> None:
     assert store.claim("r1", "other", LONG).epoch == 2
 
 
+def test_amend_appends_to_an_unheld_run_without_claiming_it(store: Any) -> None:
+    lease = started(store)
+    store.append(lease, line(t="step", i=0))
+    store.release(lease)
+    seen: list[Any] = []
+
+    def pause(records: list[Any], where: str) -> bytes:
+        seen.append((kinds(records), where))
+        return line(t="pause")
+
+    fsyncs = store.fsyncs
+    assert store.amend("r1", pause) is True
+    assert seen and seen[0][0] == ["run", "claim", "step"] and "r1" in seen[0][1]
+    assert store.fsyncs == fsyncs + 1  # durable once it returns
+    assert kinds(store.read("r1").records) == ["run", "claim", "step", "pause"]
+    assert store.info("r1").epoch == 1 and store.info("r1").last == {"t": "pause"}  # no new attempt
+    assert store.held("r1") is False
+    assert store.amend("r1", lambda records, where: None) is True  # nothing chosen: nothing written
+    assert kinds(store.read("r1").records) == ["run", "claim", "step", "pause"]
+    assert store.size("r1") == len(header("r1")) + sum(len(line(**r)) for r in store.read("r1").records[1:])
+    again = store.claim("r1", "other", LONG)
+    assert again is not None and again.epoch == 2  # the next real claim is attempt 2
+    store.append(again, line(t="step", i=1))
+    assert kinds(store.read("r1").records) == ["run", "claim", "step", "pause", "claim", "step"]
+
+
+def test_amend_refuses_a_held_run_and_writes_nothing_it_should_not(store: Any) -> None:
+    lease = started(store)
+    called: list[int] = []
+    assert store.amend("r1", lambda records, where: called.append(1) or line(t="pause")) is False
+    assert called == [] and kinds(store.read("r1").records) == ["run", "claim"]
+    store.append(lease, line(t="step"))  # the holder's lease is untouched
+    store.release(lease)
+
+    def refuse(records: list[Any], where: str) -> list[Any]:
+        raise CorruptLogError(f"{where} is not to my liking", path=where)
+
+    with pytest.raises(CorruptLogError):
+        store.amend("r1", lambda records, where: line(t="pause"), check=refuse)
+    with pytest.raises(ValidationError):
+        store.amend("r1", lambda records, where: b'{"t":"pause"}')  # not a complete line
+    assert kinds(store.read("r1").records) == ["run", "claim", "step"]
+    with pytest.raises(RunNotFoundError):
+        store.amend("nope", lambda records, where: line(t="pause"))
+    assert store.held("r1") is False
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])
+def test_amend_takes_the_lease_from_a_lapsed_owner(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = make(kind, tmp_path, request)
+    store.create("r1", header("r1"))
+    old = store.claim("r1", "me", 0.05)
+    time.sleep(0.1)
+    assert store.amend("r1", lambda records, where: line(t="pause")) is True
+    with pytest.raises(LeaseLostError):
+        store.append(old, line(t="step", late=True))
+    assert store.heartbeat(old, LONG) is False
+    assert kinds(store.read("r1").records) == ["run", "claim", "pause"]
+    new = store.claim("r1", "other", LONG)
+    assert new is not None and new.epoch == 2
+    store.close()
+
+
 def test_append_round_trip_in_order(store: Any) -> None:
     lease = started(store)
     before = store.size("r1")
@@ -614,6 +677,22 @@ def test_torn_last_line_is_dropped_then_cut_by_claim(fs: FileStorage) -> None:
     assert kinds(log.records) == ["run", "claim", "step", "step", "claim", "step"]
     assert path.read_bytes().startswith(before[: before.rindex(b"\n") + 1])
     fs.release(lease)
+
+
+def test_amend_cuts_a_torn_tail_before_its_line_and_leaves_the_lock_free(fs: FileStorage) -> None:
+    lease = started(fs)
+    fs.release(lease)
+    path = log_path(fs)
+    with open(path, "ab") as f:
+        f.write(b'{"t":"step","i":3,"v":"hal')
+    assert fs.amend("r1", lambda records, where: line(t="pause")) is True
+    log = fs.read("r1")
+    assert log.torn is None and kinds(log.records) == ["run", "claim", "pause"]
+    assert fs.holder_info("r1")["epoch"] == 1  # the owner sidecar still names the last real claim
+    other = FileStorage(fs.dir)
+    again = other.claim("r1", "other", LONG)
+    assert again is not None and again.epoch == 2
+    other.release(again)
 
 
 @pytest.mark.parametrize("tail", [b'{"t":"st\n', b"[1,2]\n", b"\x00\x00\x00\x00\n", b'"just a string"'])

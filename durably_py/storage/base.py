@@ -33,9 +33,11 @@ from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, Valida
 from ..records import LOG_VERSION, Claim, Header, decode_fast
 from ..records import encode as encode_record
 
-__all__ = ["LOG_VERSION", "Check", "Lease", "Log", "RunInfo", "Storage"]
+__all__ = ["LOG_VERSION", "Check", "Choose", "Lease", "Log", "RunInfo", "Storage"]
 
 Check = Callable[[list[Any], str], list[Any]]
+Choose = Callable[[list[Any], str], bytes | None]
+"""What `amend` appends: (checked records, where) -> complete record lines, or None to append nothing."""
 """A log check `claim` runs before writing anything: (records, where) -> the records the lease keeps.
 The engine passes `records.load`, so a damaged log raises before a claim record is appended."""
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
@@ -387,6 +389,14 @@ class Storage(Protocol):
         ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail.
         `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log,
         or when `check(records, where)` raises; `Lease.records` are what `check` returned."""
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Append the lines `choose(records, where)` returns (None: nothing) to a run no live owner holds,
+        without claiming it: no claim record and no new epoch, so an operator's record (pause, resume,
+        cancel, reset) is not a workflow attempt. Atomic against claims and durable once it returns; a torn
+        tail is cut before the lines are added, and a lapsed lease can no longer append afterwards. False
+        (nothing called, nothing written) while a live owner holds the run; `RunNotFoundError` for an
+        unknown run; `CorruptLogError` (nothing written) for a damaged log, or when `check` raises."""
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease; False when it was lost to another owner."""

@@ -47,6 +47,7 @@ import msgspec
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
     Check,
+    Choose,
     Lease,
     Log,
     QueueEntry,
@@ -324,6 +325,19 @@ class FileStorage:
         validate_ttl(ttl)
         if not log.exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        held = self._lock_run(run_id, log)
+        if held is None:
+            return None
+        try:
+            epoch, records, torn = self._open_claimed(held, owner, check)
+        except BaseException:
+            self._drop(held)
+            raise
+        self._mine.add(held)
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn, str(log))
+
+    def _lock_run(self, run_id: str, log: Path) -> _Held | None:
+        """Take the run's lock (registered in this process); None while another owner holds it."""
         lock_path = self._lock_path(run_id)
         held = _Held(run_id, log, _OsLock(lock_path))
         with _registry_lock:
@@ -333,18 +347,49 @@ class FileStorage:
         try:
             for attempt in range(_CLAIM_TRIES):
                 if held.lock.acquire():
-                    break
+                    return held
                 if attempt + 1 < _CLAIM_TRIES:
                     time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
-            else:
-                self._unregister(held)
-                return None
-            epoch, records, torn = self._open_claimed(held, owner, check)
         except BaseException:
-            self._drop(held)
+            self._unregister(held)
             raise
-        self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held}, records, torn, str(log))
+        self._unregister(held)
+        return None
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Under the run's lock, append and fsync the lines `choose` returns, without a claim record or a new
+        epoch; False while another owner holds the lock."""
+        log = self._log(run_id)
+        if not log.exists():
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        held = self._lock_run(run_id, log)
+        if held is None:
+            return False
+        try:
+            try:
+                held.fd = os.open(log, os.O_RDWR | os.O_APPEND)
+            except FileNotFoundError:
+                raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id) from None
+            with open(held.fd, "rb", closefd=False) as f:
+                data = f.read()
+            records, good, _ = parse_log(data, str(log))
+            line = choose(checked(records, str(log), check), str(log))
+            if line is not None:
+                line = validate_lines(line)
+                try:
+                    if good < len(data):
+                        os.ftruncate(held.fd, good)
+                    _write_all(held.fd, line)
+                    self._fsync(held.fd)
+                except OSError as exc:
+                    try:
+                        os.ftruncate(held.fd, good)  # a line cut short is undone, as a failed append's is
+                    except OSError:
+                        pass
+                    raise storage_full(exc, "append to", str(log)) from exc
+        finally:
+            self._drop(held)
+        return True
 
     def _open_claimed(self, held: _Held, owner: str, check: Check | None) -> tuple[int, list[Any], str | None]:
         """With the lock taken: check the log, cut a torn tail, append the claim record.

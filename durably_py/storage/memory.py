@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
     Check,
+    Choose,
     Lease,
     Log,
     QueueEntry,
@@ -120,6 +121,26 @@ class MemoryStorage:
             line = claimed(records, run.epoch, owner)
             self._touch(run, line)
             return Lease(run_id, owner, run.epoch, {"memory": self}, records, torn, f"memory run {run_id}")
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Append the lines `choose` returns to a run no live owner holds, without a claim or a new epoch; a
+        lapsed owner loses its lease. False while a live owner holds it."""
+        validate_run_id(run_id)
+        with self._lock:
+            run = self._get(run_id)
+            if run.owner is not None and run.expires >= time.monotonic():
+                return False
+            where = f"memory run {run_id}"
+            records, good, _ = parse_log(bytes(run.data), where)
+            line = choose(checked(records, where, check), where)
+            if line is not None:
+                line = validate_lines(line)
+                del run.data[good:]
+                run.owner = None
+                self._touch(run, line)
+                run.synced = len(run.data)
+                self.fsyncs += 1
+            return True
 
     def _get(self, run_id: str) -> _Run:
         """The run, or `RunNotFoundError`."""

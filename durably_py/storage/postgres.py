@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
     Check,
+    Choose,
     Lease,
     Log,
     QueueEntry,
@@ -364,6 +365,43 @@ class PostgresStorage:
             (epoch, owner, ttl, line, good + len(line), run_id, line),
         )
         return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id))
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Append the lines `choose` returns to a run no live owner holds (database clock) in one transaction
+        with the run's row locked, without a claim or a new epoch; a lapsed owner loses its lease (owner
+        cleared, which every fenced write checks). False while a live owner holds it."""
+        validate_run_id(run_id)
+        with self._cursor(transaction=True) as cur:
+            cur.execute(
+                f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
+                " WHERE run_id = %s FOR UPDATE",
+                (run_id,),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise self._missing(run_id)
+            if row[0]:
+                return False
+            cur.execute(
+                f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
+            )
+            data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
+            records, good, _ = parse_log(data, self._where(run_id))
+            line = choose(checked(records, self._where(run_id), check), self._where(run_id))
+            if line is None:
+                return True
+            line = validate_lines(line)
+            if good < len(data):
+                cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
+                cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
+            cur.execute(
+                f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
+                " last = %s, size = %s WHERE run_id = %s",
+                (last_line(line), good + len(line), run_id),
+            )
+            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, line))
+        self.fsyncs += 1
+        return True
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now (database clock); False when it was lost."""

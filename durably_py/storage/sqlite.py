@@ -32,6 +32,7 @@ from typing import Any
 from ..errors import LeaseLostError, RunNotFoundError, StorageFullError, ValidationError
 from .base import (
     Check,
+    Choose,
     Lease,
     Log,
     QueueEntry,
@@ -214,6 +215,36 @@ class SqliteStorage:
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
         return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Append the lines `choose` returns to a run no live owner holds in one transaction, without a claim or
+        a new epoch; a lapsed owner loses its lease (owner cleared). False while a live owner holds it."""
+        validate_run_id(run_id)
+        with self._lock:
+            db = self._db()
+            with _transaction(db):
+                row = db.execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                if row is None:
+                    raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+                holder, expires = row
+                now = time.time()
+                if holder is not None and expires >= now:
+                    return False
+                data = self._log_bytes(db, run_id)
+                records, good, _ = parse_log(data, self._where(run_id))
+                line = choose(checked(records, self._where(run_id), check), self._where(run_id))
+                if line is None:
+                    return True
+                line = validate_lines(line)
+                if good < len(data):
+                    db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
+                    db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
+                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+                db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?"
+                           " WHERE run_id = ?", (now, last_line(line), good + len(line), run_id))
+            with _durable(self, db) as tx:  # the WAL, with the commit above, on disk
+                tx.execute("UPDATE runs SET syncs = syncs + 1 WHERE run_id = ?", (run_id,))
+        return True
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now; False when it was lost."""
