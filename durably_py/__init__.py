@@ -41,6 +41,7 @@ from .events import StepEvent
 from .graphs import GraphState, NodeState, Task
 from .history import RunState, StepState
 from .kernel import RunHandle
+from .operations import BulkResult
 from .policies import Retry
 from .resources import Breaker, RateLimit, Resource, resource
 from .result import Err, Ok, is_ok, partition
@@ -70,6 +71,7 @@ __all__ = [
     "Breaker",
     "BudgetExceededError",
     "BudgetView",
+    "BulkResult",
     "CircuitOpenError",
     "Clock",
     "CorruptLogError",

@@ -1429,9 +1429,90 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
         raise typer.Exit(EXIT_FAILED)
 
 
+RunOrFilterArgument = Annotated[str | None, typer.Argument(
+    metavar="[RUN]", show_default=False, help="A run id or a run key; or select runs with --status/--workflow.")]
+BulkStatusOption = Annotated[list[str] | None, typer.Option(
+    "--status", "-s", metavar="STATUS", show_default=False,
+    help="Act on every run with this status (repeat for several) instead of one RUN; asks first.")]
+BulkWorkflowOption = Annotated[str | None, typer.Option(
+    "--workflow", "-w", metavar="NAME", show_default=False,
+    help="Act on every run of this workflow (with --status: both must match) instead of one RUN; asks first.")]
+YesOption = Annotated[bool, typer.Option("--yes", "-y", help="With --status/--workflow: act without asking.")]
+_BULK_DONE = {"cancel": "cancelled", "resume": "resumed", "retry": "retried"}
+
+
+def _one_or_many(verb: str, run: str | None, status: list[str] | None, workflow: str | None, debug: bool) -> bool:
+    """Whether the command acts by filter; a usage error (exit 2) for both a RUN and a filter, or neither."""
+    many = bool(status) or workflow is not None
+    if many == (run is not None):
+        with _guard(debug):
+            raise ValidationError(
+                f"durably {verb} takes a RUN or --status/--workflow, not both" if many
+                else f"durably {verb} needs a RUN, or --status/--workflow to select runs",
+                hint=f"`durably {verb} RUN` acts on one run; `durably {verb} --status failed [--workflow NAME]` "
+                     "on every matching run, after showing how many and asking.",
+                docs="docs/cli.md#operations-by-filter")
+    return many
+
+
+def _bulk(verb: str, status: list[str] | None, workflow: str | None, yes: bool, dir: str | None,
+          storage: str | None, as_json: bool, debug: bool, **options: Any) -> None:
+    """`durably cancel|resume|retry --status ... --workflow ...`: count the runs, ask (or need --yes), act on
+    them, then report what was done and what was not, with why. Exit 0 when every run was acted on (and, for
+    retry, none failed again), 1 otherwise, 2 when nothing was touched for want of a confirmation."""
+    statuses = status or None
+    filters = _filters_text(status=" --status ".join(status) if status else None, workflow=workflow)
+    with _guard(debug):
+        engine = engine_at(dir, storage)
+        many = getattr(engine, f"{verb}_many")
+        chosen = asyncio.run(many(status=statuses, workflow=workflow, dry_run=True, **options)).selected
+    if not chosen:
+        if as_json:
+            _print_json({"operation": verb, "selected": 0, "acted": [], "skipped": []})
+        else:
+            _err_console().print(Text(f"no run matches {filters}; nothing to {verb}", "yellow"))
+        return
+    shown = ", ".join(chosen[:5]) + (f", … ({len(chosen) - 5} more)" if len(chosen) > 5 else "")
+    what = f"{verb} {len(chosen)} run{'s' if len(chosen) != 1 else ''} matching {filters}"
+    if not yes:
+        if not (sys.stdin.isatty() and sys.stderr.isatty()):
+            if as_json:
+                _print_json({"operation": verb, "selected": len(chosen), "confirmed": False, "runs": chosen})
+            _err_console().print(Text(f"would {what}: {shown}; nothing was touched (no terminal to confirm on): "
+                                      "pass --yes to go ahead", "yellow"))
+            raise typer.Exit(EXIT_USAGE)
+        _err_console().print(f"{what}: {shown}")
+        if not typer.confirm(f"{verb.capitalize()} {len(chosen)} runs?", default=False, err=True):
+            _err_console().print(Text("nothing was touched", "yellow"))
+            raise typer.Exit(EXIT_FAILED)
+    with _guard(debug):
+        result = asyncio.run(many(status=statuses, workflow=workflow, **options))
+    bad = [s for s in result.acted if s.status == "failed"] if verb == "retry" else []
+    if as_json:
+        _print_json({"operation": verb, "selected": len(result.selected),
+                     "acted": [{"run_id": s.run_id, "status": s.status} for s in result.acted],
+                     "skipped": [{"run_id": r, "reason": why} for r, why in result.skipped.items()]})
+    else:
+        console = _err_console()
+        counts: dict[str, int] = {}
+        for state in result.acted:
+            counts[state.status] = counts.get(state.status, 0) + 1
+        tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        console.print(Text(f"{_BULK_DONE[verb]} {len(result.acted)} of {len(result.selected)} runs"
+                           + (f": {tally}" if tally else ""), "green" if not (result.skipped or bad) else "yellow"))
+        for run_id, why in list(result.skipped.items())[:20]:
+            console.print(Text(f"  not {_BULK_DONE[verb]} {run_id}: {why}", "yellow"))
+        if len(result.skipped) > 20:
+            console.print(Text(f"  … {len(result.skipped) - 20} more not {_BULK_DONE[verb]}", "yellow"))
+        for state in bad[:20]:
+            console.print(Text(f"  failed again: {state.run_id} (`durably inspect {state.run_id}`)", "red"))
+    if result.skipped or bad:
+        raise typer.Exit(EXIT_FAILED)
+
+
 @app.command()
 def cancel(
-    run: RunArgument,
+    run: RunOrFilterArgument = None,
     timeout: TimeoutOption = "30s",
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1440,9 +1521,20 @@ def cancel(
     debug: DebugOption = False,
     restate: RestateOption = None,
     restate_admin: RestateAdminOption = None,
+    status: BulkStatusOption = None,
+    workflow: BulkWorkflowOption = None,
+    yes: YesOption = False,
 ) -> None:
-    """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary."""
+    """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary.
+    With --status/--workflow instead of RUN: every matching run, after showing how many and asking."""
     as_json = _json_output(as_json, output, debug)
+    if _one_or_many("cancel", run, status, workflow, debug):
+        _not_on_restate(dir, storage, restate, "durably cancel --status/--workflow", debug)
+        with _guard(debug):
+            seconds = parse_duration(timeout)
+        _bulk("cancel", status, workflow, yes, dir, storage, as_json, debug, timeout=seconds)
+        return
+    assert run is not None
     with _guard(debug):
         restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         seconds = parse_duration(timeout)
@@ -1488,17 +1580,25 @@ def pause(
 
 @app.command()
 def resume(
-    run: RunArgument,
+    run: RunOrFilterArgument = None,
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
     output: OutputOption = None,
     debug: DebugOption = False,
     restate: RestateOption = None,
+    status: BulkStatusOption = None,
+    workflow: BulkWorkflowOption = None,
+    yes: YesOption = False,
 ) -> None:
-    """Resume a paused run: the process waiting on it continues it, or the next run or retry does."""
+    """Resume a paused run: the process waiting on it continues it, or the next run or retry does.
+    With --status paused/--workflow instead of RUN: every matching paused run, after asking."""
     _not_on_restate(dir, storage, restate, "durably resume", debug)
     as_json = _json_output(as_json, output, debug)
+    if _one_or_many("resume", run, status, workflow, debug):
+        _bulk("resume", status, workflow, yes, dir, storage, as_json, debug)
+        return
+    assert run is not None
     with _guard(debug):
         state = asyncio.run(engine_at(dir, storage).resume(run))
         if as_json:
@@ -1514,7 +1614,7 @@ def resume(
 
 @app.command()
 def retry(
-    run: RunArgument,
+    run: RunOrFilterArgument = None,
     from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL[#N]",
                                                   help="Run this step (a path like 2 or 2.0.1, a label, or "
                                                        "label#N) and every step completed after it again.")] = None,
@@ -1525,10 +1625,24 @@ def retry(
     output: OutputOption = None,
     debug: DebugOption = False,
     restate: RestateOption = None,
+    status: BulkStatusOption = None,
+    workflow: BulkWorkflowOption = None,
+    yes: YesOption = False,
 ) -> None:
-    """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON."""
+    """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON.
+    With --status/--workflow instead of RUN: every matching failed or interrupted run, after asking; a run
+    that parks is left parked."""
     _not_on_restate(dir, storage, restate, "durably retry", debug)
     as_json = _json_output(as_json, output, debug)
+    if _one_or_many("retry", run, status, workflow, debug):
+        if from_step is not None or no_wait:
+            with _guard(debug):
+                raise ValidationError("--from-step and --no-wait are for one RUN, not --status/--workflow",
+                                      hint="By filter, each run resumes where it stopped, and one that parks is "
+                                           "left parked.", docs="docs/cli.md#operations-by-filter")
+        _bulk("retry", status, workflow, yes, dir, storage, as_json, debug)
+        return
+    assert run is not None
     try:
         selector = parse_step(from_step) if from_step is not None else None
     except ValidationError as exc:

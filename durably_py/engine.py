@@ -39,7 +39,7 @@ from .graphs import GraphState
 from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
-from .operations import Operations
+from .operations import BulkResult, Operations
 from .queue import check_delay, check_priority, park_entry
 from .resources import Gates, Resource
 from .runs import PruneReport, Runs, check_retention
@@ -681,6 +681,23 @@ class Engine:
                       on_run: Callable[[str], Any] | None = None) -> Any:
         """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
         return await self.operations.restart(run, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def cancel_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Cancel every run `list(status=, workflow=)` selects (by default every run that has not ended);
+        returns the runs it cancelled and, for each it could not, why (`dry_run`: only what it selects)."""
+        return await self.operations.cancel_many(status=status, workflow=workflow, timeout=timeout, dry_run=dry_run)
+
+    async def resume_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Resume every paused run `list(status=, workflow=)` selects; returns the runs it resumed and why not."""
+        return await self.operations.resume_many(status=status, workflow=workflow, timeout=timeout, dry_run=dry_run)
+
+    async def retry_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                         dry_run: bool = False) -> BulkResult:
+        """Retry every failed or interrupted run `list(status=, workflow=)` selects, in this process; returns
+        each run's state afterwards and, for each it could not retry, why."""
+        return await self.operations.retry_many(status=status, workflow=workflow, dry_run=dry_run)
 
     def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
         """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""

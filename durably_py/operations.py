@@ -14,13 +14,14 @@ import asyncio
 import builtins
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import records as log_format
 from .codec import dump_error, dump_value, load_value, to_iso
-from .errors import CorruptLogError, RunCancelledError, RunNotFoundError, ValidationError
+from .errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFoundError, ValidationError
 from .events import StepEvent
 from .history import History, RunState, path_tuple, run_status
 from .kernel import Selector, selects
@@ -149,6 +150,46 @@ class Resume(Operation):
 
 CANCEL, PAUSE, RESUME = Cancel(), Pause(), Resume()
 
+BULK_STATUSES = {
+    "cancel": ("pending", "running", "interrupted", "stale", "failed", "waiting", "sleeping", "paused"),
+    "resume": ("paused",),
+    "retry": ("failed", "interrupted"),
+}
+"""The statuses each operation by filter can act on; with no `status=` it selects runs in any of them."""
+
+
+@dataclass
+class BulkResult:
+    """What an operation by filter did: the runs it selected, those it acted on (their state afterwards) and,
+    for each run it could not act on, why (a run that changed status meanwhile, a damaged log, ...). With
+    `dry_run=True` only `selected` is filled and nothing is touched."""
+
+    operation: str
+    selected: list[str] = field(default_factory=list)  # run ids, newest first
+    acted: list[RunState] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # run id -> why it was not acted on
+
+
+def bulk_filter(operation: str, status: str | Iterable[str] | None,
+                workflow: str | None) -> tuple[builtins.list[str], str | None]:
+    """The statuses and workflow an operation by filter selects, checked: only statuses it can act on."""
+    allowed = BULK_STATUSES[operation]
+    if workflow is not None and (not isinstance(workflow, str) or not workflow):
+        raise ValidationError(f"workflow= must be a workflow name, got {workflow!r}",
+                              hint=f"{operation}_many(workflow='nightly') selects the runs of one workflow.",
+                              docs="docs/operations.md#operations-by-filter")
+    statuses = builtins.list(allowed) if status is None else [status] if isinstance(status, str) else \
+        builtins.list(status)
+    wrong = [s for s in statuses if s not in allowed]
+    if wrong or not statuses:
+        raise ValidationError(
+            f"{operation} by filter acts on runs that are {', '.join(allowed)}; not {', '.join(map(repr, wrong))}"
+            if wrong else f"status= names no status for {operation} by filter",
+            hint=f"Select one or several of {', '.join(allowed)} (status= in Python, --status on the command "
+                 "line), or leave the status out for all of them.",
+            docs="docs/operations.md#operations-by-filter")
+    return statuses, workflow
+
 
 def check_timeout(timeout: Any, operation: Operation) -> None:
     """Validate the `timeout=` of an operation that waits for the process running a run."""
@@ -238,6 +279,77 @@ class Operations:
     async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Resume a paused run (by id or key): its waiting process continues it, or the next run()/retry does."""
         return await self.operate(RESUME, run, timeout)
+
+    # ---- by filter ------------------------------------------------------------------------------
+    async def _many(self, operation: str, status: str | Iterable[str] | None, workflow: str | None,
+                    act: Callable[[str], Awaitable[RunState | None]], width: int, dry_run: bool) -> BulkResult:
+        """Select runs with `Engine.list` and apply `act` to each, at most `width` at once; a run `act`
+        refuses (a `DurablyError`, or None) is skipped with why, and never stops the others."""
+        statuses, workflow = bulk_filter(operation, status, workflow)
+        selected = [s.run_id for s in await self.engine.list(status=statuses, workflow=workflow)]
+        result = BulkResult(operation, selected)
+        if dry_run:
+            return result
+        acted: dict[str, RunState] = {}
+        gate = asyncio.Semaphore(max(width, 1))
+
+        async def one(run_id: str) -> None:
+            async with gate:
+                try:
+                    state = await act(run_id)
+                except DurablyError as exc:
+                    result.skipped[run_id] = exc.message
+                    return
+                if state is None:
+                    result.skipped[run_id] = f"run {run_id} was not {operation}d"
+                else:
+                    acted[run_id] = state
+
+        await asyncio.gather(*(one(run_id) for run_id in selected))
+        result.acted = [acted[r] for r in selected if r in acted]
+        return result
+
+    async def cancel_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Cancel every run `Engine.list(status=, workflow=)` selects (by default every run that has not
+        ended); a running one is asked to stop and waited for up to `timeout` seconds, all at once."""
+        check_timeout(timeout, CANCEL)
+
+        async def act(run_id: str) -> RunState | None:
+            state = await self.cancel(run_id, timeout=timeout)
+            if state.status != "cancelled":
+                raise ValidationError(f"run {run_id} is still {state.status} after {timeout:g} s; it stops at its "
+                                      "next step boundary", run_id=run_id)
+            return state
+
+        return await self._many("cancel", status, workflow, act, 16, dry_run)
+
+    async def resume_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Resume every paused run of `workflow` (all workflows when None)."""
+        check_timeout(timeout, RESUME)
+        return await self._many("resume", status, workflow, lambda run_id: self.resume(run_id, timeout=timeout), 16,
+                                dry_run)
+
+    async def retry_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                         dry_run: bool = False) -> BulkResult:
+        """Retry every failed or interrupted run `Engine.list(status=, workflow=)` selects, here and now, at most
+        the engine's `concurrency` at once; a run that parks is left parked (as `wait=False` does) and one
+        that fails again is acted on all the same: `acted` holds each run's state afterwards."""
+
+        async def act(run_id: str) -> RunState | None:
+            started: builtins.list[str] = []
+            try:
+                await self.retry(run_id, wait=False, on_run=started.append)
+            except Exception as exc:
+                if not started:  # refused before it ran (changed status meanwhile, code not found, ...)
+                    if isinstance(exc, DurablyError):
+                        raise
+                    raise ValidationError(f"run {run_id} could not be retried: {type(exc).__name__}: {exc}",
+                                          run_id=run_id) from exc
+            return await self.engine.inspect(run_id)
+
+        return await self._many("retry", status, workflow, act, self.engine.concurrency, dry_run)
 
     # ---- records and requests -------------------------------------------------------------------
     def amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
