@@ -206,6 +206,11 @@ def test_amend_appends_to_an_unheld_run_without_claiming_it(store: Any) -> None:
     assert again is not None and again.epoch == 2  # the next real claim is attempt 2
     store.append(again, line(t="step", i=1))
     assert kinds(store.read("r1").records) == ["run", "claim", "step", "pause", "claim", "step"]
+    store.release(again)
+    assert store.amend("r1", lambda records, where: line(t="end", status="cancelled")) is True
+    assert store.info("r1").epoch == 2
+    assert [info.run_id for info in store.list_runs(state="cancelled")] == ["r1"]  # the catalog knows it ended
+    assert store.count_runs(state="open") == 0
 
 
 def test_amend_refuses_a_held_run_and_writes_nothing_it_should_not(store: Any) -> None:

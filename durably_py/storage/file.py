@@ -387,6 +387,7 @@ class FileStorage:
                     except OSError:
                         pass
                     raise storage_full(exc, "append to", str(log)) from exc
+                self._indexed(lambda catalog: catalog.refresh(run_id))
         finally:
             self._drop(held)
         return True

@@ -373,7 +373,7 @@ class PostgresStorage:
         validate_run_id(run_id)
         with self._cursor(transaction=True) as cur:
             cur.execute(
-                f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
+                f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp(), state FROM {self._runs}"
                 " WHERE run_id = %s FOR UPDATE",
                 (run_id,),
             )
@@ -382,6 +382,7 @@ class PostgresStorage:
                 raise self._missing(run_id)
             if row[0]:
                 return False
+            state = row[1] or OPEN
             cur.execute(
                 f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
             )
@@ -396,8 +397,8 @@ class PostgresStorage:
                 cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
-                " last = %s, size = %s WHERE run_id = %s",
-                (last_line(line), good + len(line), run_id),
+                " last = %s, size = %s, state = %s WHERE run_id = %s",
+                (last_line(line), good + len(line), state_after(state, line), run_id),
             )
             cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, line))
         self.fsyncs += 1

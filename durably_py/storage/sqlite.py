@@ -223,10 +223,11 @@ class SqliteStorage:
         with self._lock:
             db = self._db()
             with _transaction(db):
-                row = db.execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                row = db.execute("SELECT owner, lease_expires, state FROM runs WHERE run_id = ?",
+                                 (run_id,)).fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
-                holder, expires = row
+                holder, expires, state = row
                 now = time.time()
                 if holder is not None and expires >= now:
                     return False
@@ -240,8 +241,9 @@ class SqliteStorage:
                     db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
                     db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
-                db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?"
-                           " WHERE run_id = ?", (now, last_line(line), good + len(line), run_id))
+                db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
+                           " state = ? WHERE run_id = ?",
+                           (now, last_line(line), good + len(line), state_after(state or OPEN, line), run_id))
             with _durable(self, db) as tx:  # the WAL, with the commit above, on disk
                 tx.execute("UPDATE runs SET syncs = syncs + 1 WHERE run_id = ?", (run_id,))
         return True
