@@ -30,15 +30,15 @@ WF = textwrap.dedent('''
         return n * 2
 
     @workflow
-    async def job(ctx, n):
+    async def bulk_job(ctx, n):
         return await ctx.step(call, n)
 
     @workflow
-    async def other(ctx, n):
+    async def bulk_other(ctx, n):
         return await ctx.step(call, n)
 
     @workflow
-    async def gate(ctx, n):
+    async def bulk_gate(ctx, n):
         await ctx.step(call, n)
         return await ctx.wait_for("go", timeout=3600)
 
@@ -50,7 +50,7 @@ WF = textwrap.dedent('''
         async def main():
             for n in range(int(sys.argv[3])):
                 try:
-                    await engine.run({"job": job, "other": other, "gate": gate}[sys.argv[2]], n, wait=False)
+                    await engine.run({"job": bulk_job, "other": bulk_other, "gate": bulk_gate}[sys.argv[2]], n, wait=False)
                 except Exception:
                     pass
 
@@ -93,25 +93,25 @@ def test_fifty_failed_runs_are_retried_in_one_command_after_a_confirmation(tmp_p
     seed(root, storage, "other", 3)
     assert statuses(root, storage) == {"failed": 53}
 
-    refused = cli(root, storage, "retry", "--status", "failed", "--workflow", "job")  # no --yes, no terminal
+    refused = cli(root, storage, "retry", "--status", "failed", "--workflow", "bulk_job")  # no --yes, no terminal
     assert refused.returncode == 2, refused.stderr
-    assert "would retry 50 runs matching --status failed --workflow job" in refused.stderr
+    assert "would retry 50 runs matching --status failed --workflow bulk_job" in refused.stderr
     assert "nothing was touched" in refused.stderr and "--yes" in refused.stderr
     assert statuses(root, storage) == {"failed": 53}
 
     (root / "outage").unlink()
     started = time.perf_counter()
-    done = cli(root, storage, "retry", "--status", "failed", "--workflow", "job", "--yes", "--json")
+    done = cli(root, storage, "retry", "--status", "failed", "--workflow", "bulk_job", "--yes", "--json")
     took = time.perf_counter() - started
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["operation"] == "retry" and report["selected"] == 50 and report["skipped"] == []
     assert len(report["acted"]) == 50 and {a["status"] for a in report["acted"]} == {"completed"}
-    assert statuses(root, storage, "job") == {"completed": 50}
-    assert statuses(root, storage, "other") == {"failed": 3}  # the filter kept them out
+    assert statuses(root, storage, "bulk_job") == {"completed": 50}
+    assert statuses(root, storage, "bulk_other") == {"failed": 3}  # the filter kept them out
     print(f"\n{kind}: 50 failed runs retried in one `durably retry --status failed --yes`: {took:.2f} s")
 
-    table = cli(root, storage, "retry", "-w", "other", "-y")
+    table = cli(root, storage, "retry", "-w", "bulk_other", "-y")
     assert table.returncode == 0 and "retried 3 of 3 runs: 3 completed" in table.stderr
     nothing = cli(root, storage, "retry", "--status", "failed", "-y")
     assert nothing.returncode == 0 and "no run matches --status failed; nothing to retry" in nothing.stderr
@@ -123,21 +123,21 @@ def test_cancel_and_resume_by_filter_through_the_cli(tmp_path: Path) -> None:
     seed(root, storage, "job", 2)
     assert statuses(root, storage) == {"waiting": 4, "completed": 2}
     engine = create_engine(root / storage)
-    for run in asyncio.run(engine.list(workflow="gate"))[:3]:
+    for run in asyncio.run(engine.list(workflow="bulk_gate"))[:3]:
         assert asyncio.run(engine.pause(run.run_id)).status == "paused"
-    assert statuses(root, storage, "gate") == {"paused": 3, "waiting": 1}
+    assert statuses(root, storage, "bulk_gate") == {"paused": 3, "waiting": 1}
 
     resumed = cli(root, storage, "resume", "--status", "paused", "--yes", "--json")
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["selected"] == 3
-    assert statuses(root, storage, "gate") == {"waiting": 4}
+    assert statuses(root, storage, "bulk_gate") == {"waiting": 4}
 
     wrong = cli(root, storage, "cancel", "--status", "completed", "--yes")
     assert wrong.returncode == 2 and "not 'completed'" in wrong.stderr
-    both = cli(root, storage, "cancel", "some-run", "--workflow", "gate")
+    both = cli(root, storage, "cancel", "some-run", "--workflow", "bulk_gate")
     assert both.returncode == 2 and "takes a RUN or --status/--workflow, not both" in both.stderr
 
-    cancelled = cli(root, storage, "cancel", "--workflow", "gate", "--yes")
+    cancelled = cli(root, storage, "cancel", "--workflow", "bulk_gate", "--yes")
     assert cancelled.returncode == 0, cancelled.stderr
     assert "cancelled 4 of 4 runs: 4 cancelled" in cancelled.stderr
     assert statuses(root, storage) == {"cancelled": 4, "completed": 2}
@@ -179,7 +179,7 @@ def test_on_a_terminal_the_count_is_shown_and_only_yes_acts(tmp_path: Path) -> N
     root = project(tmp_path)
     seed(root, ".durably", "gate", 3)
     code, shown = _on_a_terminal(root, b"n", "cancel", "--status", "waiting")
-    assert "cancel 3 runs matching --status waiting: gate-" in shown and "Cancel 3 runs? [y/N]" in shown
+    assert "cancel 3 runs matching --status waiting: bulk_gate-" in shown and "Cancel 3 runs? [y/N]" in shown
     assert code == 1 and "nothing was touched" in shown
     assert statuses(root, ".durably") == {"waiting": 3}
     code, shown = _on_a_terminal(root, b"y", "cancel", "--status", "waiting")
@@ -192,7 +192,7 @@ def test_the_python_api_returns_what_it_acted_on_and_why_not(tmp_path: Path) -> 
     seed(root, ".durably", "gate", 2)
     (root / "outage").touch()
     seed(root, ".durably", "job", 5)
-    (root / "ghost.py").write_text(WF.replace("job", "ghost"))
+    (root / "ghost.py").write_text(WF.replace("bulk_job", "bulk_ghost").replace('"job": ', '"ghost": '))
     seed(root, ".durably", "ghost", 1, script="ghost.py")
     (root / "ghost.py").unlink()  # the code of that run is gone
     engine = create_engine(root / ".durably")
@@ -206,18 +206,18 @@ def test_the_python_api_returns_what_it_acted_on_and_why_not(tmp_path: Path) -> 
         with pytest.raises(ValidationError, match="workflow="):
             await engine.cancel_many(workflow="")
 
-        again = await engine.retry_many(workflow="job")  # the outage goes on: each fails again, still acted on
+        again = await engine.retry_many(workflow="bulk_job")  # the outage goes on: each fails again, still acted on
         assert len(again.acted) == 5 and {s.status for s in again.acted} == {"failed"} and not again.skipped
 
         (root / "outage").unlink()
-        (victim,) = [r for r in preview.selected if r.startswith("ghost-")]
+        (victim,) = [r for r in preview.selected if r.startswith("bulk_ghost-")]
         result = await engine.retry_many(status=["failed", "interrupted"])
         assert sorted(s.run_id for s in result.acted) == sorted(r for r in preview.selected if r != victim)
         assert {s.status for s in result.acted} == {"completed"}
         assert list(result.skipped) == [victim]
-        assert "cannot find the code of workflow 'ghost'" in result.skipped[victim]
+        assert "cannot find the code of workflow 'bulk_ghost'" in result.skipped[victim]
 
-        paused = await engine.cancel_many(workflow="gate", dry_run=True)
+        paused = await engine.cancel_many(workflow="bulk_gate", dry_run=True)
         for run_id in paused.selected:
             await engine.pause(run_id)
         resumed = await engine.resume_many()
