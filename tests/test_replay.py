@@ -409,3 +409,27 @@ def test_a_failed_run_replays_green_and_imports_nothing_its_history_names(tmp_pa
     assert report.ok
     assert not (tmp_path / "imported").exists() and "planted_side_effect" not in sys.modules
     assert calls == []
+
+
+@workflow(name="order")
+async def order_inserted(ctx, order):
+    first = await ctx.step(reserve, order)
+    checked = [await ctx.step(notify, order)]  # a step inserted before recorded ones
+    return [first, *checked, await ctx.step(charge, order), await ctx.step(ship, order)]
+
+
+@workflow(name="order")
+async def order_patched(ctx, order):
+    first = await ctx.step(reserve, order)
+    checked = [await ctx.step(notify, order)] if ctx.patched("notify-first") else []
+    return [first, *checked, await ctx.step(charge, order), await ctx.step(ship, order)]
+
+
+def test_an_inserted_step_diverges_unless_it_is_behind_ctx_patched(tmp_path: Path) -> None:
+    history = exported(tmp_path, finish=False)
+    with pytest.raises(ReplayDivergenceError) as caught:
+        assert_replays(history, order_inserted)
+    assert (caught.value.path, caught.value.recorded, caught.value.called) == ((1,), "charge", "notify")
+    report = assert_replays(history, order_patched)  # the recorded run keeps its old branch
+    assert report.ok and report.frontier == (2,) and report.frontier_label == "ship"
+    assert calls == []
