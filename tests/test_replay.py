@@ -193,6 +193,7 @@ def test_replay_check_reports_a_damaged_log_and_checks_the_others(tmp_path: Path
 
 
 SCRIPT = '''
+import time
 from durably_py import workflow
 
 def reserve(order):
@@ -201,17 +202,21 @@ def reserve(order):
 def charge(order):
     return f"charged {order}"
 
+def hang(order):
+    time.sleep(600)
+
 @workflow
 async def order(ctx, order):
     STEPS
-    approval = await ctx.wait_for("approval")
-    return [a, b, approval]
+    TAIL
 '''
+WAIT = 'return [a, b, await ctx.wait_for("approval")]'
+HANG = "await ctx.step(hang, order)"
 
 
-def script(tmp_path: Path, name: str, steps: str) -> Path:
+def script(tmp_path: Path, name: str, steps: str, tail: str = WAIT) -> Path:
     path = tmp_path / name
-    path.write_text(textwrap.dedent(SCRIPT).replace("STEPS", steps))
+    path.write_text(textwrap.dedent(SCRIPT).replace("STEPS", steps).replace("TAIL", tail))
     return path
 
 
@@ -322,32 +327,9 @@ def test_a_parent_replays_from_its_own_history_without_its_children(tmp_path: Pa
     assert calls == []
 
 
-KILLED = '''
-import time
-from durably_py import workflow
-
-def reserve(order):
-    return f"reserved {order}"
-
-def charge(order):
-    return f"charged {order}"
-
-def hang(order):
-    time.sleep(600)
-
-@workflow
-async def order(ctx, order):
-    STEPS
-    await ctx.step(hang, order)
-    return [a, b]
-'''
-
-
 def test_replay_check_of_a_run_killed_with_sigkill(tmp_path: Path) -> None:
-    v1 = tmp_path / "v1.py"
-    v1.write_text(KILLED.replace("STEPS", "a = await ctx.step(reserve, order); b = await ctx.step(charge, order)"))
-    v2 = tmp_path / "v2.py"
-    v2.write_text(KILLED.replace("STEPS", "b = await ctx.step(charge, order); a = await ctx.step(reserve, order)"))
+    v1 = script(tmp_path, "v1.py", "a = await ctx.step(reserve, order); b = await ctx.step(charge, order)", HANG)
+    v2 = script(tmp_path, "v2.py", "b = await ctx.step(charge, order); a = await ctx.step(reserve, order)", HANG)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", str(v1), "--workflow", "order",
                              "--input", '"K1"'], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
