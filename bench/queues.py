@@ -1,7 +1,8 @@
 """The durable queue: enqueue->start latency, runs/s through N worker processes, and the due query with many
 ended runs present, on files, SQLite and PostgreSQL. Figures and ratios only; nothing passes or fails.
 
-Usage: python bench/queues.py [--runs M] [--workers N] [--ended E] [--postgres DSN_URL] [--only files,sqlite,...]
+Usage: python bench/queues.py [--runs M] [--workers N] [--ended E] [--width W] [--postgres DSN_URL]
+                               [--only files,sqlite,...]
 
 Rows:
   enqueue->start    median seconds from `enqueue` returning to the run's first step starting, with the
@@ -12,7 +13,12 @@ Rows:
                     no claims, no other process), as a ratio
   due query         median time of `storage.due(10)` with 100 pending runs, before and after E ended runs
                     were added to the store (their ratio says whether ended runs slow the query); on
-                    PostgreSQL the ended runs' rows are inserted by one statement
+                    PostgreSQL the ended runs' rows are inserted by one statement. `end` is the median
+                    cost of `unschedule` (a run leaving the queue as it ends, its parent's join updated)
+  fan-out           a parent spawning W one-step children and `join_all`ing them, through the engine's own
+                    worker at concurrency 1 (the parent parks in the join, holding no slot; the children
+                    run one by one; the last one's end makes the parent due), against `engine.run` of the
+                    same parent in one process (children in the parent's process, no parking)
 PostgreSQL rows need --postgres postgresql://USER@HOST/DB (a schema is created and dropped).
 """
 
@@ -128,6 +134,41 @@ def throughput(url: str, folder: Path, runs: int, workers: int) -> tuple[float, 
     return runs / took, runs / floor_s
 
 
+@workflow
+async def fan_leaf(ctx: Any, n: int) -> int:
+    return await ctx.step(int, n)
+
+
+@workflow
+async def fan_parent(ctx: Any, width: int) -> int:
+    results = await ctx.join_all(await ctx.spawn_all([(fan_leaf, n) for n in range(width)]))
+    return sum(r.value for r in results)
+
+
+def fan_out(url: str, width: int) -> tuple[float, float, int]:
+    """Seconds through the engine's worker at concurrency 1, seconds through `run()`, and the parent's claims."""
+    engine = create_engine(url, concurrency=1)
+
+    async def served() -> tuple[float, str]:
+        await engine.start(poll=0.05)
+        start = time.perf_counter()
+        handle = await engine.enqueue(fan_parent, width, key=f"fan-{uuid.uuid4().hex}")
+        assert await engine.join(handle) == width * (width - 1) // 2
+        took = time.perf_counter() - start
+        await engine.stop()
+        return took, handle.run_id
+
+    took, run_id = asyncio.run(served())
+    claims = asyncio.run(engine.inspect(run_id)).attempt
+
+    async def in_process() -> float:
+        start = time.perf_counter()
+        await create_engine(url, concurrency=1).run(fan_parent, width, key=f"fan-{uuid.uuid4().hex}")
+        return time.perf_counter() - start
+
+    return took, asyncio.run(in_process()), claims
+
+
 def due_query(url: str, ended: int, rounds: int = 30) -> tuple[float, float]:
     storage = open_storage(url)
     header = b'{"t":"run","v":1,"run_id":"%s","workflow":"wf","key":null}\n'
@@ -157,8 +198,19 @@ def due_query(url: str, ended: int, rounds: int = 30) -> tuple[float, float]:
             storage.create(run_id, header % run_id.encode())
             storage.unschedule(run_id)
     after = timed()
+    ends = []
+    for n in range(200):
+        run_id = f"ending-{n}"
+        storage.create(run_id, header % run_id.encode())
+        t = time.perf_counter()
+        storage.unschedule(run_id)
+        ends.append(time.perf_counter() - t)
     storage.close()
+    UNSCHEDULE[url] = statistics.median(ends)
     return before, after
+
+
+UNSCHEDULE: dict[str, float] = {}
 
 
 def main() -> None:
@@ -167,6 +219,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--ended", type=int, default=100_000)
     parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--width", type=int, default=200)
     parser.add_argument("--postgres", default=os.environ.get("DURABLY_BENCH_POSTGRES"))
     parser.add_argument("--only", default="files,sqlite,postgres")
     opts = parser.parse_args()
@@ -190,7 +243,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     try:
         for kind in opts.only.split(","):
-            urls = {name: url_for(kind, name) for name in ("lat", "tp", "due")}
+            urls = {name: url_for(kind, name) for name in ("lat", "tp", "due", "fan")}
             if any(u is None for u in urls.values()):
                 print(f"{kind:9} skipped (pass --postgres postgresql://USER@HOST/DB)")
                 continue
@@ -200,7 +253,11 @@ def main() -> None:
             before, after = due_query(urls["due"], opts.ended)  # type: ignore[arg-type]
             print(f"{kind:9} enqueue->start {lat * 1000:7.1f} ms | {opts.workers} workers {rate:7.1f} runs/s "
                   f"(in-process floor {floor:7.1f} runs/s, ratio {rate / floor:4.2f}) | due(10) {before * 1000:6.2f} ms "
-                  f"-> {after * 1000:6.2f} ms with {opts.ended} ended runs (x{after / before:4.2f})")
+                  f"-> {after * 1000:6.2f} ms with {opts.ended} ended runs (x{after / before:4.2f}), "
+                  f"end {UNSCHEDULE[urls['due']] * 1000:5.2f} ms")  # type: ignore[index]
+            served, direct, claims = fan_out(urls["fan"], opts.width)  # type: ignore[arg-type]
+            print(f"{kind:9} fan-out {opts.width} children: worker -c 1 {served:6.2f} s (parent claimed {claims}x) | "
+                  f"run() in one process {direct:6.2f} s (ratio {served / direct:4.2f})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if schemas and opts.postgres:

@@ -404,6 +404,10 @@ def parked_detail(state: RunState) -> str | None:
         waits = [s.output for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
         parts = []
         for wait in waits:
+            if "children" in wait:
+                count = wait.get("count") or len(wait["children"])
+                parts.append(f"{count} child run{'s' if count != 1 else ''} to end")
+                continue
             deadline = wait.get("deadline")
             parts.append(f"{wait.get('signal')!r} (deadline {_when_text(deadline)})" if deadline
                          else f"{wait.get('signal')!r} (no deadline)")
@@ -411,6 +415,8 @@ def parked_detail(state: RunState) -> str | None:
     if state.status == "sleeping":
         wakes = [str(s.output.get("until")) for s in state.steps
                  if s.status == "sleeping" and isinstance(s.output, dict)]
+        wakes += [f"{s.output['retry_at']}" for s in state.steps
+                  if s.status == "retrying" and isinstance(s.output, dict) and s.output.get("retry_at")]
         return f"sleeping until {_when_text(min(wakes))}" if wakes else "sleeping"
     return None
 
@@ -1054,7 +1060,11 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         line.append(f"  {_duration(extras.seconds)}", "bright_black")
     elif step.ms is not None:
         line.append(f"  {_duration(step.ms / 1000)}", "bright_black")
-    if step.status == "waiting" and isinstance(step.output, dict):
+    if step.status == "waiting" and isinstance(step.output, dict) and "children" in step.output:
+        count = step.output.get("count") or len(step.output["children"])
+        named = ", ".join(step.output["children"][:3]) + (", ..." if count > 3 else "")
+        line.append(f"  → waiting for {count} child run{'s' if count != 1 else ''} to end ({named})", "blue")
+    elif step.status == "waiting" and isinstance(step.output, dict):
         deadline = step.output.get("deadline")
         until = f" until {_when_text(deadline)}" if deadline else " (no deadline)"
         line.append(f"  → waiting for signal {step.output.get('signal')!r}{until}", "blue")
@@ -1118,7 +1128,10 @@ def _next_move(state: RunState) -> str | None:
     """The command that moves a run on from where it stands (None for a finished or running run)."""
     run_id = state.run_id
     if state.status == "waiting":
-        names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
+        names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)
+                 and "signal" in s.output]
+        if not names and any(s.label == "ctx.join" for s in state.steps if s.status == "waiting"):
+            return "nothing: a worker continues it once its child runs end"
         return " or ".join(f"durably signal {run_id} {name} PAYLOAD" for name in names or ["NAME"])
     if state.status == "sleeping":
         return f"durably retry {run_id} continues it after its wake time (a waiting process does it by itself)"

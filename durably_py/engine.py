@@ -302,13 +302,17 @@ class Engine:
                      budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                      on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
                      torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
-        """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after."""
+        """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after.
+        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs."""
         run_id = lease.run_id
         parked_on: tuple[str, ...] = ()
         try:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
                                        advisories, on_advisory, on_step, torn, wait, stopping)
         except Parked as parked:
+            if parked.children:
+                self.storage.join_wait(run_id, parked.children)
+                raise
             at, parked_on = park_entry(history, parked.status)
             self.storage.schedule(run_id, at, wait=parked_on)
             raise
@@ -556,6 +560,34 @@ class Engine:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""
         return await asyncio.shield(self.start_child(run_id, workflow, rerun_failed=rerun_failed))
 
+    def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None:
+        """How a child run ended, as a settled future (its result or error), or None while it has not ended.
+
+        A run out of the queue has ended even when its last record is not its end (a worker that listed it
+        as due just before it ended claimed it once more), so then its whole log is read."""
+        info = self.storage.info(run_id)
+        if info is None:
+            return None
+        if info.last.get("t") == "end":
+            history = History([info.header, info.last], f"run {run_id}")
+        elif self.storage.entry(run_id) is None:
+            history, _ = self._read(run_id)
+            if history.end is None:
+                return None
+        else:
+            return None
+        outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            outcome.set_result(self._joined(workflow, history))
+        except BaseException as exc:  # noqa: BLE001 - the child's error is its outcome
+            outcome.set_exception(exc)
+        return outcome
+
+    def queued_child(self, run_id: str) -> None:
+        """A child a served run spawned waits in the queue: this engine's worker looks for it at once."""
+        if self._worker is not None:
+            self._worker.poke()
+
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
         """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
         return parked_in_join()
@@ -598,6 +630,7 @@ class Engine:
         if history.end is not None and history.end.status == "failed":
             kernel.write(log_format.Reopen(ts=time.time()))
             kernel.retrying = True
+        kernel.parks = stopping is not None and not kernel.retrying
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
             kernel.write(log_format.Code(fingerprint=workflow.fingerprint))
         if budget is not None and budget != history.budget:

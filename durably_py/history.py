@@ -44,6 +44,7 @@ class History:
         self.notes: dict[str, Any] = {}
         self.end: r.End | None = None
         self.claim: r.Claim | None = None
+        self.park: r.Park | None = None  # a join or a retry backoff the run parked in since its last claim
         self.paused = False
         self.stale = False
         self.budget: dict[str, float] | None = self.header.budget
@@ -91,6 +92,10 @@ class History:
     def _claim(self, rec: r.Claim) -> None:
         self.claim = rec
         self.stale = False
+        self.park = None
+
+    def _park(self, rec: r.Park) -> None:
+        self.park = rec
 
     def _stale(self, rec: r.Stale) -> None:
         self.stale = True
@@ -127,10 +132,11 @@ class History:
         return self.claim.epoch if self.claim else 0
 
     def parked(self) -> str | None:
-        """"waiting" or "sleeping" while a wait or sleep has no result yet, else None."""
-        if any(p not in self.done for p in self.waits):
+        """"waiting" while a wait has no result yet or the run parked in a join, "sleeping" while a sleep has
+        no result yet or the run parked in a retry backoff, else None."""
+        if any(p not in self.done for p in self.waits) or (self.park is not None and self.park.until is None):
             return "waiting"
-        if any(p not in self.done for p in self.wakes):
+        if any(p not in self.done for p in self.wakes) or self.park is not None:
             return "sleeping"
         return None
 
@@ -229,6 +235,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Budget: History._budget,
     r.Pause: History._pause,
     r.Resume: History._pause,
+    r.Park: History._park,
     r.Header: _ignore,
 }
 """How each record kind folds into a `History` (one entry per kind of `records.Record`)."""
@@ -380,11 +387,18 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         else:
             start = history.starts[path]
             step = StepState(path_tuple(path), start.label, "interrupted", start.attempt)
+        park = history.park
+        if park is not None and park.path == path and park.until is not None and step.status == "retrying":
+            step.output = {"retry_at": park.until}
         if path in history.stashes and step.status != "ok":
             step.stashed = load_value(history.stashes[path].value)
         comp = history.comps.get(path)
         if comp is not None:
             step.compensation = "ok" if comp.ok else "failed"
         state.steps.append(step)
+    park = history.park
+    if park is not None and park.until is None and park.path not in history.done:
+        state.steps.append(StepState(path_tuple(park.path), "ctx.join", "waiting", 1,
+                                     output={"children": list(park.children or ()), "count": park.count}))
     state.steps.sort(key=lambda s: s.path)
     return state

@@ -21,9 +21,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import CoroutineType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from . import graphs, records
+from . import graphs, queue, records
 from .advisories import AdvisoryTracker, RetryStormWindow, level_for
 from .branches import checked_branches, run_branches
 from .clock import Clock
@@ -63,6 +63,7 @@ NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceede
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
+PARK_LISTS = 100  # a join's park record names at most this many of the children it waits for (and counts all)
 YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 LOOP_COMPACT_BYTES = 64 * 1024
 
@@ -87,12 +88,13 @@ def timeout_hint(retry: Any) -> str:
 
 class Parked(BaseException):  # noqa: N818 - control flow, not an error
     """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait, or
-    its worker is stopping ("interrupted")."""
+    its worker is stopping ("interrupted"); `children`: the child runs it waits for in a join."""
 
-    def __init__(self, status: str, detail: str) -> None:
+    def __init__(self, status: str, detail: str, children: tuple[str, ...] = ()) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.children = children
 
 
 class Scope:
@@ -142,6 +144,10 @@ class EngineServices(Protocol):
                     rerun_failed: bool = False) -> asyncio.Future[Any]: ...
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+    def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None: ...
+
+    def queued_child(self, run_id: str) -> None: ...
 
 
 class LoopDone:
@@ -394,6 +400,8 @@ class RunKernel:
         self.stopping: Callable[[], bool] | None = None  # a worker's graceful stop: no new steps once it says so
         make = observing.get()
         self.observer: Observer | None = make(self) if make is not None else None
+        self.parks = False  # served by a worker: children are queued runs; joins and long backoffs park the run
+        self.attached: dict[str, None] = {}  # unjoined attached children while `parks` (the end waits for them)
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
@@ -599,7 +607,7 @@ class RunKernel:
         prior = self.history.fails.get(path)
         number = prior.attempt + 1 if prior else 1
         if prior is not None:
-            await self.nap(from_iso(prior.next))
+            await self.back_off(path, label, from_iso(prior.next))
         if opts.unsafe:
             started = self.history.starts.get(path)
             if started is not None and (prior is None or started.attempt > prior.attempt):
@@ -765,6 +773,15 @@ class RunKernel:
         self.write(records.Fail(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
                                 next=to_iso(wake), ts=time.time()))
         self.emit(path, label, "retrying", number, ms, exc)
+        await self.back_off(path, label, wake)
+
+    async def back_off(self, path: str, label: str, wake: datetime) -> None:
+        """Wait until a retry's `wake` time: in place, or (a backoff of `queue.PARK_BACKOFF` s or more left in a
+        run a worker serves, nothing else of it busy) by parking the run, due again at `wake`."""
+        if self.parks and (wake - self.clock.now()).total_seconds() >= queue.PARK_BACKOFF and self.can_park():
+            self.write(records.Park(path=path, until=to_iso(wake), ts=time.time()))
+            self.sync()
+            raise Parked("sleeping", f"retrying step {label!r} at {to_iso(wake)}")
         await self.nap(wake)
 
     # ---- control: cancel, pause and resume requests ---------------------------------------------
@@ -1009,10 +1026,15 @@ class RunKernel:
             self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
                                   ms=0, ts=time.time()))
             self.step_done()
-        outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
-        if not detached and not outcome.done():
-            self.children.add(outcome)
-            outcome.add_done_callback(self.children.discard)
+        if self.parks:
+            if not detached:
+                self.attached[run_id] = None
+            self.engine.queued_child(run_id)
+        else:
+            outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
+            if not detached and not outcome.done():
+                self.children.add(outcome)
+                outcome.add_done_callback(self.children.discard)
         return RunHandle(run_id, workflow)
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
@@ -1026,6 +1048,7 @@ class RunKernel:
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, "ctx.join")
+            self.attached.pop(handle.run_id, None)
             scope.pending += 1
             return self.replay(scope, path, rec, PLAIN)
         return self._join(path, handle)
@@ -1034,7 +1057,7 @@ class RunKernel:
         if self.observer is not None:
             self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
         try:
-            value = await self.wait_child(handle)
+            value = await self.wait_child(handle, path)
             wire = dump_value(value, "child result")
         except (Crash, asyncio.CancelledError):
             raise
@@ -1048,9 +1071,28 @@ class RunKernel:
         self.step_done()
         return load_value(wire)
 
-    async def wait_child(self, handle: RunHandle) -> Any:
+    def can_park(self) -> bool:
+        """True when parking the whole run now cuts nothing short: no step runs and no other strand is busy."""
+        return not self.running and not self.branches and not self.joining
+
+    def park_join(self, path: str, children: list[str]) -> NoReturn:
+        """Park the run until `children` end: record on what it waits, and leave its process (`Parked`)."""
+        self.write(records.Park(path=path, children=children[:PARK_LISTS], count=len(children), ts=time.time()))
+        self.sync()
+        raise Parked("waiting", f"waiting for {len(children)} child run{'s' if len(children) != 1 else ''}",
+                     tuple(children))
+
+    async def wait_child(self, handle: RunHandle, path: str) -> Any:
         """Wait for a child to end, giving back this run's engine slot meanwhile; a cancel or pause request
-        for this run is acted on while it waits (one inbox watcher for all of the run's joins)."""
+        for this run is acted on while it waits (one inbox watcher for all of the run's joins). A run a
+        worker serves parks instead while the child has not ended (when nothing else of it is busy)."""
+        if self.parks:
+            ended = self.engine.ended_child(handle.run_id, handle.workflow)
+            if ended is not None:
+                self.attached.pop(handle.run_id, None)
+                return ended.result()
+            if self.can_park():
+                self.park_join(path, [handle.run_id])
         child = self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying)
         await self.parked_on(child)
         return await asyncio.shield(child)
@@ -1090,6 +1132,18 @@ class RunKernel:
                 interrupted.set_exception(exc)
                 interrupted.exception()
 
+    async def wait_attached(self) -> None:
+        """Before a served run ends: its attached children still running end first (it parks until they do)."""
+        running = [c for c in self.attached if self.engine.ended_child(c, None) is None]
+        self.attached = {}
+        if running and self.can_park():
+            self.park_join("", running)
+        for child in running:
+            outcome = self.engine.start_child(child, None, rerun_failed=False)
+            if not outcome.done():
+                self.children.add(outcome)
+                outcome.add_done_callback(self.children.discard)
+
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order (join ``i`` at ``<path>.i.0``)."""
         handles = list(handles)
@@ -1104,20 +1158,31 @@ class RunKernel:
         """One waiter for all the children (no task, coroutine or context per child): each child's join is
         recorded as it ends, and nothing of it is kept but its result."""
         results: list[Any] = [None] * len(handles)
-        live = []
+        unended: list[tuple[int, str, RunHandle]] = []
         for i, handle in enumerate(handles):
             path = f"{prefix}.{i}.0"
             rec = self.done.get(path)
             if rec is not None:
                 self.check_label(path, rec, "ctx.join")
+                self.attached.pop(handle.run_id, None)
                 if self.on_step is not None:
                     self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
                 results[i] = Err(load_error(rec.error)) if isinstance(rec, records.Err) else Ok(load_value(rec.value))
                 continue
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
-            live.append((i, path, self.engine.start_child(handle.run_id, handle.workflow,
-                                                          rerun_failed=self.retrying)))
+            if self.parks:
+                outcome = self.engine.ended_child(handle.run_id, handle.workflow)
+                if outcome is not None:
+                    self.attached.pop(handle.run_id, None)
+                    results[i] = self._record_join(path, outcome)
+                    continue
+            unended.append((i, path, handle))
+        if self.parks and unended and self.can_park():
+            self.park_join(prefix, [handle.run_id for _, _, handle in unended])
+        live = [(i, path, self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying))
+                for i, path, handle in unended]
+        del unended
         if not live:
             return results
         all_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -1446,6 +1511,8 @@ class RunKernel:
                 result = await self.workflow(ctx, self.input)
             except Complete as done:
                 result = done.value
+            if self.attached and self.cancel_error is None:
+                await self.wait_attached()
             if self.children and self.cancel_error is None:
                 await self.parked_on(asyncio.gather(*list(self.children), return_exceptions=True))
             schema = self.workflow.output_schema

@@ -6,6 +6,10 @@ Every run has a queue entry in its storage from creation until the engine record
 - created (`run`, `enqueue`, a child): due at once, or after `delay`, with its `priority`;
 - parked on `ctx.sleep`: due at the wake time; on `ctx.wait_for`: due at the deadline (or only when woken),
   and woken at once by a signal with a name it waits for (`Storage.send` wakes it);
+- parked in a join (a run a worker serves waits in `ctx.join` / `ctx.join_all`, or at its end for attached
+  children): due only when the last child it waits for ends (`Storage.join_wait`; the child's
+  `Storage.unschedule` makes it due, atomically with leaving the queue itself);
+- parked in a retry backoff of at least `PARK_BACKOFF` seconds (a run a worker serves): due when it ends;
 - paused: due only when resumed; stopped by a worker's graceful stop, or claimed by a process that runs
   it in place: due at once (so it is taken over at once should that process die);
 - stale (its replay stopped with `StaleRunError`): due only when someone retries it;
@@ -25,6 +29,9 @@ from .errors import ValidationError
 from .history import History
 
 QUEUE_DOCS = "docs/running.md#the-queue"
+PARK_BACKOFF = 5.0
+"""A retry backoff at least this long parks a run a worker serves (due at the backoff's end, its process free
+meanwhile); a shorter one is waited out in place, as every backoff is in a run with no worker."""
 
 
 def check_priority(priority: Any) -> int:
@@ -46,7 +53,8 @@ def check_delay(delay: Any) -> float:
 def park_entry(history: History, status: str) -> tuple[float | None, tuple[str, ...]]:
     """When a run parked with `status` is next due, and which signal names wake it earlier.
 
-    Sleeps wake at their earliest open wake time; waits at their earliest deadline (None: only a signal);
+    Sleeps wake at their earliest open wake time, a parked retry backoff at its end; waits at their earliest
+    deadline (None: only a signal);
     a paused or stale run only when an operation moves it; a run stopped by its worker at once."""
     if status in ("paused", "stale"):
         return None, ()
@@ -54,6 +62,8 @@ def park_entry(history: History, status: str) -> tuple[float | None, tuple[str, 
         return time.time(), ()
     times: list[float] = []
     names: list[str] = []
+    if history.park is not None and history.park.until is not None:
+        times.append(from_iso(history.park.until).timestamp())
     for path, wake in history.wakes.items():
         if path not in history.done:
             times.append(from_iso(wake["at"]).timestamp())

@@ -32,6 +32,7 @@ __all__ = [
     "Header",
     "Note",
     "Ok",
+    "Park",
     "Patch",
     "Pause",
     "Record",
@@ -240,6 +241,18 @@ class Wait(_Base, tag="wait", omit_defaults=False):
     ts: float | None = None
 
 
+class Park(_Base, tag="park"):
+    """The run parked holding no process (a worker served it): in the join at `path` until its child runs
+    end (`count` of them, the first ids in `children`), or in the retry backoff of the step at `path` until
+    `until` (ISO 8601). The next claim of the run ends the park."""
+
+    path: str = msgspec.field(name="p")
+    children: list[str] | None = None
+    count: int | None = None
+    until: str | None = None
+    ts: float | None = None
+
+
 class Graph(_Base, tag="graph"):
     """A `ctx.graph` definition: task id -> its workflow name and prerequisites, in definition order."""
 
@@ -303,7 +316,7 @@ class Note(_Base, tag="note"):
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Stale, End,
-    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Advice, Note,
+    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Advice, Note, Park,
 ]
 """Any record of a run's log."""
 

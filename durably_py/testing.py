@@ -265,6 +265,12 @@ class _ReplayServices:
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self._engine.parked_in_join()
 
+    def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None:
+        return None  # a replay never parks: it is not served by a worker
+
+    def queued_child(self, run_id: str) -> None:
+        return None
+
 
 def _without_holds(typed: list[records.Record]) -> list[records.Record]:
     """The records replay reads: pause/resume requests only hold a live run, and a replay never holds."""

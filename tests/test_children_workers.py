@@ -2,6 +2,7 @@
 fan-out wider than the concurrency complete through the shared queue."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from durably_py import FileStorage, create_engine
+from durably_py import FileStorage, create_engine, records
 
 JOBS = '''
 import os
@@ -116,3 +117,44 @@ def test_nested_fan_out_wider_than_the_concurrency_completes_on_workers(tmp_path
     leaves = [(label, pid) for label, pid in marks(tmp_path) if label.startswith("leaf:")]
     assert sorted(label for label, _ in leaves) == sorted(f"leaf:{n}.{i}" for n in range(5) for i in range(3))
     assert len({pid for _, pid in leaves}) > 1, "children ran on one worker only"
+
+
+def test_one_worker_of_concurrency_one_completes_nested_fan_out_with_parents_parked_and_killed(tmp_path: Path) -> None:
+    """Depth 3, width 3 on one `durably worker -c 1`: every parent leaves its only slot while it waits in
+    `join_all` (seen parked, held by no process), and a SIGKILL while it is parked loses nothing."""
+    (tmp_path / "jobs.py").write_text(JOBS)
+    env = {**os.environ, "JOBS_MARKS": str(tmp_path / "marks.txt")}
+    out = subprocess.run([sys.executable, "-m", "durably_py.cli", "enqueue", str(tmp_path / "jobs.py"),
+                          "--workflow", "top", "--input", "3", "--dir", str(tmp_path / "state"), "--json"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    run_id = json.loads(out.stdout)["run_id"]
+    engine = create_engine(FileStorage(tmp_path / "state"))
+    [proc] = workers(tmp_path, n=1, concurrency=1)
+    killed = 0
+    parked_seen: set[str] = set()
+    deadline = time.monotonic() + 90
+    state = None
+    while time.monotonic() < deadline:
+        runs = asyncio.run(engine.list())
+        for r in runs:
+            if r.workflow in ("top", "middle") and r.status == "waiting" and not engine.storage.held(r.run_id):
+                parked_seen.add(r.workflow)
+        if killed < 2 and "top" in parked_seen and any(r.workflow == "leaf" and r.status != "completed" for r in runs):
+            proc.send_signal(signal.SIGKILL)  # the top run is parked: the kill hits the children's worker
+            proc.wait()
+            killed += 1
+            [proc] = workers(tmp_path, n=1, concurrency=1)
+        state = asyncio.run(engine.inspect(run_id))
+        if state.status in ("completed", "failed"):
+            break
+        time.sleep(0.05)
+    assert stop([proc]) == [0]
+    assert state is not None and state.status == "completed", state
+    assert state.result == [[f"leaf:{n}.{i}" for i in range(3)] for n in range(3)]
+    assert parked_seen == {"top", "middle"} and killed >= 1
+    top_parks = [r for r in records.load(engine.storage.read(run_id).records, run_id) if isinstance(r, records.Park)]
+    assert top_parks, "the top run never parked in its join"
+    leaves = sorted({label for label, _ in marks(tmp_path) if label.startswith("leaf:")})
+    assert leaves == sorted(f"leaf:{n}.{i}" for n in range(3) for i in range(3))
+    assert engine.storage.due(10) == []

@@ -977,6 +977,73 @@ def test_claim_due_from_two_adapters_at_once_shares_no_run(store, tmp_path, requ
     assert not set(got[0]) & set(got[1])
 
 
+def test_a_run_parked_in_a_join_is_due_once_its_last_child_leaves_the_queue(store) -> None:
+    store.create("p", header("p"))
+    for i in range(3):
+        store.create(f"c{i}", header(f"c{i}", parent="p"))
+    store.unschedule("c2")  # it ended before the parent parked: nothing to wait for
+    assert store.join_wait("p", ("c0", "c1", "c2")) is False
+    assert store.entry("p").at is None and store.due(10) == ["c0", "c1"]
+    store.unschedule("c0")
+    assert store.entry("p").at is None
+    store.unschedule("c0")  # ending twice (a crash redone) changes nothing
+    assert store.entry("p").at is None
+    store.unschedule("c1")
+    assert store.entry("p").at <= time.time() and store.due(10) == ["p"]
+    assert store.join_wait("p", ("c0", "c1")) is True  # every child ended: due at once
+    assert store.due(10) == ["p"]
+    with pytest.raises(RunNotFoundError):
+        store.join_wait("nope", ())
+
+
+def test_a_join_wait_is_dropped_when_the_run_parks_on_something_else_or_ends(store) -> None:
+    store.create("p", header("p"))
+    store.create("c", header("c", parent="p"))
+    store.create("d", header("d", parent="p"))
+    assert store.join_wait("p", ("c",)) is False
+    store.schedule("p", time.time() + 3600)  # resumed, then parked on a sleep
+    store.unschedule("c")
+    assert store.entry("p").at > time.time() + 3000
+    assert store.join_wait("p", ("d",)) is False
+    store.unschedule("p")  # the parent ended (cancelled): its child's end wakes nothing
+    store.unschedule("d")
+    assert store.entry("p") is None and store.due(10) == []
+
+
+def test_children_ending_at_once_on_two_adapters_wake_their_parent_once_the_last_ended(store, tmp_path,
+                                                                                       request) -> None:
+    if isinstance(store, MemoryStorage):
+        other = store
+    else:
+        kind = "file" if isinstance(store, FileStorage) else "sqlite" if isinstance(store, SqliteStorage) else "postgres"
+        other = make(kind, tmp_path, request)
+    for round in range(3):
+        parent = f"p{round}"
+        store.create(parent, header(parent))
+        children = [f"{parent}c{i}" for i in range(16)]
+        for child in children:
+            store.create(child, header(child, parent=parent))
+        parked = threading.Event()
+
+        def end(adapter: Any, mine: list[str], parked: threading.Event = parked) -> None:
+            if adapter is other:
+                parked.wait()
+            for child in mine:
+                adapter.unschedule(child)
+
+        # half the children end while the parent parks on the other adapter, half after
+        threads = [threading.Thread(target=end, args=(store, children[:8])),
+                   threading.Thread(target=end, args=(other, children[8:]))]
+        for t in threads:
+            t.start()
+        other.join_wait(parent, tuple(children))
+        parked.set()
+        for t in threads:
+            t.join()
+        assert store.due(10) == [parent], round
+        store.unschedule(parent)
+
+
 def test_a_state_dir_from_before_the_queue_queues_its_unended_runs(tmp_path: Path) -> None:
     import shutil
 

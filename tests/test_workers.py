@@ -1,5 +1,7 @@
 """Real `durably worker` processes sharing one queue: SIGKILLed every few seconds and replaced, they finish
-every run exactly once with the right result, and no step whose completion was recorded runs again.
+every run exactly once with the right result, and no step whose completion was recorded runs again. The mix
+has parents that park in `join_all` while their children run on any worker, and steps whose retry backoff
+parks the run; workers are also killed while such runs are parked.
 
 Each step appends `key token` to an effects file before it returns `token`; the recorded token of every
 step must be the last effect line for its key (a step cut off before it was recorded may run again; a
@@ -18,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from durably_py import FileStorage, create_engine
@@ -25,7 +28,7 @@ from durably_py.workflow import REGISTRY, load_script
 
 JOBS = '''
 import os, secrets, time
-from durably_py import workflow
+from durably_py import Retry, attempt, workflow
 
 EFFECTS = os.environ["JOBS_EFFECTS"]
 
@@ -55,6 +58,33 @@ async def soak_napper(ctx, n):
     return {"n": n, "kind": "napper", "tokens": [first, second]}
 
 
+def flaky_effect(key):
+    token = effect(key)
+    if attempt().number == 1:
+        raise ConnectionError(f"{key}: the first attempt fails")
+    return token
+
+
+@workflow
+async def soak_kid(ctx, key):
+    token = await ctx.step(effect, key)
+    await ctx.sleep(0.4)  # its parent is parked in its join meanwhile
+    return token
+
+
+@workflow
+async def soak_parent(ctx, n):
+    first = await ctx.step(effect, f"parent{n}.0")
+    kids = await ctx.join_all(await ctx.spawn_all([(soak_kid, f"parent{n}.kid{i}") for i in range(2)]))
+    return {"n": n, "kind": "parent", "tokens": [first], "kids": [k.value for k in kids]}
+
+
+@workflow
+async def soak_flaky(ctx, n):
+    first = await ctx.step(flaky_effect, f"flaky{n}.0", retry=Retry(2, backoff="linear", base=5.5))
+    return {"n": n, "kind": "flaky", "tokens": [first]}
+
+
 @workflow
 async def soak_asker(ctx, n):
     first = await ctx.step(effect, f"asker{n}.0")
@@ -63,7 +93,7 @@ async def soak_asker(ctx, n):
     return {"n": n, "kind": "asker", "answer": answer, "tokens": [first, second]}
 '''
 
-KINDS = ("chain", "napper", "asker")  # workflows soak_<kind>, named apart from other test modules' ones
+KINDS = ("chain", "napper", "asker", "parent", "flaky")  # workflows soak_<kind>, apart from other modules' ones
 
 
 def _cli(*args: str, env: dict[str, str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -80,6 +110,7 @@ class Fleet:
         self.env = env
         self.procs: list[subprocess.Popen[bytes]] = []
         self.killed = 0
+        self.killed_parked = 0
         self.last_start = 0.0
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -131,14 +162,14 @@ def _setup(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
 
 def _enqueue_all(engine: Any, jobs: Path, env: dict[str, str], count: int) -> dict[int, str]:
     os.environ["JOBS_EFFECTS"] = env["JOBS_EFFECTS"]
-    for name in KINDS:
+    for name in (*KINDS, "kid"):
         REGISTRY.pop(f"soak_{name}", None)
     load_script(jobs)
 
     async def main() -> dict[int, str]:
         ids = {}
         for n in range(count):
-            handle = await engine.enqueue(REGISTRY[f"soak_{KINDS[n % 3]}"], n, priority=n % 2)
+            handle = await engine.enqueue(REGISTRY[f"soak_{KINDS[n % len(KINDS)]}"], n, priority=n % 2)
             ids[n] = handle.run_id
         return ids
 
@@ -147,16 +178,24 @@ def _enqueue_all(engine: Any, jobs: Path, env: dict[str, str], count: int) -> di
 
 def _soak(engine: Any, fleet: Fleet, ids: dict[int, str], env: dict[str, str], storage_args: list[str],
           deadline: float, kill_every: float, cli_signals: int, milestones: int = 4) -> None:
-    """Keep 3 workers up, kill one every `kill_every` s and one as progress passes each of `milestones` evenly
-    spaced fractions (so a fast machine still sees that many kills), signal waiting askers, until every run ended."""
+    """Keep 3 workers up, kill one every `kill_every` s, one as progress passes each of `milestones` evenly
+    spaced fractions (so a fast machine still sees that many kills) and one the first time a parent is seen
+    parked in its join and a flaky run in its backoff; signal waiting askers, until every run ended."""
     for _ in range(3):
         fleet.start()
     signalled: set[str] = set()
     next_kill = time.monotonic() + kill_every
     sent_by_cli = 0
     marks = [(i + 0.5) / (milestones + 1) for i in range(milestones)]
+    parked_kinds = {"parent": "waiting", "flaky": "sleeping"}
     while time.monotonic() < deadline:
         states = {s.run_id: s.status for s in asyncio.run(engine.list())}
+        for kind, status in list(parked_kinds.items()):
+            if any(KINDS[n % len(KINDS)] == kind and states.get(r) == status for n, r in ids.items()):
+                del parked_kinds[kind]
+                fleet.kill_one()
+                fleet.start()
+                fleet.killed_parked += 1
         done = sum(states.get(r) == "completed" for r in ids.values())
         while marks and done >= marks[0] * len(ids):
             marks.pop(0)
@@ -165,7 +204,7 @@ def _soak(engine: Any, fleet: Fleet, ids: dict[int, str], env: dict[str, str], s
         if done == len(ids):
             return
         for n, run_id in ids.items():
-            if n % 3 == 2 and run_id not in signalled and states.get(run_id) == "waiting":
+            if KINDS[n % len(KINDS)] == "asker" and run_id not in signalled and states.get(run_id) == "waiting":
                 if sent_by_cli < cli_signals:
                     done = _cli("signal", *storage_args, run_id, "go", f'"yes-{n}"', env=env)
                     assert done.returncode == 0, done.stderr
@@ -195,16 +234,40 @@ def _verify(engine: Any, ids: dict[int, str], effects: Path) -> None:
         state = asyncio.run(engine.inspect(run_id))
         assert state.status == "completed", (run_id, state.status)
         result = state.result
-        kind = KINDS[n % 3]
+        kind = KINDS[n % len(KINDS)]
         assert result["n"] == n and result["kind"] == kind
         if kind == "asker":
             assert result["answer"] == f"yes-{n}"
         keys = [f"{kind}{n}.{i}" for i in range(len(result["tokens"]))]
-        for key, token in zip(keys, result["tokens"], strict=True):
+        tokens = list(result["tokens"])
+        if kind == "parent":
+            keys += [f"parent{n}.kid{i}" for i in range(2)]
+            tokens += result["kids"]
+            assert len(state.children) == 2
+            # parked in its join at least once (a worker may find both children ended when it gets there)
+            assert any(r.get("t") == "park" for r in engine.storage.read(run_id).records) or \
+                max(asyncio.run(engine.inspect(c)).updated_at for c in state.children) <= state.updated_at
+        for key, token in zip(keys, tokens, strict=True):
             assert last[key] == token, f"step {key} ran again after it was recorded ({seen[key]} runs)"
-        ends = [s for s in state.steps if s.label == "effect"]
-        assert len(ends) == len(keys)
+        ends = [s for s in state.steps if s.label in ("effect", "flaky_effect")]
+        assert len(ends) == len(result["tokens"])
+        if kind == "flaky":
+            _check_parked_backoff(engine, run_id)
     assert engine.storage.due(10) == []
+
+
+def _check_parked_backoff(engine: Any, run_id: str) -> None:
+    """The flaky step failed once, parked for its backoff, and its second attempt began at the backoff's end,
+    not earlier, with the failed attempt recorded once whatever was killed meanwhile."""
+    from durably_py.codec import from_iso
+
+    plain = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in engine.storage.read(run_id).records]
+    fails = [r for r in plain if r.get("t") == "fail"]
+    [ok] = [r for r in plain if r.get("t") == "ok" and r.get("l") == "flaky_effect"]
+    assert [f["a"] for f in fails] == [1] and ok["a"] == 2
+    assert any(r.get("t") == "park" and r.get("until") == fails[0]["next"] for r in plain)
+    began = ok["ts"] - ok["ms"] / 1000
+    assert began >= from_iso(fails[0]["next"]).timestamp() - 0.05, "the next attempt ran before its backoff ended"
 
 
 def test_three_workers_on_one_dir_survive_sigkills(tmp_path: Path) -> None:
@@ -218,7 +281,7 @@ def test_three_workers_on_one_dir_survive_sigkills(tmp_path: Path) -> None:
     finally:
         codes = fleet.stop_all()
     _verify(engine, ids, effects)
-    assert fleet.killed >= 4
+    assert fleet.killed >= 4 and fleet.killed_parked == 2
     assert codes == [0, 0, 0]  # SIGTERM stops a worker gracefully
 
 

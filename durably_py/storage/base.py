@@ -10,9 +10,9 @@ the last record, and whether an appended line is an end, reopen or reset record 
 Signals (`send`/`inbox`/`ack`) live in a per-run inbox beside the log, not in it: any process may send
 one while another holds the lease, or while no process runs the run at all.
 
-The queue (`create`, `schedule`, `unschedule`, `wake`, `due`, `claim_due`, `entry`) is an index beside the
-logs: one entry per run that has not ended, saying when it is next due, its priority, and which signals
-make it due early. Every run enters the queue when it is created and leaves it when the engine records its
+The queue (`create`, `schedule`, `join_wait`, `unschedule`, `wake`, `due`, `claim_due`, `entry`) is an index
+beside the logs: one entry per run that has not ended, saying when it is next due, its priority, which signals
+make it due early, and which of its child runs it waits for in a join (the last of them to end makes it due). Every run enters the queue when it is created and leaves it when the engine records its
 end, so "the next due runs" is answered from the entries of unfinished runs alone, however many ended runs
 the store keeps. A run whose entry is due and that no live owner holds is due: pending work, a sleep or
 wait whose time came, a woken wait, or an orphan whose process died or whose lease lapsed.
@@ -467,8 +467,16 @@ class Storage(Protocol):
         named in `wait`; `priority` None keeps the entry's priority (0 for a new one). `RunNotFoundError` if
         the run is unknown."""
 
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """Park a run until its child runs `children` end, in one atomic step: its entry becomes due only when
+        woken (as `schedule(run_id, None)` does), and it waits for those of `children` still in the queue; a
+        child out of the queue has ended. When none is left to wait for, the run is due now (True).
+        `RunNotFoundError` if the run is unknown."""
+
     def unschedule(self, run_id: str) -> None:
-        """Take the run out of the queue (it ended); a no-op when it is not queued."""
+        """Take the run out of the queue (it ended); a no-op when it is not queued. In the same atomic step the
+        run stops counting for its parent's `join_wait` (its header's ``parent``): the parent is due at once
+        when it was the last child it waited for. `schedule` of a run drops what it waited for in a join."""
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make a queued run due now if it waits for signal `name` (None: whatever it waits for, or for

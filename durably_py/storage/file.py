@@ -16,6 +16,9 @@ Layout under ``dir``::
     catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
                           last activity per run; `fileindex.py`): written at create, queue changes and delete,
                           never per step, and repaired from the logs whenever it is missing or behind them
+    joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
+                          the child's end removes its file (under the queue flock) and the last one makes the
+                          run due, before the child's own queue entry goes, so a crash in between is redone
 
 Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
 non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
@@ -213,6 +216,7 @@ class FileStorage:
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
         self.queue_dir = self.dir / "queue"
+        self.joins_dir = self.dir / "joins"
         self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
@@ -874,12 +878,67 @@ class FileStorage:
             keep = old.priority if old is not None else 0
             created = old.created if old is not None else time.time()
             self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
+            self._drop_joins(run_id)
         self._indexed(lambda catalog: catalog.refresh(run_id))
 
-    def unschedule(self, run_id: str) -> None:
-        """Delete the run's queue entry (a no-op when there is none)."""
-        path = self._entry_path(validate_run_id(run_id))
+    def _drop_joins(self, run_id: str) -> None:
+        """Forget the children a run waited for in a join (call with the queue lock held)."""
+        folder = self.joins_dir / run_id
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return
+        for name in names:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """One file per child still queued under joins/<run_id>/, then the run's entry due only when woken (or
+        now, when no child is queued); all under the queue flock."""
+        log = self._log(run_id)
+        for child in children:
+            validate_run_id(child)
+        if not log.exists():
+            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         with self._queue_lock():
+            self._drop_joins(run_id)
+            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
+            if queued:
+                folder = self.joins_dir / run_id
+                folder.mkdir(parents=True, exist_ok=True)
+                for child in queued:
+                    (folder / child).touch()
+            old = self._read_entry(run_id)
+            now = time.time()
+            self._write_entry(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
+                                         old.created if old else now))
+            return not queued
+
+    def unschedule(self, run_id: str) -> None:
+        """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
+        join, remove its file there and make the parent due if it was the last."""
+        path = self._entry_path(validate_run_id(run_id))
+        parent = None
+        try:
+            with open(self._log(run_id), "rb") as f:
+                parent = (decode_record(f.readline()) or {}).get("parent")
+        except FileNotFoundError:
+            pass
+        with self._queue_lock():
+            if isinstance(parent, str) and _is_run_id(parent):
+                folder = self.joins_dir / parent
+                (folder / run_id).unlink(missing_ok=True)
+                try:
+                    last = not any(True for _ in os.scandir(folder))
+                except FileNotFoundError:
+                    last = False
+                if last:  # also when a crash came between the last file's removal and the parent's wake-up
+                    old = self._read_entry(parent)
+                    now = time.time()
+                    if old is not None and (old.at is None or old.at > now):
+                        self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
+                    folder.rmdir()
+            self._drop_joins(run_id)
             path.unlink(missing_ok=True)
         self._indexed(lambda catalog: catalog.refresh(run_id))
 

@@ -71,6 +71,8 @@ class MemoryStorage:
         self.fsyncs = 0
         self._runs: dict[str, _Run] = {}
         self._queue: dict[str, QueueEntry] = {}
+        self._joins: dict[str, set[str]] = {}  # a run parked in a join -> the children it still waits for
+        self._joined: dict[str, str] = {}  # a child -> the run waiting for it in a join
         self._index: dict[str, str] = {}
         self._lock = threading.Lock()
         self._order = itertools.count()
@@ -331,12 +333,49 @@ class MemoryStorage:
             keep = old.priority if old is not None else 0
             created = old.created if old is not None else time.time()
             self._queue[run_id] = QueueEntry(run_id, at, keep if priority is None else priority, wait, created)
+            self._drop_joins(run_id)
+
+    def _drop_joins(self, run_id: str) -> None:
+        for child in self._joins.pop(run_id, ()):
+            if self._joined.get(child) == run_id:
+                del self._joined[child]
+
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """Park the run until the children still queued end; due now when none is."""
+        validate_run_id(run_id)
+        for child in children:
+            validate_run_id(child)
+        with self._lock:
+            self._get(run_id)
+            old = self._queue.get(run_id)
+            self._drop_joins(run_id)
+            waiting = {c for c in children if c in self._queue}
+            now = time.time()
+            self._queue[run_id] = QueueEntry(run_id, None if waiting else now, old.priority if old else 0, (),
+                                             old.created if old else now)
+            if waiting:
+                self._joins[run_id] = waiting
+                for child in waiting:
+                    self._joined[child] = run_id
+            return not waiting
 
     def unschedule(self, run_id: str) -> None:
-        """Drop the run's queue entry."""
+        """Drop the run's queue entry; a parent whose last awaited child this was is due now."""
         validate_run_id(run_id)
         with self._lock:
             self._queue.pop(run_id, None)
+            self._drop_joins(run_id)
+            parent = self._joined.pop(run_id, None)
+            waiting = self._joins.get(parent) if parent is not None else None
+            if parent is not None and waiting is not None:
+                waiting.discard(run_id)
+                entry = self._queue.get(parent)
+                if not waiting:
+                    del self._joins[parent]
+                    now = time.time()
+                    if entry is not None and (entry.at is None or entry.at > now):
+                        self._queue[parent] = QueueEntry(parent, now, entry.priority, entry.wait,
+                                                         entry.created)
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""

@@ -102,6 +102,12 @@ CREATE TABLE IF NOT EXISTS {s}.queue (
     wait TEXT[] NOT NULL DEFAULT '{{}}'
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON {s}.queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE TABLE IF NOT EXISTS {s}.joins (
+    parent TEXT NOT NULL,
+    child TEXT NOT NULL,
+    PRIMARY KEY (parent, child)
+);
+CREATE INDEX IF NOT EXISTS joins_by_child ON {s}.joins (child);
 """
 
 
@@ -190,8 +196,8 @@ class PostgresStorage:
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
         s = f'"{schema}"'
-        self._runs, self._records, self._identities, self._signals, self._queue = (
-            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue"
+        self._runs, self._records, self._identities, self._signals, self._queue, self._joins = (
+            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins"
         )
 
     def __repr__(self) -> str:
@@ -207,20 +213,37 @@ class PostgresStorage:
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")
-                exists = conn.execute("SELECT to_regclass(%s)", (self._queue,)).fetchone()
-                if exists is None or exists[0] is None:
+                if not self._exists(conn, self._joins):  # the newest table: anything older is upgraded here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
+                        before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
                         conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
                         for statement in _TABLES.format(s=f'"{self.schema}"').split(";"):
                             if statement.strip():
                                 conn.execute(statement)
+                        if before_queue:
+                            self._queue_unended(conn)
                 _ensure_catalog(conn, self.schema)
             except BaseException:
                 conn.close()
                 raise
             self._conn = conn
         return self._conn
+
+    @staticmethod
+    def _exists(conn: psycopg.Connection[Any], table: str) -> bool:
+        found = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+        return found is not None and found[0] is not None
+
+    def _queue_unended(self, conn: psycopg.Connection[Any]) -> None:
+        """A schema from before the queue: every run that has not ended enters it, due now, so a worker takes
+        its interrupted, sleeping and waiting runs over."""
+        rows = conn.execute(f"SELECT run_id, last, extract(epoch FROM created)::float8,"
+                            f" extract(epoch FROM updated)::float8 FROM {self._runs}").fetchall()
+        for run_id, last, created, updated in rows:
+            if (decode_record(bytes(last)) or {}).get("t") != "end":
+                conn.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created) VALUES (%s, %s, 0, %s)"
+                             " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
     @contextmanager
     def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
@@ -575,18 +598,56 @@ class PostgresStorage:
         if priority is not None:
             validate_priority(priority)
         if self._write(
-            f"INSERT INTO {self._queue} (run_id, due, priority, created, wait)"
+            f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
+            f" INSERT INTO {self._queue} (run_id, due, priority, created, wait)"
             f" SELECT run_id, %s, coalesce(%s, 0), %s, %s FROM {self._runs} WHERE run_id = %s"
             " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait,"
             f" priority = coalesce(%s, {self._queue}.priority)",
-            (at, priority, time.time(), names, run_id, priority),
+            (run_id, at, priority, time.time(), names, run_id, priority),
         ) == 0:
             raise self._missing(run_id)
 
-    def unschedule(self, run_id: str) -> None:
-        """Delete the run's queue row."""
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
         validate_run_id(run_id)
-        self._write(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
+        for child in children:
+            validate_run_id(child)
+        now = time.time()
+        with self._cursor(transaction=True) as cur:
+            cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
+            if cur.fetchone() is None:
+                raise self._missing(run_id)
+            cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
+            # the children's rows are share-locked: a child ending now either ends first (its row is gone) or
+            # waits for this transaction and then finds the joins rows it must drop
+            cur.execute(f"SELECT run_id FROM {self._queue} WHERE run_id = ANY(%s) ORDER BY run_id FOR SHARE",
+                        (sorted(set(children)),))
+            queued = [row[0] for row in cur.fetchall()]
+            if queued:
+                cur.executemany(f"INSERT INTO {self._joins} (parent, child) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                                [(run_id, child) for child in queued])
+            waiting = bool(queued)
+            due = None if waiting else now
+            cur.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created, wait) VALUES (%s, %s, 0, %s, '{{}}')"
+                        " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait",
+                        (run_id, due, now))
+        return not waiting
+
+    def unschedule(self, run_id: str) -> None:
+        """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
+        validate_run_id(run_id)
+        now = time.time()
+        with self._cursor(transaction=True) as cur:
+            cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
+            cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
+            cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
+            for (parent,) in cur.fetchall():
+                # children ending at once queue on the parent's row, so the last one sees the others' deletes
+                cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
+                cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
+                if cur.fetchone() is None:
+                    cur.execute(f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)",
+                                (now, parent, now))
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""

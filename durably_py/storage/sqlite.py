@@ -60,7 +60,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
-SCHEMA_VERSION = 3  # 2 added signals, 3 the queue; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 4  # 2 added signals, 3 the queue, 4 joins; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -99,6 +99,12 @@ CREATE TABLE IF NOT EXISTS queue (
     wait TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE TABLE IF NOT EXISTS joins (
+    parent TEXT NOT NULL,
+    child TEXT NOT NULL,
+    PRIMARY KEY (parent, child)
+);
+CREATE INDEX IF NOT EXISTS joins_by_child ON joins (child);
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 
@@ -440,12 +446,38 @@ class SqliteStorage:
             if cur.rowcount == 0:
                 db.execute("INSERT INTO queue (run_id, due, priority, created, wait) VALUES (?, ?, ?, ?, ?)",
                            (run_id, at, priority or 0, time.time(), names))
+            db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
+        validate_run_id(run_id)
+        for child in children:
+            validate_run_id(child)
+        with self._lock, _transaction(self._db()) as db:
+            self._require(db, run_id)
+            db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+            db.executemany("INSERT OR IGNORE INTO joins (parent, child) SELECT ?, run_id FROM queue WHERE run_id = ?",
+                           [(run_id, child) for child in children])
+            waiting = db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (run_id,)).fetchone() is not None
+            due = None if waiting else time.time()
+            cur = db.execute("UPDATE queue SET due = ?, wait = '[]' WHERE run_id = ?", (due, run_id))
+            if cur.rowcount == 0:
+                db.execute("INSERT INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
+                           (run_id, due, time.time()))
+            return not waiting
 
     def unschedule(self, run_id: str) -> None:
-        """Delete the run's queue row."""
+        """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
             db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
+            db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+            parents = [row[0] for row in db.execute("DELETE FROM joins WHERE child = ? RETURNING parent", (run_id,))]
+            now = time.time()
+            for parent in parents:
+                if db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (parent,)).fetchone() is None:
+                    db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)",
+                               (now, parent, now))
 
     def _wake(self, db: sqlite3.Connection, run_id: str, name: str | None) -> bool:
         row = db.execute("SELECT due, wait FROM queue WHERE run_id = ?", (run_id,)).fetchone()
