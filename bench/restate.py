@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--throughput", action="store_true",
-                        help="Also measure runs/s with concurrent clients (hangs on Restate today: under study).")
+                        help="Also measure runs/s with 4 concurrent clients.")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -135,7 +135,11 @@ def main() -> None:
             except OSError:
                 time.sleep(0.05)
         post(f"{env.admin}/deployments", {"uri": f"http://127.0.0.1:{port}", "force": True})
+        import os
+
+        before = os.getloadavg()[0]
         results = measure(env.ingress, args.rounds, args.throughput)
+        load = (before, os.getloadavg()[0])
     finally:
         child.terminate()
         try:
@@ -145,7 +149,7 @@ def main() -> None:
             child.kill()
             child.wait()
         env.close()
-    report(results, args.rounds)
+    report(results, args.rounds, load)
 
 
 def measure(ingress: str, rounds: int, throughput: bool) -> dict[str, list[float]]:
@@ -201,9 +205,12 @@ def measure(ingress: str, rounds: int, throughput: bool) -> dict[str, list[float
     return out
 
 
-def report(results: dict[str, list[float]], rounds: int) -> None:
+def report(results: dict[str, list[float]], rounds: int, load: tuple[float, float]) -> None:
+    import os
+
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"medians of {rounds} rounds; 100 sequential steps per run, fan-out of 100 plain steps")
+    print(f"medians of {rounds} rounds; 100 sequential steps per run, fan-out of 100 plain steps; "
+          f"{os.cpu_count()} cores, load average {load[0]:.1f} before and {load[1]:.1f} after")
     print(f"{'measure':<40}{'median':>10}")
     for name, value in med.items():
         print(f"{name:<40}{value:>10.3f}")
@@ -212,6 +219,8 @@ def report(results: dict[str, list[float]], rounds: int) -> None:
     print(f"restate / files, sequential async steps:             {med['restate seq ms/step'] / med['files seq ms/step']:.1f}x")
     print(f"restate / files, sequential def steps:               {med['restate seq def ms/step'] / med['files seq def ms/step']:.1f}x")
     print(f"restate / files, fan-out of 100:                     {med['restate fan-out 100 ms'] / med['files fan-out 100 ms']:.1f}x")
+    print(f"restate / files, 10 branches x 3 steps:              "
+          f"{med['restate 10x3 branches ms'] / med['files 10x3 branches ms']:.1f}x")
     if "restate runs/s (seq 20, 4 clients)" in med:
         print(f"files / restate, runs per second:                    "
               f"{med['files runs/s (seq 20, concurrency 4)'] / med['restate runs/s (seq 20, 4 clients)']:.1f}x")

@@ -63,14 +63,15 @@ class Service:
                 "--restate-admin", self.admin]
         for target in self.imports:
             args += ["--import", target]
+        offset = self.log.stat().st_size if self.log.exists() else 0  # a restart waits for its own line
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the service exited: {self.log.read_text()[-2000:]}")
-            if "serving " in self.log.read_text():
+            if b"serving " in self.log.read_bytes()[offset:]:
                 return
             time.sleep(0.05)
         raise RuntimeError("the service did not start")

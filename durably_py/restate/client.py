@@ -75,11 +75,19 @@ class RestateClient:
                                        "(DURABLY_RESTATE/DURABLY_RESTATE_ADMIN).", docs=DOCS) from None
 
     def sql(self, query: str) -> list[dict[str, Any]]:
-        """Rows of a query over Restate's introspection tables (sys_invocation, sys_journal, ...)."""
-        status, answer = self._call("POST", f"{self.admin}/query", encode({"query": query}))
-        if status != 200:
-            raise ValidationError(f"Restate admin query failed: HTTP {status} {answer}", docs=DOCS)
-        return list(answer.get("rows", []))
+        """Rows of a query over Restate's introspection tables (sys_invocation, sys_journal, ...).
+
+        A query spans every partition; while a cluster node is down the admin API answers HTTP 5xx until the
+        node's partitions have new leaders (seconds), so those answers are retried for up to `timeout`."""
+        deadline, pause = time.monotonic() + self.timeout, 0.05
+        while True:
+            status, answer = self._call("POST", f"{self.admin}/query", encode({"query": query}))
+            if status == 200:
+                return list(answer.get("rows", []))
+            if status < 500 or time.monotonic() + pause > deadline:
+                raise ValidationError(f"Restate admin query failed: HTTP {status} {answer}", docs=DOCS)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     @staticmethod
     def _quote(text: str) -> str:
