@@ -68,7 +68,7 @@ def flaky_effect(key):
 @workflow
 async def soak_kid(ctx, key):
     token = await ctx.step(effect, key)
-    await ctx.sleep(0.4)  # its parent is parked in its join meanwhile
+    await ctx.sleep(1.0)  # its parent is parked in its join meanwhile
     return token
 
 
