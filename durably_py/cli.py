@@ -1020,6 +1020,8 @@ def list_runs(
         for s in states:
             if s.status == "corrupt":
                 console.print(Text(f"{s.run_id}: {'; '.join(s.warnings)}", "red"))
+            elif s.stale:
+                console.print(Text(f"{s.run_id}: stale {stale_text(s.stale)}", "red"))
         if more:
             console.print(Text(f"{more} more (--offset {offset + len(states)} shows the next page, --limit N "
                                "more at once)", "bright_black"))
@@ -1143,7 +1145,22 @@ def _next_move(state: RunState) -> str | None:
         return f"durably retry {run_id} resumes it{after}"
     if state.status == "failed":
         return f"durably retry {run_id} resumes it at the failed step"
+    if state.status == "stale" and state.stale and state.stale.get("patch") is None and state.stale.get("called"):
+        return (f"durably adopt {run_id} if {state.stale['called']!r} is {state.stale['recorded']!r} renamed; "
+                f"else restore the old code, or durably restart {run_id}")
+    if state.status == "stale":
+        return f"deploy code that matches the log again, then durably retry {run_id}; or durably restart {run_id}"
     return None
+
+
+def stale_text(stale: dict[str, Any]) -> str:
+    """Where a stale run's replay stopped, in one line."""
+    path = _path(tuple(stale.get("path") or ()))
+    if stale.get("patch") is not None:
+        return f"at {path}: on the old branch of patch {stale['patch']!r}, which the code retired"
+    if stale.get("called") is None:
+        return f"at {path}: {stale.get('message')}"
+    return f"at {path}: recorded as {stale.get('recorded')!r}, now called {stale.get('called')!r}"
 
 
 def _header(state: RunState) -> Text:
@@ -1189,6 +1206,8 @@ def _header(state: RunState) -> Text:
     detail = parked_detail(state)
     if detail is not None:
         rows.append(("parked", Text(detail, "blue")))
+    if state.stale:
+        rows.append(("stale", Text(stale_text(state.stale), "red")))
     next_move = _next_move(state)
     if next_move:
         rows.append(("next", Text(next_move, "bright_black")))
@@ -1694,6 +1713,27 @@ def restart(
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
         run, on_step=watcher, wait=not no_wait, on_run=found))
+
+
+@app.command()
+def adopt(
+    run: RunArgument,
+    path: Annotated[str | None, typer.Option("--path", metavar="PATH",
+                                             help="The recorded step to adopt (a path like 2 or 2.0.1); default: "
+                                                  "where the stale run stopped.")] = None,
+    no_wait: NoWaitOption = False,
+    dir: DirOption = None,
+    storage: StorageOption = None,
+    as_json: JsonOption = False,
+    output: OutputOption = None,
+    debug: DebugOption = False,
+    restate: RestateOption = None,
+) -> None:
+    """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result."""
+    _not_on_restate(restate, "durably adopt", debug)
+    as_json = _json_output(as_json, output, debug)
+    _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
+        run, path, on_step=watcher, wait=not no_wait, on_run=found))
 
 
 @app.command()

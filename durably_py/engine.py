@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import records as log_format
+from . import versioning
 from .advisories import Advisory, AdvisoryTracker
 from .children import ChildPool, parked_in_join
 from .clock import Clock
@@ -731,6 +732,14 @@ class Engine:
         """Retry every failed or interrupted run `list(status=, workflow=)` selects, in this process; returns
         each run's state afterwards and, for each it could not retry, why."""
         return await self.operations.retry_many(status=status, workflow=workflow, dry_run=dry_run)
+
+    async def adopt(self, run: str, path: Any = None, *, on_step: Callable[[StepEvent], Any] | None = None,
+                    wait: bool = True, on_run: Callable[[str], Any] | None = None) -> Any:
+        """Continue a `stale` run (by id or key) asserting that the step the code now calls at `path` (default:
+        where its replay stopped; ``(2,)``, ``(3, 1, 0)`` or ``"3.1.0"``) is the recorded one under a new name:
+        its recorded result is used, the adoption is recorded, and the run goes on as `retry` would. A run that
+        is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
+        return await versioning.adopt(self, run, path, on_step=on_step, wait=wait, on_run=on_run)
 
     def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
         """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""

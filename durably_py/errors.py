@@ -127,7 +127,9 @@ class StaleRunError(DurablyError):
     recorded: str
     called: str
 
-    default_hint = "Run with `fresh=True` to start over, or `durably adopt RUN` if the change is compatible."
+    default_hint = ("If the step now called at `path` is the recorded one under a new name, `durably adopt RUN` "
+                    "(`engine.adopt(run)`) continues with its recorded result; else restore the old code, or start "
+                    "over with `durably restart RUN` (`fresh=True`).")
     anchor = "stalerunerror"
 
 

@@ -40,6 +40,8 @@ class History:
         self.signals: set[str] = set()
         self.charges: dict[str, r.Charge] = {}
         self.patches: dict[str, r.Patch] = {}
+        self.adopted: dict[str, r.Adopt] = {}
+        self.stale_error: dict[str, Any] | None = None
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
         self.end: r.End | None = None
@@ -99,6 +101,28 @@ class History:
 
     def _stale(self, rec: r.Stale) -> None:
         self.stale = True
+        self.stale_error = rec.error
+
+    def _adopt(self, rec: r.Adopt) -> None:
+        self.adopted[rec.path] = rec
+        self.stale = False
+
+    def accepts(self, path: str, label: str) -> bool:
+        """True when an adoption says the step now called `label` at `path` is the recorded one there."""
+        adopted = self.adopted.get(path)
+        return adopted is not None and adopted.label in (None, label)
+
+    def stale_detail(self) -> dict[str, Any] | None:
+        """Where the replay of a stale run stopped: ``path`` (a list), the ``recorded`` step name and the one
+        the code now ``called`` there, the error ``message``, and ``patch`` when a retired patch stopped it."""
+        if not self.stale or not self.stale_error:
+            return None
+        attrs = self.stale_error.get("attrs") or {}
+        detail = {"path": attrs.get("path"), "recorded": attrs.get("recorded"), "called": attrs.get("called"),
+                  "message": self.stale_error.get("message")}
+        if attrs.get("patch") is not None:
+            detail["patch"] = attrs["patch"]
+        return detail
 
     def reopen(self, rec: r.Reopen | None = None) -> None:
         """A failed run resumes: failed and compensated steps run again, with fresh attempts."""
@@ -191,6 +215,7 @@ class History:
         out.extend(self.charges.values())
         out.extend(self.comps.values())
         out.extend(self.patches.values())
+        out.extend(self.adopted.values())
         out.extend(r.Advice(advisory=a) for a in self.advisories.values())
         if self.notes:
             out.append(r.Note(notes=self.notes))
@@ -228,6 +253,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Advice: History._advice,
     r.Note: lambda h, rec: h.notes.update(rec.notes),
     r.Patch: History._patch,
+    r.Adopt: History._adopt,
     r.End: History._end,
     r.Reopen: History.reopen,
     r.Reset: History.reset,
@@ -304,6 +330,7 @@ class RunState:
     spent: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     patches: dict[str, bool] = field(default_factory=dict)
+    stale: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -360,6 +387,8 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
     if history.end:
         state.result = load_value(history.end.result)
         state.error = history.end.error
+    if state.status == "stale":
+        state.stale = history.stale_detail()
     state.children = [d.value["run_id"] for d in history.done.values()
                       if d.label == "ctx.spawn" and isinstance(d, r.Ok) and isinstance(d.value, dict)]
     if not steps:

@@ -504,14 +504,17 @@ class RunKernel:
 
     def check_label(self, path: str, rec: records.Ok | records.Err, label: str) -> None:
         recorded = rec.label
-        if recorded == label:
+        if recorded == label or self.history.accepts(path, label):
             return
         where = f"step path {path_tuple(path)}: recorded as {recorded!r}, now called {label!r}"
         if self.code_changed:
             raise self.replay_failed(StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
-                hint=f"Restore the old step order, or start over with fresh=True (`durably restart {self.run_id}`).",
-                run_id=self.run_id, path=path_tuple(path), recorded=recorded, called=label))
+                hint=f"If {label!r} is the same work as {recorded!r} under a new name, `durably adopt {self.run_id}` "
+                     "uses its recorded result and continues; else restore the old code (or wrap the change in "
+                     f"ctx.patched), or start over with `durably restart {self.run_id}`.",
+                docs="docs/versioning.md#adopt", run_id=self.run_id, path=path_tuple(path), recorded=recorded,
+                called=label))
         raise self.replay_failed(PurityError(
             f"the workflow took another branch on replay; at {where}",
             hint="Keep workflow code between steps deterministic: read time, randomness and I/O through "

@@ -19,6 +19,7 @@ from .errors import CorruptLogError, LogVersionError
 
 __all__ = [
     "LOG_VERSION",
+    "Adopt",
     "Advice",
     "Budget",
     "Charge",
@@ -299,6 +300,16 @@ class Patch(_Base, tag="patch"):
     ts: float | None = None
 
 
+class Adopt(_Base, tag="adopt"):
+    """`adopt`: the step the code now calls at `path` is the recorded one (`recorded`) under a new name, so
+    replay answers it from the log. `label` is that new name; None accepts whatever the code calls there."""
+
+    path: str = msgspec.field(name="p")
+    recorded: str
+    label: str | None = msgspec.field(default=None, name="l")
+    ts: float | None = None
+
+
 # ---- annotations ------------------------------------------------------------------------------------------
 class Advice(_Base, tag="adv"):
     """An advisory the run raised (see `advisories.Advisory.to_dict`)."""
@@ -316,7 +327,7 @@ class Note(_Base, tag="note"):
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Stale, End,
-    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Advice, Note, Park,
+    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
 ]
 """Any record of a run's log."""
 

@@ -68,14 +68,42 @@ else:
 '''
 
 
+RENAMED = '''
+import os
+from durably_py import workflow
+
+VERSION = os.environ["FLOW_VERSION"]
+
+
+def effect(name):
+    with open(os.environ["FLOW_EFFECTS"], "a") as f:
+        f.write(name + "\\n")
+    return name
+
+
+if VERSION == "1":
+    @workflow(name="invoice")
+    async def invoice(ctx, number):
+        total = await ctx.step(effect, f"compute {number}", name="compute total")
+        await ctx.wait_for("approved")
+        return [total, await ctx.step(effect, f"send {number}", name="send")]
+else:
+    @workflow(name="invoice")
+    async def invoice(ctx, number):
+        total = await ctx.step(effect, f"compute {number}", name="total")
+        await ctx.wait_for("approved")
+        return [total, await ctx.step(effect, f"send {number}", name="send")]
+'''
+
+
 class Stop(BaseException):  # noqa: N818 - stands in for a killed process
     """Escapes run() like a killed process."""
 
 
 # ---- across real processes ----------------------------------------------------------------------------------
-def _cli(tmp_path: Path, version: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(tmp_path: Path, version: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return durably(*args, "--dir", str(tmp_path / "state"), cwd=tmp_path, FLOW_VERSION=version,
-                   FLOW_EFFECTS=str(tmp_path / "effects"))
+                   FLOW_EFFECTS=str(tmp_path / "effects"), **env)
 
 
 def _status(tmp_path: Path, key: str) -> str:
@@ -84,11 +112,11 @@ def _status(tmp_path: Path, key: str) -> str:
     return str(json.loads(done.stdout)["status"])
 
 
-def _start_and_kill(tmp_path: Path, version: str, key: str) -> None:
+def _start_and_kill(tmp_path: Path, version: str, key: str, script: str = "flow.py", name: str = "order") -> None:
     """Start run `key` in a real process, let it park in its wait, and SIGKILL the process."""
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FLOW_VERSION": version,
                "FLOW_EFFECTS": str(tmp_path / "effects")}
-    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "flow.py", "--workflow", "order",
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", script, "--workflow", name,
                              "--input", json.dumps(key), "--key", key, "--dir", str(tmp_path / "state")],
                             cwd=tmp_path, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -332,3 +360,117 @@ def test_restate_mode_says_patches_are_not_supported() -> None:
             call()
         check_error(info.value)
         assert "deployment" in info.value.hint
+
+
+# ---- stale runs and adopt ------------------------------------------------------------------------------------
+def test_a_renamed_step_makes_the_run_stale_and_adopt_continues_it_through_the_cli(tmp_path: Path) -> None:
+    (tmp_path / "renamed.py").write_text(RENAMED)
+    _start_and_kill(tmp_path, "1", "inv-1", "renamed.py", "invoice")
+    assert _cli(tmp_path, "2", "signal", "inv-1", "approved").returncode == 0
+    done = _cli(tmp_path, "2", "retry", "inv-1")
+    assert done.returncode == 1
+    run_id = json.loads(_cli(tmp_path, "2", "inspect", "inv-1", "--json").stdout)["run_id"]
+    assert "StaleRunError" in done.stderr and f"durably adopt {run_id}" in done.stderr
+
+    expected = {"path": [0], "recorded": "compute total", "called": "total"}
+    (listed,) = json.loads(_cli(tmp_path, "2", "list", "--json").stdout)
+    assert listed["status"] == "stale" and {k: listed["stale"][k] for k in expected} == expected
+    inspected = json.loads(_cli(tmp_path, "2", "inspect", "inv-1", "--json").stdout)
+    assert inspected["status"] == "stale" and {k: inspected["stale"][k] for k in expected} == expected
+    table = _cli(tmp_path, "2", "list", COLUMNS="200").stdout
+    assert "stale at (0,): recorded as 'compute total', now called 'total'" in table
+    text = _cli(tmp_path, "2", "inspect", "inv-1", COLUMNS="200").stdout
+    assert "recorded as 'compute total', now called 'total'" in text and f"durably adopt {run_id}" in text
+
+    done = _cli(tmp_path, "2", "adopt", "inv-1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["result"] == ["compute inv-1", "send inv-1"]
+    assert _effects(tmp_path) == ["compute inv-1", "send inv-1"]  # the adopted step did not run again
+    assert _status(tmp_path, "inv-1") == "completed"
+    records = [json.loads(line) for line in (tmp_path / "state" / "runs" / f"{run_id}.jsonl").read_text().splitlines()]
+    assert {"t": "adopt", "p": "0", "recorded": "compute total", "l": "total"}.items() <= \
+        next(r for r in records if r["t"] == "adopt").items()
+
+    again = _cli(tmp_path, "2", "adopt", "inv-1")
+    assert again.returncode == 2
+    assert "is completed, not stale; there is nothing to adopt" in again.stderr and "hint:" in again.stderr
+
+
+def _invoice(steps: list[str], stop: dict[str, bool], ran: list[str]) -> Workflow:
+    def work(name: str) -> str:
+        ran.append(name)
+        return name
+
+    async def body(ctx: Any, number: int) -> list[str]:
+        out = [await ctx.step(work, f"{name} {number}", name=name) for name in steps[:-1]]
+        if stop["on"]:
+            raise Stop()
+        return [*out, await ctx.step(work, f"{steps[-1]} {number}", name=steps[-1])]
+
+    wf = Workflow(body, name="invoice")
+    wf.fingerprint = "-".join(steps)  # each version is other code, as an edited source file would be
+    return wf
+
+
+def test_adopt_through_the_api_one_rename_at_a_time() -> None:
+    ran: list[str] = []
+    stop = {"on": True}
+    engine = create_engine(MemoryStorage())
+    with pytest.raises(Stop):
+        asyncio.run(engine.run(_invoice(["compute", "check", "send"], stop, ran), 7))
+    run_id = asyncio.run(engine.list())[0].run_id
+    stop["on"] = False
+    renamed = _invoice(["total", "verify", "send"], stop, ran)
+    with pytest.raises(StaleRunError) as info:
+        asyncio.run(engine.run(renamed, 7))
+    check_error(info.value)
+    assert "durably adopt" in info.value.hint and info.value.docs.endswith("versioning.md#adopt")
+    state = asyncio.run(engine.inspect(run_id))
+    assert state.status == "stale" and state.stale is not None
+    assert (state.stale["path"], state.stale["recorded"], state.stale["called"]) == ([0], "compute", "total")
+
+    with pytest.raises(ValidationError) as bad:
+        asyncio.run(engine.adopt(run_id, path=(5,)))
+    assert "path 5 has no recorded step" in bad.value.message and "0 compute" in bad.value.message
+    ran.clear()  # `renamed` registered itself under the workflow's name: adopt resumes the run with it
+    with pytest.raises(StaleRunError) as second:  # adopted (0,); the next rename stops it again
+        asyncio.run(engine.adopt(run_id))
+    assert second.value.path == (1,) and ran == []
+    assert asyncio.run(engine.adopt(run_id, path="1")) == ["compute 7", "check 7", "send 7"]
+    assert ran == ["send 7"]
+
+    with pytest.raises(ValidationError) as info2:
+        asyncio.run(engine.adopt(run_id))
+    check_error(info2.value)
+    assert "not stale" in info2.value.message
+
+
+def test_adopt_refuses_a_run_that_is_not_stale_and_a_retired_patch() -> None:
+    ran: list[str] = []
+    stop = {"on": True}
+    engine = create_engine(MemoryStorage())
+    with pytest.raises(Stop):
+        asyncio.run(engine.run(_invoice(["compute", "send"], stop, ran), 1))
+    run_id = asyncio.run(engine.list())[0].run_id
+    with pytest.raises(ValidationError) as info:
+        asyncio.run(engine.adopt(run_id))
+    check_error(info.value)
+    assert "is interrupted, not stale" in info.value.message and "durably retry" in info.value.hint
+
+    async def old(ctx: Any, _: Any) -> None:
+        await ctx.step(lambda: 1, name="work")
+        raise Stop()
+
+    async def retired(ctx: Any, _: Any) -> int:
+        ctx.deprecate_patch("p")
+        return await ctx.step(lambda: 1, name="work")
+
+    with pytest.raises(Stop):
+        asyncio.run(engine.run(Workflow(old, name="patchy"), 2))
+    with pytest.raises(StaleRunError):
+        asyncio.run(engine.run(Workflow(retired, name="patchy"), 2))
+    stale = next(s for s in asyncio.run(engine.list()) if s.workflow == "patchy")
+    assert stale.status == "stale" and stale.stale is not None and stale.stale["patch"] == "p"
+    with pytest.raises(ValidationError) as refused:
+        asyncio.run(engine.adopt(stale.run_id))
+    assert "old branch of patch 'p'" in refused.value.message and "ctx.patched('p')" in refused.value.hint
