@@ -512,7 +512,7 @@ class RunKernel:
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
                 hint=f"If {label!r} is the same work as {recorded!r} under a new name, `durably adopt {self.run_id}` "
                      "uses its recorded result and continues; else restore the old code (or wrap the change in "
-                     f"ctx.patched), or start over with `durably restart {self.run_id}`.",
+                     f"ctx.patched), or start over with fresh=True (`durably restart {self.run_id}`).",
                 docs="docs/versioning.md#adopt", run_id=self.run_id, path=path_tuple(path), recorded=recorded,
                 called=label))
         raise self.replay_failed(PurityError(
