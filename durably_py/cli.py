@@ -1730,7 +1730,7 @@ def adopt(
     restate: RestateOption = None,
 ) -> None:
     """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result."""
-    _not_on_restate(restate, "durably adopt", debug)
+    _not_on_restate(dir, storage, restate, "durably adopt", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
         run, path, on_step=watcher, wait=not no_wait, on_run=found))
