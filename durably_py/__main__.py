@@ -1,5 +1,5 @@
 """`python -m durably_py`: the `durably` command line."""
 
-from .cli import main
+from .launcher import main
 
 main()

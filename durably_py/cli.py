@@ -1,4 +1,7 @@
-"""The `durably` command line: run scripts under a live progress view, list runs and inspect them."""
+"""The `durably` command line: run scripts under a live progress view, list runs and inspect them.
+
+`durably run` itself lives in `run_command` (free of typer and rich, so the console script can answer a plain
+`durably run SCRIPT` without importing this module); its helpers are shared with the commands here."""
 
 from __future__ import annotations
 
@@ -8,13 +11,9 @@ import importlib
 import json
 import os
 import re
-import runpy
 import signal as signals
 import sys
-import sysconfig
-import threading
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -28,36 +27,56 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand
 
-from . import config
-from .engine import Engine, RunHook, engine_for, set_run_hook
-from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
-from .events import StepEvent
+from . import config, launcher
+from .engine import Engine
+from .errors import DurablyError, ValidationError
 from .history import RunState, StepState, path_tuple
+from .run_command import (
+    COLOURS,
+    DOCS_DIR,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    Output,
+    Watcher,
+    _duration,
+    _environment,
+    _exit_code,
+    _find_workflow,
+    _import_script,
+    _json_default,
+    _live,
+    _outcome,
+    _parse_input,
+    _report_durably_error,
+    _report_exception,
+    _settle,
+    _summary,
+    _when,
+    _when_text,
+    interrupted_exit,
+    on_sigterm,
+    open_engine,
+    parked_detail,
+    print_json,
+    run_script,
+    settings_for,
+    to_json,
+    user_frame,
+)
 from .runs import check_retention
 from .worker import Worker
-from .workflow import REGISTRY, Workflow, load_script
+from .workflow import REGISTRY
 
 if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs none of them
-    from rich.console import RenderableType
-    from rich.spinner import Spinner
     from rich.tree import Tree
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_PARKED = 3
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
 DEFAULT_PAGE = 20
 
 STATUSES = ("pending", "running", "interrupted", "stale", "completed", "failed", "cancelled", "waiting", "sleeping",
             "paused", "corrupt")
-COLOURS = {
-    "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
-    "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
-    "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
-}
-USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
 
 HELP = """Local-first durable execution: run scripts so they resume where they stopped, and look at their runs.
 
@@ -112,18 +131,7 @@ RestateAdminOption = Annotated[str | None, typer.Option("--restate-admin", metav
 
 # ---- where the state is ---------------------------------------------------------------------------
 
-_color = True
-_terminated = False
 _jsonl = False
-
-
-def settings_for(dir: str | None, storage: str | None, restate: str | None = None,
-                 restate_admin: str | None = None) -> config.Settings:
-    """The effective settings of a command: its `--dir`/`--storage`/`--restate` flags, then env, config, discovery."""
-    global _color
-    found = config.resolve(dir, storage, restate=restate, restate_admin=restate_admin)
-    _color = found.color
-    return found
 
 
 def _restate_target(dir: str | None, storage: str | None, restate: str | None,
@@ -133,28 +141,9 @@ def _restate_target(dir: str | None, storage: str | None, restate: str | None,
     return found.restate, found.restate_admin
 
 
-def open_engine(settings: config.Settings) -> Engine:
-    """The engine over the state dir or storage URL the settings name (one per location per process)."""
-    return engine_for(settings.dir, settings.storage)
-
-
 def engine_at(dir: str | None, storage: str | None) -> Engine:
     """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls."""
     return open_engine(settings_for(dir, storage))
-
-
-def _interrupted() -> int:
-    """The exit code and message after Ctrl-C or SIGTERM stopped a run."""
-    how = "stopped by SIGTERM" if _terminated else "interrupted"
-    _err_console().print(Text(f"{how}; run the same command again to resume where it stopped", "yellow"))
-    return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM stops a command the way Ctrl-C does (same clean-up), then exits 143."""
-    global _terminated
-    _terminated = True
-    signals.raise_signal(signals.SIGINT)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -172,59 +161,22 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * units[u] for n, u in parts)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, set | frozenset | tuple):
-        return list(value)
-    from .schema import to_builtins
-
-    try:  # a typed result (dataclass, Struct, pydantic model...) prints as the JSON it is stored as
-        return to_builtins(value)
-    except Exception:  # noqa: BLE001 - anything else prints as its repr
-        return repr(value)
-
-
-def to_json(value: Any) -> str:
-    """JSON text of a CLI result (datetimes as ISO strings)."""
-    return json.dumps(value, indent=2, ensure_ascii=False, default=_json_default)
-
-
 def _print_json(value: Any) -> None:
-    if _jsonl:
-        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=_json_default) + "\n")
-    else:
-        sys.stdout.write(to_json(value) + "\n")
-    sys.stdout.flush()
+    print_json(value, _jsonl)
 
 
 def _err_console() -> Console:
-    return Console(file=sys.stderr, highlight=False, soft_wrap=True, no_color=not _color or None)
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True, no_color=not Output.color or None)
 
 
 def _out_console() -> Console:
     wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(file=sys.stdout, highlight=False, width=wide, no_color=not _color or None)
+    return Console(file=sys.stdout, highlight=False, width=wide, no_color=not Output.color or None)
 
 
 def _preview(value: Any, limit: int = 100) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    if seconds < 1:
-        return f"{seconds * 1000:.1f}ms"
-    if seconds < 60:
-        return f"{seconds:.2f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
-
-
-def _when(value: datetime | None) -> str:
-    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else ""
 
 
 def _utc(value: datetime | None) -> str:
@@ -237,28 +189,6 @@ def _path(path: tuple[int, ...]) -> str:
 
 def _status(status: str) -> Text:
     return Text(status, style=COLOURS.get(status, ""))
-
-
-def _exit_code(exc: BaseException, started: bool) -> int:
-    """The exit code for an error: usage errors before any step ran are 2, parked runs 3, the rest 1."""
-    if isinstance(exc, RunParkedError):
-        return EXIT_PARKED
-    if isinstance(exc, USAGE_ERRORS) and not started:
-        return EXIT_USAGE
-    return EXIT_FAILED
-
-
-DOCS_DIR = Path(__file__).parent / "docs"
-
-
-def docs_location(pointer: str) -> str:
-    """A `docs/page.md#anchor` pointer as the installed page's path and the command that prints it."""
-    page, _, anchor = pointer.partition("#")
-    target = DOCS_DIR / Path(page).name
-    if not page.endswith(".md") or not target.is_file():
-        return pointer
-    topic = target.stem + (f"#{anchor}" if anchor else "")
-    return f"{target}  (`durably docs {topic}` prints it)"
 
 
 def _anchor(heading: str) -> str:
@@ -289,16 +219,6 @@ def docs_text(topic: str) -> str:
                           hint=f"Its sections: {', '.join(sections)}.", docs="docs/cli.md#durably-docs")
 
 
-def _report_durably_error(exc: DurablyError, debug: bool) -> None:
-    console = _err_console()
-    if debug:
-        console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
-    console.print(Text(exc.describe().replace(f"docs: {exc.docs}", f"docs: {docs_location(exc.docs)}"), style="red"))
-    for note in getattr(exc, "__notes__", None) or []:
-        if debug or not note.startswith("recorded traceback:"):
-            console.print(Text(f"  note: {note}", style="red"))
-
-
 @contextmanager
 def _guard(debug: bool) -> Iterator[None]:
     """Turn errors of the list/inspect commands into their message, hint and exit code."""
@@ -310,373 +230,12 @@ def _guard(debug: bool) -> Iterator[None]:
         _report_durably_error(exc, debug)
         raise typer.Exit(_exit_code(exc, started=False)) from None
     except KeyboardInterrupt:
-        raise typer.Exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_TERMINATED if Output.terminated else EXIT_INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 - shown as one red line, the traceback only with --debug
         _report_exception(exc, debug)
         raise typer.Exit(EXIT_FAILED) from None
 
 
-# ---- user frames of a traceback ------------------------------------------------------------------
-
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
-_LIBRARY_DIRS = tuple({str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                       if (p := sysconfig.get_paths().get(key))})
-
-
-def _is_user_file(filename: str) -> bool:
-    if filename.startswith("<"):
-        return False
-    try:
-        resolved = str(Path(filename).resolve())
-    except OSError:
-        return False
-    if resolved.startswith(_PACKAGE_DIR):
-        return False
-    return not any(resolved.startswith(d + os.sep) for d in _LIBRARY_DIRS)
-
-
-def user_frame(exc: BaseException) -> tuple[str, int, str, str] | None:
-    """The last traceback frame of user code (file, line, function, source) that raised `exc`."""
-    frames = [(f.filename, f.lineno or 0, f.name, f.line or "")
-              for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
-    if frames:
-        return frames[-1]
-    recorded = getattr(exc, "remote_traceback", None)
-    if isinstance(recorded, str):
-        found = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n(?: {4}(.*)\n)?', recorded)
-        found = [(f, int(n), fn, src.strip()) for f, n, fn, src in found if _is_user_file(f)]
-        if found:
-            return found[-1]
-    return None
-
-
-def _report_exception(exc: BaseException, debug: bool, source: str = "durably") -> None:
-    console = _err_console()
-    if debug:
-        console.print(Text("".join(traceback.format_exception(exc)).rstrip(), style="bright_black"))
-    console.print(Text(f"{source} raised {type(exc).__name__}: {exc}", style="red"))
-    frame = user_frame(exc)
-    if frame is not None:
-        filename, line, func, source = frame
-        console.print(Text(f"  at {filename}:{line} in {func}", style="red"))
-        if source:
-            console.print(Text(f"      {source}", style="bright_black"))
-    for note in getattr(exc, "__notes__", None) or []:
-        if not note.startswith("recorded traceback:"):
-            console.print(Text(f"  note: {note}", style="red"))
-    if not debug:
-        console.print(Text("  (--debug shows the full traceback)", style="bright_black"))
-
-
-# ---- watching runs -----------------------------------------------------------------------------
-
-
-@dataclass
-class RunTally:
-    """What one run's step events added up to."""
-
-    run_id: str
-    ran: int = 0
-    replayed: int = 0
-    failed: int = 0
-    retries: int = 0
-    running: dict[tuple[int, ...], str] = field(default_factory=dict)
-    retrying: dict[tuple[int, ...], str] = field(default_factory=dict)
-    status: str | None = None
-    detail: str | None = None
-
-    @property
-    def steps(self) -> int:
-        """Steps that ended (ran or replayed, ok or failed) in this process."""
-        return self.ran + self.replayed + self.failed
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form for `durably run --json`."""
-        return {"run_id": self.run_id, "status": self.status, "detail": self.detail, "ran": self.ran,
-                "replayed": self.replayed, "failed": self.failed, "retries": self.retries}
-
-
-def parked_detail(state: RunState) -> str | None:
-    """What a parked run waits for: `waiting for 'approval' (deadline ...)`, `sleeping until ...`, `paused`."""
-    if state.status == "paused":
-        return "paused"
-    if state.status == "waiting":
-        waits = [s.output for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
-        parts = []
-        for wait in waits:
-            if "children" in wait:
-                count = wait.get("count") or len(wait["children"])
-                parts.append(f"{count} child run{'s' if count != 1 else ''} to end")
-                continue
-            deadline = wait.get("deadline")
-            parts.append(f"{wait.get('signal')!r} (deadline {_when_text(deadline)})" if deadline
-                         else f"{wait.get('signal')!r} (no deadline)")
-        return "waiting for " + ", ".join(parts) if parts else "waiting"
-    if state.status == "sleeping":
-        wakes = [str(s.output.get("until")) for s in state.steps
-                 if s.status == "sleeping" and isinstance(s.output, dict)]
-        wakes += [f"{s.output['retry_at']}" for s in state.steps
-                  if s.status == "retrying" and isinstance(s.output, dict) and s.output.get("retry_at")]
-        return f"sleeping until {_when_text(min(wakes))}" if wakes else "sleeping"
-    return None
-
-
-def _when_text(value: Any) -> str:
-    """A recorded ISO time (or datetime) in local time, as the rest of the CLI shows times."""
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            return value
-    return _when(value) if isinstance(value, datetime) else str(value)
-
-
-class Watcher:
-    """Receives every step event of the process and renders the live view from them."""
-
-    POLL = 0.5
-
-    def __init__(self, engine: Engine | None = None) -> None:
-        self.runs: dict[str, RunTally] = {}
-        self.lock = threading.Lock()
-        self.started = time.monotonic()
-        self.spinner: Spinner | None = None
-        self.engine = engine
-        self.polled = 0.0
-
-    def found(self, run_id: str) -> None:
-        """A run was found or created: it shows even before (or without) a step of its own."""
-        with self.lock:
-            self.runs.setdefault(run_id, RunTally(run_id))
-
-    def __call__(self, event: StepEvent) -> None:
-        with self.lock:
-            tally = self.runs.get(event.run_id)
-            if tally is None:
-                tally = self.runs[event.run_id] = RunTally(event.run_id)
-            tally.detail = None
-            path = event.path
-            if event.status == "running":
-                tally.retrying.pop(path, None)
-                tally.running[path] = event.label
-            elif event.status == "ok":
-                tally.running.pop(path, None)
-                tally.ran += 1
-            elif event.status == "replayed":
-                tally.replayed += 1
-            elif event.status == "retrying":
-                tally.running.pop(path, None)
-                tally.retrying[path] = event.label
-                tally.retries += 1
-            elif event.status == "failed":
-                tally.running.pop(path, None)
-                tally.retrying.pop(path, None)
-                tally.failed += 1
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds since the command started."""
-        return time.monotonic() - self.started
-
-    def poll(self) -> None:
-        """Read the parked state (waiting, sleeping, paused) of the runs with no step in flight, twice a second."""
-        if self.engine is None or time.monotonic() - self.polled < self.POLL:
-            return
-        self.polled = time.monotonic()
-        with self.lock:
-            idle = [t for t in self.runs.values() if not t.running and not t.retrying]
-        for tally in idle[-8:]:
-            try:
-                state = asyncio.run(self.engine.inspect(tally.run_id))
-            except Exception:  # noqa: BLE001 - a run not readable yet shows without its parked state
-                continue
-            tally.detail = parked_detail(state)
-
-    def __rich__(self) -> RenderableType:
-        from rich.spinner import Spinner
-        from rich.table import Table
-
-        if self.spinner is None:
-            self.spinner = Spinner("dots", style="cyan")
-        self.poll()
-        with self.lock:
-            tallies = list(self.runs.values())
-            rows = []
-            for t in tallies[-8:]:
-                line = Text.assemble((t.run_id, "bold"), "  ", (f"{t.ran} done", "green"))
-                if t.replayed:
-                    line.append(f" · {t.replayed} replayed", "green")
-                if t.running:
-                    line.append(f" · {len(t.running)} running", "cyan")
-                if t.retrying:
-                    line.append(f" · {len(t.retrying)} retrying", "yellow")
-                if t.failed:
-                    line.append(f" · {t.failed} failed", "red")
-                labels = list(dict.fromkeys([*t.running.values(), *t.retrying.values()]))
-                if labels:
-                    shown = ", ".join(labels[:3]) + (f" +{len(labels) - 3}" if len(labels) > 3 else "")
-                    line.append(f"  {shown}", "bright_black")
-                elif t.detail:
-                    line.append(f"  {t.detail}", "blue")
-                rows.append(line)
-        if len(tallies) > 8:
-            rows.insert(0, Text(f"… {len(tallies) - 8} earlier runs", "bright_black"))
-        grid = Table.grid(padding=(0, 1))
-        grid.add_column()
-        grid.add_column()
-        parked = bool(tallies) and all(t.detail for t in tallies[-8:])
-        grid.add_row(Text("⏸", "blue") if parked else self.spinner, Text(f"durably  {_duration(self.elapsed)}", "bold"))
-        for row in rows:
-            grid.add_row("", row)
-        return grid
-
-
-def _settle(watcher: Watcher, engine: Engine | None) -> None:
-    """Read back the final status of every run the watcher saw (and what a parked one waits for)."""
-    for tally in watcher.runs.values():
-        try:
-            if engine is None:
-                raise LookupError
-            state = asyncio.run(engine.inspect(tally.run_id))
-        except Exception:  # noqa: BLE001 - a run recorded elsewhere (another dir=) keeps status None
-            tally.status = tally.detail = None
-            continue
-        tally.status = state.status
-        tally.detail = parked_detail(state)
-
-
-def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
-    if as_json:
-        sys.stderr.write(json.dumps({"runs": [t.to_dict() for t in watcher.runs.values()],
-                                     "elapsed": round(watcher.elapsed, 3), "exit_code": code}) + "\n")
-        return
-    console = _err_console()
-    if not watcher.runs:
-        console.print(Text(f"durably: no durable run started ({_duration(watcher.elapsed)})", "bright_black"))
-        return
-    for t in watcher.runs.values():
-        mark, style = {"completed": ("✓", "green"), "failed": ("✗", "red")}.get(t.status or "", ("•", "yellow"))
-        steps = t.steps
-        line = Text.assemble((mark, style), " ", (t.run_id, "bold"), "  ", _status(t.status or "unknown"),
-                             f"  {steps} step{'s' * (steps != 1)}: {t.ran} ran · {t.replayed} replayed")
-        if t.failed:
-            line.append(f" · {t.failed} failed", "red")
-        if t.retries:
-            line.append(f" · {t.retries} retr{'ies' if t.retries != 1 else 'y'}", "yellow")
-        console.print(line)
-        if t.detail:
-            console.print(Text(f"  {t.detail}", "blue"))
-        if t.status not in ("completed", None):
-            console.print(Text(f"  see: durably inspect {t.run_id}", "bright_black"))
-    console.print(Text(f"done in {_duration(watcher.elapsed)}", "bright_black"))
-
-
-def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error: BaseException | None) -> dict[str, Any]:
-    """The one JSON object `run --workflow`, `retry` and `restart` print with `--json`."""
-    tally = watcher.runs.get(run_id) if run_id is not None else None
-    failure = None
-    if error is not None:
-        failure = {"type": type(error).__name__, "message": getattr(error, "message", None) or str(error)}
-    return {"run_id": run_id, "status": tally.status if tally else None, "detail": tally.detail if tally else None,
-            "result": result if code == EXIT_OK else None, "error": failure, "exit_code": code,
-            "elapsed": round(watcher.elapsed, 3), "runs": [t.to_dict() for t in watcher.runs.values()]}
-
-
-@contextmanager
-def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
-    """Show the live view on stderr while the body runs (stdout is redirected above it only on a terminal)."""
-    if not enabled:
-        yield
-        return
-    from rich.live import Live
-
-    console = Console(file=sys.stderr)
-    both_tty = sys.stdout.isatty()
-    live = Live(watcher, console=console, refresh_per_second=8, transient=True,
-                redirect_stdout=both_tty, redirect_stderr=True)
-    live.start()
-    try:
-        yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream does not stop the summary
-                pass
-        live.stop()
-
-
-@contextmanager
-def _environment(script: Path, settings: config.Settings, argv: list[str]) -> Iterator[None]:
-    """Set DURABLY_SCRIPT, DURABLY_DIR (or DURABLY_STORAGE), sys.argv and sys.path as the script should see them."""
-    saved_env = {k: os.environ.get(k) for k in ("DURABLY_SCRIPT", "DURABLY_DIR", "DURABLY_STORAGE")}
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    os.environ["DURABLY_SCRIPT"] = str(script)
-    if settings.storage is not None:
-        os.environ["DURABLY_STORAGE"] = settings.storage
-    elif settings.dir is not None:
-        os.environ["DURABLY_DIR"] = os.path.abspath(settings.dir)
-    sys.argv = [str(script), *argv]
-    sys.path.insert(0, str(script.parent))
-    try:
-        yield
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        sys.argv, sys.path[:] = saved_argv, saved_path
-
-
-def _parse_input(text: str | None, option: str = "--input") -> Any:
-    if text is None:
-        return None
-    source = option
-    if text.startswith("@"):
-        source = text[1:]
-        try:
-            text = Path(source).read_text()
-        except OSError as exc:
-            raise ValidationError(f"cannot read {option} file {source!r}: {exc.strerror or exc}",
-                                  hint=f"Pass {option} as @path/to/file.json with a file that exists.") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValidationError(f"{source} is not valid JSON: {exc}",
-                              hint=f"Pass JSON, e.g. {option} '{{\"n\": 3}}', or {option} @file.json (strings "
-                                   "need quotes: '\"yes\"').") from None
-    except RecursionError:
-        raise ValidationError(f"{source} is JSON nested too deeply to record",
-                              hint="Flatten the structure; values nested hundreds of levels deep are not supported."
-                              ) from None
-    except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
-        raise ValidationError(f"{source} cannot be read: {exc}",
-                              hint="Pass a big number as a JSON string and convert it in the workflow.") from None
-
-
-def _find_workflow(name: str, script: Path) -> Workflow:
-    wf = REGISTRY.get(name)
-    if wf is not None:
-        return wf
-    known = ", ".join(sorted(REGISTRY)) or "none"
-    raise ValidationError(f"{script.name} defines no workflow named {name!r} (it defines: {known})",
-                          hint="Pass --workflow with the name @workflow gave it (the function's name by default).")
-
-
-def _import_script(script: Path) -> None:
-    """Import the script for `--workflow`; a script that cannot be imported is reported as such."""
-    try:
-        load_script(script)
-    except SyntaxError as exc:
-        where = f"{exc.filename}:{exc.lineno}" if exc.filename else str(script)
-        raise ValidationError(f"cannot import {script.name}: SyntaxError: {exc.msg} at {where}",
-                              hint="Fix the syntax error; `python -m py_compile SCRIPT` shows it too.",
-                              docs="docs/cli.md#durably-run") from None
-    except ImportError as exc:
-        raise ValidationError(f"cannot import {script.name}: {type(exc).__name__}: {exc}",
-                              hint="Install the missing module in this environment, or fix the import.",
-                              docs="docs/cli.md#durably-run") from None
 
 
 class RunCommand(TyperCommand):
@@ -734,51 +293,8 @@ def run(
     if settings.restate:
         raise typer.Exit(_run_on_restate(script, workflow, input, key, fresh, no_wait, settings.restate,
                                          settings.restate_admin, as_json, debug))
-    engine: Engine | None = None
-    with contextlib.suppress(DurablyError):
-        engine = open_engine(settings)
-    watcher = Watcher(engine)
-    live = not as_json and sys.stderr.isatty()
-    main_run: list[str] = []
-    set_run_hook(RunHook(watcher, watcher.found))
-    code = EXIT_OK
-    result: Any = None
-    error: BaseException | None = None
-    try:
-        with _environment(script, settings, args):
-            try:
-                with _live(watcher, live):
-                    if workflow is None:
-                        runpy.run_path(str(script), run_name="__main__")
-                    else:
-                        value = _parse_input(input)
-                        _import_script(script)
-                        wf = _find_workflow(workflow, script)
-                        result = asyncio.run(open_engine(settings).run(wf, value, key=key, fresh=fresh,
-                                                                       wait=not no_wait, on_run=main_run.append))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_FAILED)
-                if exc.code is not None and not isinstance(exc.code, int):
-                    _err_console().print(Text(str(exc.code), "red"))
-            except KeyboardInterrupt:
-                code = _interrupted()
-            except DurablyError as exc:
-                code, error = _exit_code(exc, started=bool(watcher.runs)), exc
-                _report_durably_error(exc, debug)
-            except Exception as exc:  # noqa: BLE001 - the script's own error, reported without a traceback
-                code, error = EXIT_FAILED, exc
-                _report_exception(exc, debug, "the script" if workflow is None else f"workflow {workflow!r}")
-    finally:
-        set_run_hook(None)
-    _settle(watcher, engine)
-    if workflow is not None and as_json:
-        if main_run or code != EXIT_USAGE:
-            _print_json(_outcome(watcher, main_run[0] if main_run else None, code, result, error))
-    else:
-        if workflow is not None and code == EXIT_OK:
-            _print_json(result)
-        if watcher.runs or code != EXIT_USAGE:
-            _summary(watcher, code, as_json)
+    code = run_script(script, args, settings, workflow=workflow, input=input, key=key, fresh=fresh,
+                      no_wait=no_wait, as_json=as_json, jsonl=_jsonl, debug=debug)
     raise typer.Exit(code)
 
 
@@ -1427,7 +943,7 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
         with _live(watcher, not as_json and sys.stderr.isatty()):
             result = asyncio.run(start(engine, watcher, found))
     except KeyboardInterrupt:
-        code = _interrupted()
+        code = interrupted_exit()
     except DurablyError as exc:
         code, error = _exit_code(exc, started=bool(seen)), exc
         _report_durably_error(exc, debug)
@@ -2023,34 +1539,12 @@ def serve(
 
 
 def _direct_run(argv: list[str]) -> bool:
-    """Run `durably run SCRIPT [ARGS...]` written without options by calling the command directly.
-
-    Typer's parser builds a validator per parameter on every start (it imports pydantic), which costs
-    more than the rest of a 1-step run; a command line without options needs none of it. Anything with
-    an option (`-x`, `--x`, before a `--`) goes through typer. Options that read an environment variable
-    (`--dir` from `$DURABLY_DIR`) take it as typer would. Returns False when the line is not of that shape."""
-    if argv[:1] != ["run"]:
+    """Run `durably run SCRIPT [ARGS...]` written without options without typer's parser (see `launcher`);
+    False when the line is not of that shape."""
+    code = launcher.direct_run(argv)
+    if code is None:
         return False
-    rest = argv[1:]
-    cut = rest.index("--") if "--" in rest else len(rest)
-    before, after = rest[:cut], rest[cut + 1:]
-    if not before or any(token.startswith("-") for token in before):
-        return False
-    import typing
-
-    values: dict[str, Any] = {}
-    for name, hint in typing.get_type_hints(run, include_extras=True).items():
-        for info in getattr(hint, "__metadata__", ()):
-            envvar = getattr(info, "envvar", None)
-            for var in [envvar] if isinstance(envvar, str) else envvar or []:
-                if os.environ.get(var):
-                    values[name] = os.environ[var]
-                    break
-    try:
-        run(Path(before[0]), before[1:] + after, **values)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    return True
+    sys.exit(code)
 
 
 # ---- the durable queue: worker and enqueue ---------------------------------------------------------------
@@ -2231,12 +1725,12 @@ def prune(
 def main() -> None:
     """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-        signals.signal(signals.SIGTERM, _on_sigterm)
+        signals.signal(signals.SIGTERM, on_sigterm)
     try:
         if not _direct_run(sys.argv[1:]):
             app(prog_name="durably")
     except KeyboardInterrupt:
-        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
+        sys.exit(EXIT_TERMINATED if Output.terminated else EXIT_INTERRUPTED)
 
 
 __all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json", "user_frame"]

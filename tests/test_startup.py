@@ -1,14 +1,16 @@
-"""`durably run SCRIPT [ARGS]` without options starts without typer's parser or rich's live view, and
-behaves exactly as through typer: script arguments, `--`, `$DURABLY_DIR`, exit codes."""
+"""`durably run SCRIPT [ARGS]` without options starts without importing typer, click or rich, and behaves
+exactly as through typer: script arguments, `--`, `$DURABLY_DIR`, exit codes, the summary's text."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -29,12 +31,12 @@ SCRIPT = textwrap.dedent('''
 
 PROBE = textwrap.dedent('''
     import sys
-    from durably_py.cli import main
+    from durably_py.launcher import main
     sys.argv = ["durably", *sys.argv[1:]]
     try:
         main()
     finally:
-        heavy = [m for m in ("pydantic", "typer._adapters", "rich.live", "rich.table", "rich.tree") if m in sys.modules]
+        heavy = sorted({m.split(".")[0] for m in sys.modules} & {"pydantic", "typer", "click", "rich"})
         print("HEAVY", heavy, file=sys.stderr)
 ''')
 
@@ -75,3 +77,36 @@ def test_run_with_an_option_goes_through_the_full_parser(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     summary = json.loads([line for line in done.stderr.splitlines() if line.startswith("{")][-1])
     assert summary["exit_code"] == 0 and summary["runs"]
+    assert "'typer'" in done.stderr.splitlines()[-1]
+
+
+def test_run_on_restate_goes_through_the_full_parser(tmp_path: Path) -> None:
+    setup(tmp_path)
+    for env in ({"DURABLY_RESTATE": "http://127.0.0.1:9"}, {}):
+        if not env:
+            (tmp_path / ".durably").mkdir(exist_ok=True)
+            (tmp_path / ".durably" / "config.toml").write_text('restate = "http://127.0.0.1:9"\n')
+        done = durably(tmp_path, "run", "job.py", **env)
+        assert done.returncode != 0
+        assert "'typer'" in done.stderr.splitlines()[-1] and "--workflow" in done.stderr, done.stderr
+
+
+def test_plain_lines_are_what_rich_prints_off_a_terminal(monkeypatch: Any, capsys: Any) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    from durably_py import run_command
+
+    lines = [[("✓", "green"), " ", ("run-1", "bold"), "  a\tb\rc\x07d"], [("  two\n\tlines", "red")]]
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    run_command.err_print(*lines)
+    plain = capsys.readouterr().err
+    expected = io.StringIO()
+    console = Console(file=expected, highlight=False, soft_wrap=True)
+    for line in lines:
+        console.print(Text.assemble(*line))
+    assert plain == expected.getvalue()
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    run_command.err_print(*lines)
+    assert "\x1b[" in capsys.readouterr().err
