@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +301,52 @@ def test_a_postgres_store_from_before_the_queue_has_its_unfinished_run_finished_
         storage.close()
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+@workflow
+async def pk_taken_over(ctx, x):
+    return await ctx.step(flaky, retry=Retry(3, backoff="linear", base=2.0))
+
+
+def test_a_run_taken_over_in_its_backoff_parks_for_what_is_left_and_never_retries_early(tmp_path: Path,
+                                                                                         monkeypatch: Any) -> None:
+    """Its process died between recording the failed attempt and parking: the worker that takes it over
+    parks it again until the recorded time, then runs the next attempt once."""
+    monkeypatch.setattr(queue_rules, "PARK_BACKOFF", 0.5)
+    attempts.clear()
+    attempts.append(time.time())  # the first attempt, in the process that died
+    storage = FileStorage(tmp_path / "state")
+    wire = dump_value(1, "input")
+    run_id = "pk-taken-over"
+    retry_at = time.time() + 2.0
+    from durably_py.codec import to_iso
+
+    header = records.Header(v=records.LOG_VERSION, run_id=run_id, workflow="pk_taken_over",
+                            fingerprint=pk_taken_over.fingerprint, key=None, input=wire, input_digest=digest(1),
+                            identity=f"wf:pk_taken_over:{digest(1)}", budget=None,
+                            created_at="2024-01-01T00:00:00+00:00", script=None, module=__name__, ts=time.time())
+    storage.create(run_id, records.encode(header))
+    lease = storage.claim(run_id, "gone:1", 30)
+    storage.append(lease, records.encode(records.Fail(
+        path="0", label="flaky", attempt=1, error={"type": "ConnectionError", "message": "not yet"}, ms=1.0,
+        next=to_iso(datetime.fromtimestamp(retry_at, UTC)), ts=time.time())))
+    storage.release(lease)  # the process died: the run is an orphan, due at once
+
+    async def main() -> None:
+        engine = create_engine(storage, concurrency=1)
+        await engine.start(poll=0.02)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (await engine.inspect(run_id)).status != "sleeping":
+            await asyncio.sleep(0.01)
+        assert (await engine.inspect(run_id)).status == "sleeping"
+        assert abs(engine.storage.entry(run_id).at - retry_at) < 0.01 and len(attempts) == 1
+        while time.monotonic() < deadline and (await engine.inspect(run_id)).status != "completed":
+            await asyncio.sleep(0.02)
+        await engine.stop()
+        state = await engine.inspect(run_id)
+        assert state.status == "completed" and state.result == "ok"
+        assert len(attempts) == 2 and attempts[1] >= retry_at - 0.01  # not before the recorded time
+        log = records.load(engine.storage.read(run_id).records, run_id)
+        assert [r.attempt for r in log if isinstance(r, records.Fail)] == [1]  # the failure recorded once
+
+    asyncio.run(main())
