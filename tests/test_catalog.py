@@ -250,3 +250,17 @@ def test_a_damaged_log_is_listed_and_flagged_without_hiding_others(tmp_path: Pat
     assert states[victim] == "corrupt" and len(states) == len(truth)
     assert [s.run_id for s in asyncio.run(engine.list(status="corrupt"))] == [victim]
     assert victim not in {s.run_id for s in asyncio.run(engine.list(status="completed"))}
+
+
+def test_file_listing_without_a_usable_index_reads_the_logs(fs: FileStorage) -> None:
+    populate(fs)
+    fs.close()
+    for name in ("catalog.db", "catalog.db-wal", "catalog.db-shm"):
+        (fs.dir / name).unlink(missing_ok=True)
+    (fs.dir / "catalog.db").mkdir()  # cannot be opened, as in a state dir this process may not write
+    blocked = FileStorage(fs.dir)
+    assert ids(blocked.list_runs()) == ["e", "d", "b", "a", "f", "c"]
+    assert ids(blocked.list_runs(state="open", limit=2)) == ["e", "f"]
+    assert blocked.count_runs(workflow="x") == 3
+    blocked.create("g", header("g"))  # runs are still created; only the index is skipped
+    assert blocked.count_runs() == 7

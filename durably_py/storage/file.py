@@ -648,8 +648,14 @@ class FileStorage:
         limit, offset = validate_page(limit, offset)
         if not self.runs_dir.exists():
             return []
+        import sqlite3
+
+        try:
+            ids = self.catalog().query(query, limit, offset)
+        except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
+            ids = self.catalog().scan(query, limit, offset)[0]
         infos = []
-        for run_id in self.catalog().query(query, limit, offset):
+        for run_id in ids:
             info = self.info(run_id)
             if info is not None:
                 infos.append(info)
@@ -660,7 +666,12 @@ class FileStorage:
         query = RunFilter.of(**where)
         if not self.runs_dir.exists():
             return 0
-        return self.catalog().count(query)
+        import sqlite3
+
+        try:
+            return self.catalog().count(query)
+        except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
+            return self.catalog().scan(query, None, 0)[1]
 
     def delete(self, run_id: str) -> int | None:
         """Remove a run for good: its identity binding (while it still names this run), queue entry, log,

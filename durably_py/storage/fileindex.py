@@ -74,6 +74,8 @@ class FileCatalog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 conn = self._open()
+            except sqlite3.OperationalError:  # cannot be opened (a read-only state dir): the caller scans logs
+                raise
             except sqlite3.DatabaseError:  # a damaged index is thrown away: the logs rebuild it
                 for suffix in ("", "-wal", "-shm"):
                     Path(f"{self.path}{suffix}").unlink(missing_ok=True)
@@ -211,6 +213,14 @@ class FileCatalog:
                      if self._size(run_id) != size]
         for run_id in stale:
             self.refresh(run_id)
+
+    def scan(self, where: RunFilter, limit: int | None, offset: int) -> tuple[list[str], int]:
+        """Without the index (it cannot be opened or written): the ids of a page of matching runs and how
+        many match, from reading every log, newest first."""
+        rows = [row for row in (self._scan(run_id, None) for run_id in self._names()) if row is not None]
+        found = sorted((row for row in rows if where.matches(row[0], row[4], row[1], row[2], row[3], row[5])),
+                       key=lambda row: (row[5], row[0]), reverse=True)
+        return [row[0] for row in found[offset: None if limit is None else offset + limit]], len(found)
 
     def _size(self, run_id: str) -> int:
         try:
