@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -88,6 +88,8 @@ except ImportError:  # pragma: no cover - Windows
 
 if TYPE_CHECKING:
     from .fileindex import FileCatalog
+
+_T = TypeVar("_T")
 
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
@@ -632,6 +634,19 @@ class FileStorage:
         except sqlite3.Error:
             pass
 
+    def _catalogued(self, ask: Callable[[FileCatalog], _T]) -> _T:
+        """`ask` the catalog; a damaged one (not a database any more) is thrown away and asked again,
+        rebuilt from the logs."""
+        import sqlite3
+
+        try:
+            return ask(self.catalog())
+        except sqlite3.OperationalError:
+            raise
+        except sqlite3.DatabaseError:
+            self.catalog().reset()
+            return ask(self.catalog())
+
     def _run_names(self) -> list[str]:
         """The ids of every run that has a log."""
         try:
@@ -651,7 +666,7 @@ class FileStorage:
         import sqlite3
 
         try:
-            ids = self.catalog().query(query, limit, offset)
+            ids = self._catalogued(lambda catalog: catalog.query(query, limit, offset))
         except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
             ids = self.catalog().scan(query, limit, offset)[0]
         infos = []
@@ -669,7 +684,7 @@ class FileStorage:
         import sqlite3
 
         try:
-            return self.catalog().count(query)
+            return self._catalogued(lambda catalog: catalog.count(query))
         except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
             return self.catalog().scan(query, None, 0)[1]
 

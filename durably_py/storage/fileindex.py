@@ -1,8 +1,8 @@
 """The file adapter's run catalog: one SQLite table beside the logs, rebuilt from them whenever in doubt.
 
 The logs stay the truth; this index only answers "which runs match, newest first" without opening every
-log. It lives in ``<dir>/catalog.db`` (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``: never an fsync of
-its own on the step path), one row per run: workflow, key, parent (from the header), state (``open`` or the
+log. It lives in ``<dir>/catalog.db`` (stdlib ``sqlite3``, WAL, ``synchronous=OFF``: never an fsync of its
+own; a file damaged by a machine crash is thrown away and rebuilt), one row per run: workflow, key, parent (from the header), state (``open`` or the
 end status) and when the run was last active.
 
 `FileStorage` writes a row when it creates a run (before its log exists, so a crash in between leaves a row
@@ -45,8 +45,6 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE INDEX IF NOT EXISTS runs_by_updated ON runs (updated DESC, run_id DESC);
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state, updated DESC);
 CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
-CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
-CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL;
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value);
 """
 
@@ -87,11 +85,10 @@ class FileCatalog:
         conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA synchronous=OFF")  # a cache of the logs: never an fsync, rebuilt if damaged
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            conn.execute("PRAGMA quick_check(1)").fetchone()
         except BaseException:
             conn.close()
             raise
@@ -109,6 +106,13 @@ class FileCatalog:
                 if db.in_transaction:
                     db.execute("ROLLBACK")
                 raise
+
+    def reset(self) -> None:
+        """Throw the index away (it is damaged); the next use rebuilds it from the logs."""
+        with self._lock:
+            self.close()
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
 
     def close(self) -> None:
         with self._lock:
