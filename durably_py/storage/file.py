@@ -276,8 +276,6 @@ class FileStorage:
             queued = not self._entry_path(run_id).exists() and not log.exists()
             if queued:
                 self._write_entry(entry)
-        if queued:
-            self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
         try:
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
@@ -290,7 +288,6 @@ class FileStorage:
             except FileExistsError:
                 if queued:
                     self._entry_path(run_id).unlink(missing_ok=True)
-                    self._indexed(lambda catalog: catalog.refresh(run_id))
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
                     hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
@@ -301,6 +298,9 @@ class FileStorage:
                 self._create_exclusive(log, run_id, header)
         finally:
             tmp.unlink()
+        # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
+        # between leaves a log without a row, which the next listing finds (``runs/`` changed)
+        self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
 
     def _create_exclusive(self, log: Path, run_id: str, header: bytes) -> None:  # pragma: no cover
         """`create` where hard links are unavailable: O_EXCL plus a single write."""

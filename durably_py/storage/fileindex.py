@@ -5,8 +5,8 @@ log. It lives in ``<dir>/catalog.db`` (stdlib ``sqlite3``, WAL, ``synchronous=OF
 own; a file damaged by a machine crash is thrown away and rebuilt), one row per run: workflow, key, parent (from the header), state (``open`` or the
 end status) and when the run was last active.
 
-`FileStorage` writes a row when it creates a run (before its log exists, so a crash in between leaves a row
-without a log, which a listing drops) and refreshes it when a run is claimed, queued again or taken out of
+`FileStorage` writes a row when it creates a run (after its log exists: a crash in between leaves a log
+without a row, which the next listing's reconcile finds) and refreshes it when a run is claimed, queued again or taken out of
 the queue (it ended). Nothing is written per step or per append. Before answering, a query
 
 - rebuilds the table from the logs when it is missing, unreadable or empty while logs exist;
@@ -82,7 +82,7 @@ class FileCatalog:
         return self._conn
 
     def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None, check_same_thread=False)
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=OFF")  # a cache of the logs: never an fsync, rebuilt if damaged
