@@ -475,12 +475,13 @@ class RunKernel:
         except Exception:  # noqa: BLE001 - listeners must never fail the run
             pass
 
-    def advise(self, code: str, measure: float, msg: str, level: str | None = None) -> None:
-        """Report an advisory when `measure` crosses one of the code's thresholds (or at `level`); store emissions."""
+    def advise(self, code: str, measure: float, msg: str, level: str | None = None, **fmt: Any) -> None:
+        """Report an advisory when `measure` crosses one of the code's thresholds (or at `level`); store emissions.
+        `fmt` fills the `{names}` of the catalogue's hint."""
         level = level or level_for(code, measure)
         if level is None:
             return
-        emitted = self.advisories.report(code, level, msg)
+        emitted = self.advisories.report(code, level, msg, **fmt)
         if emitted is not None and not self.dead:
             self.write(records.Advice(advisory=emitted.to_dict()))
 
@@ -1007,7 +1008,8 @@ class RunKernel:
         prefix = self.scope().alloc()
         if len(pairs) > self.engine.concurrency:
             self.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
-                        f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once")
+                        f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once",
+                        children=len(pairs), concurrency=self.engine.concurrency)
         return self._spawn_all(prefix, pairs, detached)
 
     async def _spawn_all(self, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> list[RunHandle]:

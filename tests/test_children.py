@@ -115,6 +115,7 @@ def test_engine_concurrency_caps_children_and_is_advised() -> None:
     assert active["peak"] == 2
     assert [a.code for a in seen] == ["CONCURRENCY_CAPPED"]
     assert "6 children" in seen[0].msg and "2 at once" in seen[0].msg
+    assert "above 2" in seen[0].hint and "the 6 children" in seen[0].hint and "{" not in seen[0].hint
 
 
 def test_unjoined_children_finish_before_the_parent_completes(tmp_path) -> None:
