@@ -264,3 +264,29 @@ def test_file_listing_without_a_usable_index_reads_the_logs(fs: FileStorage) -> 
     assert blocked.count_runs(workflow="x") == 3
     blocked.create("g", header("g"))  # runs are still created; only the index is skipped
     assert blocked.count_runs() == 7
+
+
+def test_an_sqlite_database_from_before_the_catalog_gets_it_on_first_use(tmp_path: Path) -> None:
+    import sqlite3
+
+    from durably_py.storage import sqlite as adapter
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    for statement in adapter._SCHEMA.split(";"):  # the tables as they were before the catalog's columns
+        if statement.strip():
+            db.execute(statement)
+    db.execute("PRAGMA user_version=3")
+    logs = {"done": header("done", workflow="x", key="k-done") + line(t="end", status="completed")
+            + line(t="claim", epoch=2, owner="o", at="2024"),
+            "open": header("open", workflow="y", parent="done") + line(t="ok", p="0", v=1)}
+    for at, (run_id, data) in enumerate(logs.items()):
+        db.execute("INSERT INTO runs (run_id, header, created, updated, last, size) VALUES (?, ?, ?, ?, ?, ?)",
+                   (run_id, data.split(b"\n")[0] + b"\n", at, at, data.rstrip(b"\n").rsplit(b"\n", 1)[1] + b"\n",
+                    len(data)))
+        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data))
+    db.close()
+    store = SqliteStorage(path)
+    assert ids(store.list_runs(state="completed")) == ["done"]  # its claim after the end keeps it ended
+    assert ids(store.list_runs(state="open", workflow="y", parent="done")) == ["open"]
+    assert ids(store.list_runs(key_prefix="k-")) == ["done"] and store.count_runs() == 2
