@@ -39,6 +39,7 @@ from .errors import (
     StaleRunError,
     StepInterruptedError,
     StepTimeoutError,
+    StorageFullError,
     ValidationError,
     WaitTimeoutError,
 )
@@ -389,6 +390,7 @@ class RunKernel:
         self.holding: asyncio.Future[None] | None = None
         self.replay_error: PurityError | StaleRunError | None = None
         self.lost: LeaseLostError | None = None
+        self.full: StorageFullError | None = None  # a write refused for space: nothing more is written
         self.watchdog = Watchdog()
         self.placement = engine.placement
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
@@ -410,12 +412,17 @@ class RunKernel:
             raise Crash()
         if self.lost is not None:
             raise self.lost
+        if self.full is not None:
+            raise self.full
         data = records.encode(rec)
         with self.lock:
             try:
                 self.storage.append(self.lease, data)
             except LeaseLostError as exc:
                 self.lost = exc
+                raise
+            except StorageFullError as exc:  # a smaller record might still fit: the run stops here all the same
+                self.full = exc
                 raise
             self.history.add(rec)
             self.since_compaction += len(data)
@@ -1532,6 +1539,10 @@ class RunKernel:
                 raise Crash() from exc
             if self.lost is not None:
                 raise self.lost from (None if exc is self.lost else exc)
+            if self.full is not None:  # never a failed run, never compensated: it resumes once there is space
+                if exc is self.full:
+                    raise
+                raise self.full from exc
             if self.replay_error is not None:
                 raise self.replay_error from (None if exc is self.replay_error else exc)
             cancelled = self.cancel_error or (exc if isinstance(exc, RunCancelledError) else None)

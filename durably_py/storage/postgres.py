@@ -20,6 +20,7 @@ by the threads of a process behind a lock; a broken connection is dropped and re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 import threading
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, StorageFullError, ValidationError
 from .base import (
     Check,
     Choose,
@@ -165,6 +166,32 @@ def _psycopg() -> Any:
     return psycopg
 
 
+FULL_SQLSTATES = {
+    "53100": "Free disk space on the database server (or raise its quota or file size limit), then run the same "
+             "command again: the run resumes from its last complete record.",
+    "53400": "Raise the server's limit the message names (e.g. temp_file_limit), then run the same command again: "
+             "the run resumes from its last complete record.",
+}
+"""The SQLSTATEs of a write refused for lack of space: disk_full, and configuration_limit_exceeded (a
+temp_file_limit or similar quota). Each is a `StorageFullError` with its hint."""
+
+
+def storage_full(exc: BaseException, schema: str) -> StorageFullError | None:
+    """`StorageFullError` for a psycopg error whose SQLSTATE says the server is out of space, else None.
+
+    The statement (or transaction) failed as a whole, so nothing of the write was kept."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate not in FULL_SQLSTATES:
+        return None
+    diag = getattr(exc, "diag", None)
+    detail = getattr(diag, "message_primary", None) or str(exc).strip()
+    error = StorageFullError(
+        f"could not write to PostgreSQL schema {schema}: {detail} (SQLSTATE {sqlstate}); nothing of this write "
+        "was kept", hint=FULL_SQLSTATES[sqlstate], path=f"PostgreSQL schema {schema}")
+    error.errno = errno.ENOSPC
+    return error
+
+
 def _digest(identity: str) -> str:
     """The key an identity is stored under: fixed-size, so any identity fits a btree index."""
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
@@ -249,17 +276,21 @@ class PostgresStorage:
     def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
         """A cursor with the lock held: each statement commits on its own, or all in one `transaction`."""
         with self._lock:
-            conn = self._db()
+            conn: psycopg.Connection[Any] | None = None
             try:
+                conn = self._db()  # its first use creates the schema: a full disk is reported there too
                 if transaction:
                     with conn.transaction(), conn.cursor() as cur:
                         yield cur
                 else:
                     with conn.cursor() as cur:
                         yield cur
-            except BaseException:
-                if conn.broken:
+            except BaseException as exc:
+                if conn is not None and conn.broken:
                     self._drop()
+                full = storage_full(exc, self.schema)
+                if full is not None:
+                    raise full from exc
                 raise
 
     def _write(self, query: str, params: tuple[Any, ...]) -> int:
