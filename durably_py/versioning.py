@@ -90,7 +90,7 @@ async def adopt(engine: Engine, run: str, path: Any = None, *, on_step: Callable
                                   f"`durably inspect {run_id}`.", docs=DOCS, run_id=run_id)
         return chosen
 
-    if not engine.operations.amend(run_id, record):  # (taking the lease clears `stale`; it was checked above)
+    if not engine.operations.amend(run_id, record):  # (the adopt record clears `stale`; it was checked above)
         raise busy
     engine.storage.schedule(run_id, time.time())  # due again: any worker may continue it too
     return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
