@@ -978,7 +978,7 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
 
 
 RunOrFilterArgument = Annotated[str | None, typer.Argument(
-    metavar="[RUN]", show_default=False, help="A run id or a run key; or select runs with --status/--workflow.")]
+    metavar="RUN", show_default=False, help="A run id or a run key; or select runs with --status/--workflow.")]
 BulkStatusOption = Annotated[list[str] | None, typer.Option(
     "--status", "-s", metavar="STATUS", show_default=False,
     help="Act on every run with this status (repeat for several) instead of one RUN; asks first.")]
