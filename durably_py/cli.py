@@ -657,7 +657,9 @@ def _next_move(state: RunState) -> str | None:
         return f"durably resume {run_id}"
     if state.status == "interrupted":
         done = [s for s in state.steps if s.status in ("ok", "failed")]
-        after = f" (cut off after {_path(done[-1].path)} {done[-1].label})" if done else " (cut off before its first step)"
+        inside = [s for s in state.steps if s.status == "interrupted"]
+        after = f" (cut off in {', '.join(f'{_path(s.path)} {s.label}' for s in inside)})" if inside else \
+            f" (cut off after {_path(done[-1].path)} {done[-1].label})" if done else " (cut off before its first step)"
         return f"durably retry {run_id} resumes it{after}"
     if state.status == "failed":
         return f"durably retry {run_id} resumes it at the failed step"

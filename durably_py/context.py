@@ -66,7 +66,9 @@ _OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call s
 class AttemptContext:
     """The running attempt of one step: its number, stash, idempotency key and cancellation flag."""
 
-    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event")
+    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event", "label")
+
+    label: str  # the step's label, set by the kernel as the attempt starts
 
     def __init__(self, kernel: Kernel, path: str, number: int, stashed: Any) -> None:
         self.kernel = kernel

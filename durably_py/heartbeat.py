@@ -3,8 +3,9 @@
 One daemon thread per engine renews the lease of every run the engine holds, every `heartbeat` seconds,
 and while one of those runs has been inside a step for longer than the control interval, it lists the
 run's inbox: a cancel or pause request sent meanwhile is handed to the run's event loop at once (and a
-cancel also flags the running attempts, so sync code polling `attempt().cancelled` can stop). The event
-loop itself may be blocked by a step running on it; none of this waits for it.
+cancel also flags the running attempts, so sync code polling `attempt().cancelled` can stop). Once a
+run has been inside steps for `START_RECORD_AFTER` seconds, it records a `start` for each running one,
+so a process killed inside a long step leaves which step it was in. The event loop itself may be blocked by a step running on it; none of this waits for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .storage.base import Lease, Storage
 
 CONTROL_NAMES = ("$cancel", "$pause", "$resume")
+START_RECORD_AFTER = 2.0  # seconds inside steps before the running ones get a start record
 
 
 class Heartbeat:
@@ -67,8 +69,10 @@ class Heartbeat:
                 if now >= due[0]:
                     due[0] = now + self.every
                     self._renew(kernel, lease)
-                if kernel.step_running_since is not None and now - kernel.step_running_since >= self.control_every \
-                        and now >= kernel.next_control:
+                busy = now - kernel.step_running_since if kernel.step_running_since is not None else 0.0
+                if busy >= START_RECORD_AFTER:
+                    self._record_starts(kernel)
+                if busy >= self.control_every and now >= kernel.next_control:
                     self._watch_inbox(kernel, loop)
 
     def _renew(self, kernel: RunKernel, lease: Lease) -> None:
@@ -80,6 +84,12 @@ class Heartbeat:
             kernel.lost = LeaseLostError(
                 f"run {lease.run_id} was claimed by another process after this one's lease lapsed; "
                 "this process stops writing to it", run_id=lease.run_id)
+
+    def _record_starts(self, kernel: RunKernel) -> None:
+        try:
+            kernel.record_long_steps()
+        except Exception:  # noqa: BLE001 - a start record is a courtesy to `inspect`; the step's result is what counts
+            pass
 
     def _watch_inbox(self, kernel: RunKernel, loop: asyncio.AbstractEventLoop) -> None:
         try:

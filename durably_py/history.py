@@ -410,12 +410,13 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
                              output={"signal": wait.name, "deadline": wait.deadline})
         elif path in history.wakes:
             step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path].at})
-        elif fail is not None:
+        elif fail is not None and (path not in history.starts or history.starts[path].attempt <= fail.attempt):
             step = StepState(path_tuple(path), fail.label, "retrying", fail.attempt, fail.ms, error=fail.error,
                              finished_at=_ts(fail.ts))
         else:
             start = history.starts[path]
-            step = StepState(path_tuple(path), start.label, "interrupted", start.attempt)
+            step = StepState(path_tuple(path), start.label, "running" if held else "interrupted", start.attempt,
+                             error=fail.error if fail is not None else None)
         park = history.park
         if park is not None and park.path == path and park.until is not None and step.status == "retrying":
             step.output = {"retry_at": park.until}

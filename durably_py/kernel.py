@@ -125,6 +125,8 @@ class Attempt(Protocol):
     kernel: Any
     path: str
     did_stash: bool
+    number: int
+    label: str  # set by the kernel as the attempt starts
 
     @property
     def cancelled(self) -> bool: ...
@@ -394,6 +396,7 @@ class RunKernel:
         self.watchdog = Watchdog()
         self.placement = engine.placement
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
+        self.marked: set[Attempt] = set()  # running attempts whose start the heartbeat recorded
         self.step_running_since: float | None = None
         self.next_yield = 0.0
         self.branches = 0
@@ -426,6 +429,29 @@ class RunKernel:
                 raise
             self.history.add(rec)
             self.since_compaction += len(data)
+
+    def record_long_steps(self) -> None:
+        """Record a `start` for every attempt still running since the heartbeat's last look (called from the
+        heartbeat thread while a step has run for a while), so a process killed inside a long step leaves
+        which step it was in for `inspect`. Quick steps never pay for it; nothing is fsynced; the in-memory
+        history is left alone (the records matter to a later process only)."""
+        running = list(self.running)
+        since = self.step_running_since
+        for att in running:
+            if att in self.marked:
+                continue
+            self.marked.add(att)
+            recorded = self.history.starts.get(att.path)
+            if recorded is not None and recorded.attempt == att.number:  # an unsafe step's start, fsynced
+                continue
+            # the time it started when it is the only step running (else: now, the latest it can have started)
+            ts = time.time() - (time.monotonic() - since) if len(running) == 1 and since is not None else time.time()
+            data = records.encode(records.Start(path=att.path, label=att.label, attempt=att.number, ts=ts))
+            with self.lock:
+                if self.dead or self.lost is not None or att not in self.running:
+                    continue
+                self.storage.append(self.lease, data)
+        self.marked.intersection_update(running)
 
     def compact_loops(self) -> None:
         """After a loop snapshot: rewrite the log without the records snapshots cover, every
@@ -645,6 +671,7 @@ class RunKernel:
                 self.sync()
             stash = self.history.stashes.get(path)
             att = self.attempt_cls(self, path, number, load_value(stash.value) if stash else None)
+            att.label = label
             token = current_attempt.set(att)
             self.executions[path] = self.executions.get(path, 0) + 1
             if self.on_step is not None:

@@ -95,7 +95,7 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                 continue
             ms = rec["ms"] if isinstance(rec.get("ms"), int | float) else 0.0
             opened = open_.pop(path, None)
-            start = opened.start if opened is not None else ts - ms / 1000
+            start = ts - ms / 1000 if opened is None else min(opened.start, ts - ms / 1000) if ms else opened.start
             if opened is not None:
                 out.remove(opened)
             detail = _error(rec)
