@@ -46,6 +46,7 @@ from .resources import Gates, Resource
 from .runs import PruneReport, Runs, check_retention
 from .schedules import Schedule
 from .storage import FileStorage, RunInfo, Storage, validate_key
+from .storage.base import NewRun
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
 from .timeline import Span
@@ -516,31 +517,52 @@ class Engine:
                 **extra: Any) -> None:
         """Write the header of a run whose identity is already bound to `run_id`, and queue it (due at `at`,
         None: now). An id that exists already is a loud `ValidationError`, never a silent re-bind."""
-        header = log_format.Header(v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name,
-                                fingerprint=workflow.fingerprint, key=key, input=wire_input,
-                                input_digest=input_digest, identity=identity, budget=budget,
-                                created_at=to_iso(datetime.now(UTC)), script=script_of(workflow),
-                                module=workflow.fn.__module__, ts=time.time(), **extra)
-        self.storage.create(run_id, log_format.encode(header), at=at, priority=priority)
+        header = self._header(run_id, workflow, wire_input, input_digest, key, identity, budget, **extra)
+        self.storage.create(run_id, header, at=at, priority=priority)
+
+    @staticmethod
+    def _header(run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                identity: str, budget: dict[str, float] | None, **extra: Any) -> bytes:
+        """The header line of a new run."""
+        return log_format.encode(log_format.Header(
+            v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name, fingerprint=workflow.fingerprint,
+            key=key, input=wire_input, input_digest=input_digest, identity=identity, budget=budget,
+            created_at=to_iso(datetime.now(UTC)), script=script_of(workflow), module=workflow.fn.__module__,
+            ts=time.time(), **extra))
 
     # ---- child runs -----------------------------------------------------------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
-        identity = f"child:{parent}:{path}"
-        found = self.storage.lookup(identity)
-        if found is not None and self.storage.info(found) is not None:
-            return found
-        schema = workflow.input_schema
-        wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
-        if schema is not None:
-            wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
-        run_id = new_run_id(workflow.name)
-        if not self.storage.bind(identity, run_id, expect=found):
-            raise LeaseLostError(f"child {identity} of run {parent} was created by another process",
-                                 run_id=parent)
-        self._create(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
-                     parent=parent, detached=detached)
-        return run_id
+        return self.create_children(parent, [(path, workflow, input)], detached)[0]
+
+    def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
+                        detached: bool) -> builtins.list[str]:
+        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
+        yet are created as one batch (`Storage.create_bound`: one fsync or commit for all of them). Each child
+        is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
+        crash finds the children it created whether or not it recorded them."""
+        run_ids: builtins.list[str] = []
+        batch: builtins.list[NewRun] = []
+        for path, workflow, input in children:
+            identity = f"child:{parent}:{path}"
+            found = self.storage.lookup(identity)
+            if found is not None and self.storage.info(found) is not None:
+                run_ids.append(found)
+                continue
+            schema = workflow.input_schema
+            wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
+            if schema is not None:
+                wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
+            run_id = new_run_id(workflow.name)
+            header = self._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
+                                  parent=parent, detached=detached)
+            batch.append(NewRun(run_id, header, identity, found))
+            run_ids.append(run_id)
+        if batch:
+            lost = self.storage.create_bound(batch)
+            if lost is not None:
+                raise LeaseLostError(f"child {lost} of run {parent} was created by another process", run_id=parent)
+        return run_ids
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
         """The outcome of a child run in this process (at most `concurrency` children run at once).

@@ -143,6 +143,9 @@ class EngineServices(Protocol):
 
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str: ...
 
+    def create_children(self, parent: str, children: list[tuple[str, Workflow, Any]],
+                        detached: bool) -> list[str]: ...
+
     def start_child(self, run_id: str, workflow: Workflow | None, *,
                     rerun_failed: bool = False) -> asyncio.Future[Any]: ...
 
@@ -485,6 +488,11 @@ class RunKernel:
             self.sync_by_time and time.monotonic() - self.last_sync >= DEFAULT_SYNC_SECONDS
         ):
             self.sync()
+
+    def steps_done(self, count: int) -> None:
+        """Count `count` steps completed together (one batch of writes): at most one fsync for all of them."""
+        self.unsynced += count - 1
+        self.step_done()
 
     def sync(self) -> None:
         """Make everything written so far survive a machine crash."""
@@ -1047,17 +1055,28 @@ class RunKernel:
         return self._spawn_all(prefix, pairs, detached)
 
     async def _spawn_all(self, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> list[RunHandle]:
-        return [await self._spawn(f"{prefix}.{i}", wf, value, detached) for i, (wf, value) in enumerate(pairs)]
+        """Create the children not recorded yet as one batch (one durable write for all of them), then record
+        their spawns and make the records durable once: a crash leaves the children created before the
+        records, and a resumed parent finds each one created but not recorded through its identity."""
+        paths = [f"{prefix}.{i}" for i in range(len(pairs))]
+        run_ids = [self.spawned_id(path) if path in self.done else "" for path in paths]
+        missing = [(path, wf, value) for path, (wf, value) in zip(paths, pairs, strict=True) if path not in self.done]
+        if missing:
+            if self.observer is not None:
+                for path, _, _ in missing:
+                    self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
+            created = iter(self.engine.create_children(self.run_id, missing, detached))
+            for i, path in enumerate(paths):
+                if not run_ids[i]:
+                    run_ids[i] = next(created)
+                    self.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
+                                          value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=time.time()))
+            self.steps_done(len(missing))
+        return [self._spawned(run_id, wf, detached) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)]
 
     async def _spawn(self, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, "ctx.spawn")
-            run_id = rec.value.get("run_id") if isinstance(rec, records.Ok) and isinstance(rec.value, dict) else None
-            if not isinstance(run_id, str):
-                raise self.replay_failed(PurityError(
-                    f"the record of ctx.spawn at path {path_tuple(path)} names no child run",
-                    hint="The log was edited; start over with fresh=True.", run_id=self.run_id))
+        if path in self.done:
+            run_id = self.spawned_id(path)
         else:
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
@@ -1065,6 +1084,21 @@ class RunKernel:
             self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
                                   ms=0, ts=time.time()))
             self.step_done()
+        return self._spawned(run_id, workflow, detached)
+
+    def spawned_id(self, path: str) -> str:
+        """The child run the spawn recorded at `path` names."""
+        rec = self.done[path]
+        self.check_label(path, rec, "ctx.spawn")
+        run_id = rec.value.get("run_id") if isinstance(rec, records.Ok) and isinstance(rec.value, dict) else None
+        if not isinstance(run_id, str):
+            raise self.replay_failed(PurityError(
+                f"the record of ctx.spawn at path {path_tuple(path)} names no child run",
+                hint="The log was edited; start over with fresh=True.", run_id=self.run_id))
+        return run_id
+
+    def _spawned(self, run_id: str, workflow: Workflow, detached: bool) -> RunHandle:
+        """Hand a spawned child to whoever runs it (a worker when this run parks, else this process)."""
         if self.parks:
             if not detached:
                 self.attached[run_id] = None

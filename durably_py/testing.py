@@ -257,6 +257,9 @@ class _ReplayServices:
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         raise Crash()  # unreachable: the observer stops an unrecorded spawn first
 
+    def create_children(self, parent: str, children: list[tuple[str, Workflow, Any]], detached: bool) -> list[str]:
+        raise Crash()  # unreachable: the observer stops an unrecorded spawn first
+
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         done.set_result(None)  # a parent reads its children's results from its own join records

@@ -431,3 +431,81 @@ def test_only_running_children_hold_tasks(tmp_path) -> None:
     assert len(seen) == 300
     assert max(seen) <= 12, max(seen)       # the parent, its heartbeat and join watcher, 4 running children, ...
     assert not engine._pool.outcomes and not engine._pool.running and not engine._pool.pending
+
+
+BATCH_SCRIPT = """
+import asyncio, os, signal, sys
+from durably_py import FileStorage, SqliteStorage, create_engine, workflow
+
+kind, state, effects, where, at = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+storage = FileStorage(state) if kind == "file" else SqliteStorage(os.path.join(state, "runs.db"))
+seen = {"create": 0, "append": 0}
+
+
+def counted(name, method):
+    def wrapper(*args, **kwargs):
+        if where == name and seen[name] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out = method(*args, **kwargs)
+        if name == "create" or b'"ctx.spawn"' in args[1]:
+            seen[name] += 1
+        return out
+    return wrapper
+
+
+storage.create = counted("create", storage.create)  # inside FileStorage.create_bound; SQLite's is one commit
+storage.append = counted("append", storage.append)
+
+
+def mark(n):
+    with open(effects, "a") as f:
+        f.write(f"{n}\\n")
+    return n
+
+
+@workflow
+async def kid(ctx, n):
+    return await ctx.step(mark, n)
+
+
+@workflow
+async def mom(ctx, count):
+    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
+    return sum(r.value for r in await ctx.join_all(handles))
+
+
+print(asyncio.run(create_engine(storage).run(mom, 12, key="mom")))
+"""
+
+
+@pytest.mark.parametrize(("kind", "where", "at"), [("file", "create", 5), ("file", "append", 7),
+                                                    ("sqlite", "append", 7)])
+def test_a_parent_killed_in_a_spawn_all_batch_resumes_with_each_child_once(tmp_path, kind, where, at) -> None:
+    """SIGKILL inside the batch that creates the children, or among the spawn records written after it: the
+    resumed parent finds every child created before the kill (recorded or not), creates the others, and each
+    child runs once; no child is left over that the parent does not name."""
+    import json
+    import subprocess
+    import sys
+
+    from durably_py import SqliteStorage
+
+    script = tmp_path / "batch.py"
+    script.write_text(BATCH_SCRIPT)
+    state, effects = tmp_path / "state", tmp_path / "effects.txt"
+    state.mkdir()
+    killed = subprocess.run([sys.executable, str(script), kind, str(state), str(effects), where, str(at)],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -9, killed.stderr
+    done = subprocess.run([sys.executable, str(script), kind, str(state), str(effects), "none", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(sum(range(12)))
+    assert sorted(int(n) for n in effects.read_text().split()) == list(range(12))
+    storage = FileStorage(state) if kind == "file" else SqliteStorage(state / "runs.db")
+    engine = create_engine(storage)
+    recorded = [r for r in asyncio.run(engine.records("mom")) if r.get("l") == "ctx.spawn"]
+    named = [r["v"]["run_id"] for r in recorded]
+    assert len(named) == len(set(named)) == 12
+    kids = [r.run_id for r in asyncio.run(engine.list()) if r.workflow == "kid"]
+    assert sorted(kids) == sorted(named), json.dumps([kids, named])

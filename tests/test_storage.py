@@ -371,6 +371,26 @@ def test_bind_is_a_compare_and_swap(store: Any) -> None:
     assert store.lookup("job") == "r2"
 
 
+def test_create_bound_binds_then_creates_in_order_and_stops_at_a_lost_binding(store: Any) -> None:
+    from durably_py.storage.base import NewRun
+
+    runs = [NewRun(f"c{i}", header(f"c{i}", workflow="kid", parent="p"), f"child:p:{i}") for i in range(3)]
+    assert store.create_bound(runs) is None
+    assert sorted(i.run_id for i in store.list_runs(workflow="kid", parent="p")) == ["c0", "c1", "c2"]
+    assert store.count_runs(parent="p") == 3
+    assert [store.lookup(f"child:p:{i}") for i in range(3)] == ["c0", "c1", "c2"]
+    assert [store.read(f"c{i}").records[0]["run_id"] for i in range(3)] == ["c0", "c1", "c2"]
+    assert {"c0", "c1", "c2"} <= set(store.due(10))
+    assert store.bind("child:p:4", "gone") is True  # bound to a run that is not there: rebound with expect
+    later = [NewRun("c3", header("c3"), "child:p:3"), NewRun("c4", header("c4"), "child:p:4", expect="gone"),
+             NewRun("c5", header("c5"), "child:p:0"), NewRun("c6", header("c6"), "child:p:6")]
+    assert store.create_bound(later) == "child:p:0"  # bound to c0 already: c5 and what follows are not created
+    assert store.lookup("child:p:3") == "c3" and store.lookup("child:p:4") == "c4"
+    assert store.lookup("child:p:0") == "c0" and store.lookup("child:p:6") is None
+    assert store.read("c4") is not None and store.read("c5") is None and store.read("c6") is None
+    assert store.create_bound([]) is None
+
+
 def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
     store.create("old", header("old", workflow="a"))
     time.sleep(0.02)

@@ -372,6 +372,26 @@ def claim_candidates(storage: Any, candidates: list[str], owner: str, ttl: float
     return leases
 
 
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """A run to create bound to an identity (see `Storage.create_bound`): `identity` must still point at
+    `expect` (None: at nothing, or a run id whose run is gone) when it is bound to `run_id`."""
+
+    run_id: str
+    header: bytes
+    identity: str
+    expect: str | None = None
+
+
+def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
+    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way."""
+    for run in runs:
+        if not storage.bind(run.identity, run.run_id, expect=run.expect):
+            return run.identity
+        storage.create(run.run_id, run.header)
+    return None
+
+
 @runtime_checkable
 class Storage(Protocol):
     """Where runs live. Appends are atomic and ordered per run; only a lease holder appends."""
@@ -427,6 +447,13 @@ class Storage(Protocol):
 
     def lookup(self, identity: str) -> str | None:
         """The run an identity points at, if any."""
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind each run's identity (as `bind` with its `expect`) then create it (as `create`, due now), in
+        order, as one batch made durable once at the end (a parent's children: one fsync or commit, not one
+        per child). Stops at the first identity another binding got to first and returns it (the runs before
+        it stay created); None when every run was created. A crash leaves a prefix of the batch, each
+        created run's identity bound before its log exists."""
 
     def info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag, without reading its whole log (None if unknown)."""

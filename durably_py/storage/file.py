@@ -53,6 +53,7 @@ from .base import (
     Choose,
     Lease,
     Log,
+    NewRun,
     QueueEntry,
     RunInfo,
     checked,
@@ -573,6 +574,32 @@ class FileStorage:
 
         The index file (named by the identity's SHA-256) is replaced atomically under a lock on its own
         ``.lock`` file, so two processes creating the same run at once agree on one of them."""
+        if not self._bind(identity, run_id, expect):
+            return False
+        _fsync_dir(self.index_dir)
+        self.fsyncs += 1
+        return True
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind and create each run in order: each binding's file is fsynced before its rename (as `bind`),
+        the index directory once for the batch instead of once per binding."""
+        lost = None
+        bound = False
+        try:
+            for run in runs:
+                if not self._bind(run.identity, run.run_id, run.expect):
+                    lost = run.identity
+                    break
+                bound = True
+                self.create(run.run_id, run.header)
+        finally:
+            if bound:
+                _fsync_dir(self.index_dir)
+                self.fsyncs += 1
+        return lost
+
+    def _bind(self, identity: str, run_id: str, expect: str | None) -> bool:
+        """`bind` but for making the rename durable (an fsync of the index directory, the caller's)."""
         path = self._index_path(identity)
         validate_run_id(run_id)
         if expect is not None:
@@ -595,8 +622,6 @@ class FileStorage:
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            _fsync_dir(self.index_dir)
-            self.fsyncs += 1
             return True
         finally:
             lock.release()

@@ -18,8 +18,10 @@ from .base import (
     Choose,
     Lease,
     Log,
+    NewRun,
     QueueEntry,
     RunInfo,
+    bind_and_create,
     checked,
     claim_candidates,
     claimed,
@@ -242,6 +244,10 @@ class MemoryStorage:
         validate_identity(identity)
         with self._lock:
             return self._index.get(identity)
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind and create each run in order (memory has nothing to make durable)."""
+        return bind_and_create(self, runs)
 
     def info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""

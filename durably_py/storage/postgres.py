@@ -35,8 +35,10 @@ from .base import (
     Choose,
     Lease,
     Log,
+    NewRun,
     QueueEntry,
     RunInfo,
+    bind_and_create,
     checked,
     claimed,
     decode_record,
@@ -564,6 +566,10 @@ class PostgresStorage:
         validate_identity(identity)
         rows = self._fetch(f"SELECT run_id FROM {self._identities} WHERE digest = %s", (_digest(identity),))
         return rows[0][0] if rows else None
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind and create each run in order, each bind and create its own commit."""
+        return bind_and_create(self, runs)
 
     # ---- listing ------------------------------------------------------------------------------
     def info(self, run_id: str) -> RunInfo | None:

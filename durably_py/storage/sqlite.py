@@ -35,6 +35,7 @@ from .base import (
     Choose,
     Lease,
     Log,
+    NewRun,
     QueueEntry,
     RunInfo,
     checked,
@@ -159,20 +160,24 @@ class SqliteStorage:
         fields = header_fields(validate_header(run_id, header))
         at = validate_at(at)
         validate_priority(priority)
-        header = bytes(header)
-        now = time.time()
         with self._lock, _transaction(self._db()) as db:
-            try:
-                db.execute(
-                    "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (run_id, header, now, now, header, len(header), *fields, OPEN),
-                )
-            except sqlite3.IntegrityError:
-                raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
-            db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
-                       (run_id, now if at is None else at, priority, now))
+            self._insert_run(db, run_id, bytes(header), fields, at, priority)
+
+    def _insert_run(self, db: sqlite3.Connection, run_id: str, header: bytes, fields: tuple[Any, ...],
+                    at: float | None, priority: int) -> None:
+        """Insert a new run's row, header record and queue entry (inside the caller's transaction)."""
+        now = time.time()
+        try:
+            db.execute(
+                "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, header, now, now, header, len(header), *fields, OPEN),
+            )
+        except sqlite3.IntegrityError:
+            raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
+        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
+        db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
+                   (run_id, now if at is None else at, priority, now))
 
     def _log_bytes(self, db: sqlite3.Connection, run_id: str) -> bytes:
         """The whole log of a run as one byte string."""
@@ -357,6 +362,28 @@ class SqliteStorage:
         with self._lock:
             row = self._db().execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
         return None if row is None else row[0]
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind and create each run in order in one transaction, committed durably (one fsync for the batch);
+        at an identity bound to another run, the runs before it are committed and that identity returned."""
+        fields = []
+        for run in runs:
+            validate_identity(run.identity)
+            validate_run_id(run.run_id)
+            if run.expect is not None:
+                validate_run_id(run.expect)
+            fields.append(header_fields(validate_header(run.run_id, run.header)))
+        lost = None
+        with self._lock, _durable(self, self._db()) as db:
+            for run, found in zip(runs, fields, strict=True):
+                row = db.execute("SELECT run_id FROM identities WHERE identity = ?", (run.identity,)).fetchone()
+                if (row[0] if row else None) != run.expect:
+                    lost = run.identity
+                    break
+                db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
+                           (run.identity, run.run_id))
+                self._insert_run(db, run.run_id, bytes(run.header), found, None, 0)
+        return lost
 
     def info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""
