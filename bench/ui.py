@@ -7,7 +7,8 @@
 Each figure is printed next to a floor measured in the same run on the same files: reading and
 parsing the run's whole log (run page), or reading the first and last line of every run's log (runs
 page). Browser figures (headless Chromium through Playwright) are measured when Debian's `chromium`
-is installed; they run from navigation start to the first step row / run row on screen.
+is installed; they run from navigation start to the first step row / run row on screen (a big run's
+page paints its first steps before the rest of the run and its timeline arrive; the bars row times those).
 Nothing here passes or fails: it prints a table.
 """
 
@@ -180,6 +181,8 @@ def main() -> None:
             row("browser baseline: the same for a 3-step run page", small)
             row("browser: navigation to first step row painted",
                 browser_ms(f"{url}/runs/{run_id}", ".wf-row", args.repeat), floor)
+            row("browser: navigation to the timeline's bars painted",
+                browser_ms(f"{url}/runs/{run_id}", ".wf-row .bar", args.repeat), floor)
         finally:
             proc.terminate()
             proc.wait(timeout=10)

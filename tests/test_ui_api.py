@@ -148,6 +148,26 @@ def test_run_events_stream_sends_the_state_first(client: TestClient) -> None:
     assert [s["label"] for s in snap["timeline"]] == ["tick 0", "tick 1"]
 
 
+def test_a_big_run_streams_its_first_steps_before_the_whole_run(client: TestClient,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from durably_py.ui import app
+
+    monkeypatch.setattr(app, "FIRST_STEPS", 1)  # "tiny" has two steps: more than one is a big run here
+    with client.stream("GET", "/api/runs/tiny/events") as stream:
+        lines = stream.iter_lines()
+        events = []
+        for _ in range(2):
+            assert next(lines) == "event: state"
+            events.append(json.loads(next(lines)[len("data: "):]))
+            assert next(lines) == ""
+    first, whole = events
+    assert first["partial"] == {"steps": 2, "done": 2}
+    assert [s["label"] for s in first["run"]["steps"]] == ["tick 0"] and first["timeline"] == []
+    assert "partial" not in whole
+    assert [s["label"] for s in whole["run"]["steps"]] == ["tick 0", "tick 1"]
+    assert [s["label"] for s in whole["timeline"]] == ["tick 0", "tick 1"]
+
+
 def test_runs_events_stream_sends_the_page(client: TestClient) -> None:
     with client.stream("GET", "/api/events", params={"workflow": "slow"}) as stream:
         lines = stream.iter_lines()

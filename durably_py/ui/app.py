@@ -14,6 +14,7 @@ import socket
 import time
 import webbrowser
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..engine import Engine
 from ..errors import DurablyError, RunNotFoundError, ValidationError
+from ..history import RunState
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
@@ -36,6 +38,7 @@ STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "complete
 MAX_LIMIT = 1000
 STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows
+FIRST_STEPS = 300  # a big run page paints from its first steps while the rest is read and sent
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
 
 
@@ -98,10 +101,22 @@ class Console:
         """Run a read-only engine call on a worker thread (its storage reads block)."""
         return await anyio.to_thread.run_sync(lambda: asyncio.run(call()))  # type: ignore[arg-type]
 
-    async def snapshot(self, run: str) -> dict[str, Any]:
-        """The run, its timeline and its graphs, as one JSON-ready object."""
+    async def first_look(self, run: str) -> tuple[RunState, dict[str, Any] | None]:
+        """The run, and for a run of more than `FIRST_STEPS` steps a partial snapshot a page paints at once:
+        the run's header, its first steps and every step that is not done, no timeline yet."""
+        state: RunState = await self.read(lambda: self.engine.inspect(run))
+        if len(state.steps) <= FIRST_STEPS:
+            return state, None
+        shown = state.steps[:FIRST_STEPS] + [s for s in state.steps[FIRST_STEPS:] if s.status != "ok"][:FIRST_STEPS]
+        head = replace(state, steps=shown).to_dict()
+        partial = {"steps": len(state.steps), "done": sum(s.status == "ok" for s in state.steps)}
+        return state, {"run": head, "timeline": [], "graphs": [], "children": [], "now": time.time(),
+                       "partial": partial}
+
+    async def snapshot(self, run: str, known: RunState | None = None) -> dict[str, Any]:
+        """The run, its timeline and its graphs, as one JSON-ready object (`known`: the run, already read)."""
         async def gather() -> dict[str, Any]:
-            state = await self.engine.inspect(run)
+            state = known if known is not None else await self.engine.inspect(run)
             spans = await self.engine.timeline(state.run_id)
             graphs = await self.engine.graph(state.run_id)
             children = []
@@ -284,19 +299,27 @@ class Console:
         if refused is not None:
             return refused
         run = request.path_params["run"]
-        try:
-            first = await self.snapshot(run)
-        except DurablyError as exc:
-            return _error(exc)
-        run_id = first["run"]["run_id"]
 
         def mark() -> Any:
             info = self.engine.storage.info(run_id)
             return None if info is None else (info.updated_at, _dumps(info.last), info.held, info.epoch)
 
+        try:
+            run_id = await anyio.to_thread.run_sync(lambda: self.engine.resolve(run))
+            seen = await anyio.to_thread.run_sync(mark)  # before the first read: no change slips between
+            state, partial = await self.first_look(run_id)
+        except DurablyError as exc:
+            return _error(exc)
+
         async def events() -> AsyncIterator[str]:
-            yield f"event: state\ndata: {_dumps(first)}\n\n"
-            seen = await anyio.to_thread.run_sync(mark)
+            nonlocal seen
+            if partial is not None:
+                yield f"event: state\ndata: {_dumps(partial)}\n\n"
+            try:
+                yield f"event: state\ndata: {_dumps(await self.snapshot(run_id, state))}\n\n"
+            except DurablyError as exc:
+                yield f"event: failure\ndata: {_dumps(error_body(exc))}\n\n"
+                return
             quiet = time.monotonic()
             while not await request.is_disconnected() and not self.stopping():
                 await asyncio.sleep(self.poll)

@@ -197,7 +197,8 @@ function runPage(runRef) {
     source.addEventListener("state", (e) => {
       const snap = JSON.parse(e.data);
       view.snap = snap;
-      setLive(ENDED.has(snap.run.status) ? "" : "on", ENDED.has(snap.run.status) ? "ended" : "live");
+      if (snap.partial) setLive("on", "loading…");
+      else setLive(ENDED.has(snap.run.status) ? "" : "on", ENDED.has(snap.run.status) ? "ended" : "live");
       if (snap.run.run_id !== runRef) { runRef = snap.run.run_id; history.replaceState(null, "", `/runs/${encodeURIComponent(runRef)}`); }
       render();
     });
@@ -233,7 +234,9 @@ function runPage(runRef) {
       main.replaceChildren(parts.head, h("div", { class: "split" }, parts.steps, parts.detail), parts.graph);
     }
     renderHead();
+    // A big run's first event holds its first steps only (no timeline): rows paint now, bars when the rest comes.
     waterfall.update(rowsOf(view.snap), view.snap);
+    if (view.snap.partial) return;
     if (view.selected === null && waterfall.rows.length) view.selected = waterfall.rows[waterfall.rows.length - 1].key;
     waterfall.select(view.selected);
     renderDetail();
@@ -246,14 +249,15 @@ function runPage(runRef) {
     const updated = run.updated_at ? Date.parse(run.updated_at) : created;
     const dur = ENDED.has(run.status) || run.status === "interrupted" ? (updated - created) / 1000 : view.snap.now - created / 1000;
     const fact = (label, value, wide) => value === null || value === undefined || value === "" ? null : h("div", { class: wide ? "wide" : null }, h("span", {}, label), h("b", {}, value));
-    const done = run.steps.filter((st) => st.status === "ok").length;
+    const partial = view.snap.partial;
+    const done = partial ? partial.done : run.steps.filter((st) => st.status === "ok").length;
     const spent = run.spent && Object.entries(run.spent).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`).join(", ");
     const budget = run.budget && Object.entries(run.budget).map(([k, v]) => `${k} ${v}`).join(", ");
     fill(parts.head, 
       h("div", { class: "runhead" }, h("h1", {}, run.workflow), badge(run.status), h("code", { class: "muted" }, run.run_id)),
       h("div", { class: "facts" },
         fact("key", run.key), fact("started", fmtTime(run.created_at)), fact("last activity", fmtTime(run.updated_at)),
-        fact("duration", fmtDuration(dur)), fact("steps done", `${done} of ${run.steps.length}`),
+        fact("duration", fmtDuration(dur)), fact("steps done", `${done} of ${partial ? partial.steps : run.steps.length}`),
         fact("workflow attempt", run.attempt ? String(run.attempt) : null),
         run.parent ? h("div", {}, h("span", {}, "parent run"), h("a", { href: `/runs/${encodeURIComponent(run.parent)}` }, run.parent)) : null,
         fact("budget", budget), fact("spent", spent), fact("script", run.script, true)),
@@ -280,7 +284,7 @@ function runPage(runRef) {
         onclick: () => confirmOp("pause", `Pause ${run.run_id}?`, "A run no process holds pauses at once; a running one pauses at its next step boundary.", {}) }, "Pause"),
       h("button", { type: "button", disabled: !canResume, "data-op": "resume",
         onclick: () => confirmOp("resume", `Resume ${run.run_id}?`, "The process waiting on it continues it; otherwise retry continues it.", {}) }, "Resume"),
-      h("button", { type: "button", disabled: !canRetry, "data-op": "retry", onclick: () => retryDialog(run) }, "Retry…"),
+      h("button", { type: "button", disabled: !canRetry || !!view.snap.partial, "data-op": "retry", onclick: () => retryDialog(run) }, "Retry…"),
       h("button", { type: "button", disabled: !canRestart, "data-op": "restart",
         onclick: () => confirmOp("restart", `Restart ${run.workflow}?`, "Starts it over as a new run with the same input and key, in the console's process. The old run's log is kept.", {}) }, "Restart"),
       h("button", { type: "button", class: "danger", disabled: !canCancel, "data-op": "cancel",
