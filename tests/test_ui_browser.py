@@ -44,11 +44,13 @@ def run_flow(state: Path, workflow: str, input: Any, *extra: str) -> subprocess.
 
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A store with a parallel run with retries, a task graph with its child runs, and a failed run."""
+    """A store with a parallel run with retries, a task graph with its child runs, a failed run, and a run of
+    parallel branches of several steps each."""
     state = tmp_path_factory.mktemp("browser") / ".durably"
     for workflow, input, extra in (("checkout", 129.9, ("--key", "order-7731")), ("pipeline", None, ()),
                                    ("fanout", 9, ("--key", "crawl-2026-05")),
-                                   ("approval", 75, ("--key", "expense-11", "--no-wait"))):
+                                   ("approval", 75, ("--key", "expense-11", "--no-wait")),
+                                   ("nested", 2, ("--key", "legs-2"))):
         run_flow(state, workflow, input, *extra).wait(timeout=60)
     return state
 
@@ -142,6 +144,28 @@ def test_run_page_shows_the_waterfall_of_a_parallel_run_with_retries(page: Any, 
     page.screenshot(path=str(shots(tmp_path) / "ui-run-dark.png"))
     page.set_viewport_size({"width": 390, "height": 800})
     assert fits(page)
+
+
+def test_step_tree_folds_and_unfolds_branches_from_the_keyboard(page: Any, server: str) -> None:
+    page.goto(f"{server}/runs/legs-2")
+    wait_for_status(page, "completed")
+    rows = page.locator(".wf-row")
+    paths = ["0", "0.0", "0.0.0", "0.0.1", "0.1", "0.1.0", "0.1.1", "1"]
+    playwright_api.expect(rows).to_have_count(len(paths))
+    assert [rows.nth(i).get_attribute("data-path") for i in range(len(paths))] == paths
+    assert "2 branches" in page.locator(".wf-row[data-path='0']").inner_text()
+    branch = page.locator(".wf-row[data-path='0.0'] .twisty")
+    branch.focus()
+    page.keyboard.press("Enter")
+    playwright_api.expect(rows).to_have_count(6)
+    assert page.locator(".wf-row[data-path='0.0.0']").count() == 0
+    assert page.locator(".wf-row[data-path='0.1.1']").count() == 1
+    playwright_api.expect(page.locator(".wf-row[data-path='0.0']")).to_have_attribute("aria-expanded", "false")
+    page.keyboard.press("ArrowRight")  # focus stays on the redrawn row's toggle
+    playwright_api.expect(rows).to_have_count(8)
+    page.locator(".wf-row[data-path='0'] .twisty").click()
+    playwright_api.expect(rows).to_have_count(2)
+    assert [rows.nth(i).get_attribute("data-path") for i in range(2)] == ["0", "1"]
 
 
 def test_graph_links_to_child_runs(page: Any, server: str, state: Path, tmp_path: Path) -> None:

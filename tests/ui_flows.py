@@ -95,3 +95,16 @@ async def checkout(ctx: Any, amount: float) -> str:
     """A run that fails: its charge is declined on every attempt."""
     await ctx.step(tick, 0, 0.01, name="reserve stock")
     return await ctx.step(charge, amount, name="charge card", retry=Retry(2, base=0.05))
+
+
+async def leg(ctx: Any, i: int) -> int:
+    """One branch of `nested`: two steps of its own."""
+    a = await ctx.step(tick, i, 0.01, name=f"leg {i} start")
+    return await ctx.step(tick, a, 0.01, name=f"leg {i} end")
+
+
+@workflow
+async def nested(ctx: Any, n: int) -> int:
+    """`n` parallel branches of two steps each (paths 0.i.0 and 0.i.1), then one step (path 1)."""
+    legs = await ctx.parallel([leg(ctx, i) for i in range(n)])
+    return await ctx.step(total, [{"words": r.value} for r in legs], name="merge")

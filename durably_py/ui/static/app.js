@@ -374,7 +374,7 @@ function runPage(runRef) {
 
   // ---- detail of the selected step ---------------------------------------------------------------
   function renderDetail() {
-    const row = waterfall.rows.find((r) => r.key === view.selected);
+    const row = waterfall.all.find((r) => r.key === view.selected);
     if (!row) { fill(parts.detail, h("h2", {}, "Step"), h("p", { class: "muted" }, "Select a step to see its output, error and attempts.")); return; }
     const st = row.step || {};
     const child = st.label === "ctx.spawn" && st.output && st.output.run_id;
@@ -484,6 +484,40 @@ function rowsOf(snap) {
       start: Date.parse(child.created_at) / 1000, end: open ? null : Date.parse(child.updated_at || child.created_at) / 1000,
       detail: `child run ${child.run_id} (${child.workflow})` });
   }
+  // A fan-out's or loop's position and each of its branches have no step of their own: a group row stands for
+  // each, spanning its steps, so the tree can fold them.
+  const groups = new Map();
+  for (const r of [...rows.values()]) {
+    for (let n = r.path.length - 1; n >= 1; n--) {
+      const key = pathText(r.path.slice(0, n));
+      const parent = rows.get(key);
+      if (parent && !parent.group) { parent.children = (parent.children || 0) + 1; break; }
+      let g = groups.get(key);
+      if (!g) {
+        g = { key, path: r.path.slice(0, n), label: "", status: "", step: null, spans: [], group: true, members: [], subgroups: 0 };
+        groups.set(key, g);
+        rows.set(key, g);
+      }
+      g.members.push(r);
+    }
+  }
+  const rank = ["failed", "running", "waiting", "sleeping", "pending", "paused", "cancelled"];
+  for (const g of groups.values()) {
+    const depth = g.path.length;
+    const direct = new Set(g.members.map((m) => pathText(m.path.slice(0, depth + 1))));
+    const branches = [...direct].filter((k) => groups.has(k)).length;
+    g.children = direct.size;
+    g.label = branches === direct.size ? `${branches} branches` : `branch ${g.path[depth - 1]} · ${g.members.filter((m) => !m.group).length} steps`;
+    const statuses = new Set(g.members.map((m) => m.status));
+    g.status = rank.find((x) => statuses.has(x)) || (statuses.has("ok") ? "ok" : [...statuses][0] || "");
+    let start = Infinity, end = -Infinity, open = false;
+    for (const m of g.members) for (const sp of m.spans) {
+      start = Math.min(start, sp.start);
+      if (sp.end === null) open = true; else end = Math.max(end, sp.end);
+    }
+    if (start < Infinity) g.spans.push({ path: g.path, label: g.label, kind: "group", status: g.status, attempt: 1, start,
+      end: open ? null : Math.max(end, start), detail: `${g.members.filter((m) => !m.group).length} steps` });
+  }
   const cmp = (a, b) => { for (let i = 0; i < Math.min(a.length, b.length); i++) if (a[i] !== b[i]) return a[i] - b[i]; return a.length - b.length; };
   return [...rows.values()].sort((a, b) => cmp(a.path, b.path));
 }
@@ -496,13 +530,36 @@ function makeWaterfall(onPick) {
   const inner = h("div", { class: "wf-rows" });
   const body = h("div", { class: "wf-body" }, inner);
   const el = h("div", { class: "wf" }, axis, body);
-  const wf = { el, rows: [], t0: 0, t1: 1, now: 0, selected: null };
+  const wf = { el, rows: [], all: [], collapsed: new Set(), t0: 0, t1: 1, now: 0, selected: null };
   let drawn = new Map();
   body.addEventListener("scroll", () => paint(false));
   window.addEventListener("resize", () => paint(true));
 
+  // The rows on show: every row but the descendants of a folded one (rows come sorted by path).
+  function visible() {
+    if (!wf.collapsed.size) return wf.all;
+    const out = [];
+    let folded = null;
+    for (const r of wf.all) {
+      if (folded !== null && r.key.startsWith(folded)) continue;
+      folded = wf.collapsed.has(r.key) && r.children ? r.key + "." : null;
+      out.push(r);
+    }
+    return out;
+  }
+  wf.toggle = (key, open) => {
+    const fold = open === undefined ? !wf.collapsed.has(key) : !open;
+    if (fold === wf.collapsed.has(key)) return;
+    if (fold) wf.collapsed.add(key); else wf.collapsed.delete(key);
+    wf.rows = visible();
+    inner.style.height = `${Math.max(wf.rows.length, 1) * ROW}px`;
+    paint(true);
+    const twisty = inner.querySelector(`.wf-row[data-path="${key}"] .twisty`);
+    if (twisty) twisty.focus();
+  };
   wf.update = (rows, snap) => {
-    wf.rows = rows;
+    wf.all = rows;
+    rows = wf.rows = visible();
     const run = snap.run;
     wf.now = snap.now;
     const created = Date.parse(run.created_at) / 1000;
@@ -545,10 +602,17 @@ function makeWaterfall(onPick) {
     }
     const st = r.step || {};
     const total = r.spans.filter((x) => x.kind === "attempt" && x.end !== null).reduce((a, x) => a + (x.end - x.start), 0);
-    const node = h("div", { class: `wf-row ${wf.selected === r.key ? "sel" : ""}`, style: `top: ${r.index * ROW}px`, "data-path": r.key, "data-status": r.status,
-      onclick: () => onPick(r) },
+    const open = !wf.collapsed.has(r.key);
+    const twisty = r.children ? h("button", { type: "button", class: "twisty", "aria-expanded": String(open),
+      "aria-label": `${open ? "Fold" : "Unfold"} ${r.key} (${r.children} below)`, title: open ? "fold (←)" : "unfold (→)",
+      onclick: (e) => { e.stopPropagation(); wf.toggle(r.key); },
+      onkeydown: (e) => {
+        if (e.key === "ArrowLeft" || e.key === "ArrowRight") { e.preventDefault(); wf.toggle(r.key, e.key === "ArrowRight"); }
+      } }, open ? "▾" : "▸") : h("span", { class: "twisty none" });
+    const node = h("div", { class: `wf-row ${r.group ? "group" : ""} ${wf.selected === r.key ? "sel" : ""}`, style: `top: ${r.index * ROW}px`, "data-path": r.key, "data-status": r.status,
+      "aria-expanded": r.children ? String(open) : null, onclick: () => onPick(r) },
       h("div", { class: "cols" },
-        h("span", { class: "name", style: `padding-left: ${(r.path.length - 1) * 14}px`, title: `${r.key} ${r.label}` }, h("span", { class: "path" }, r.key), r.label),
+        h("span", { class: "name", style: `padding-left: ${(r.path.length - 1) * 14}px`, title: `${r.key} ${r.label}` }, twisty, h("span", { class: "path" }, r.key), r.label),
         h("span", {}, badge(r.status)),
         h("span", { class: "num" }, st.attempts > 1 ? String(st.attempts) : ""),
         h("span", { class: "num" }, total ? fmtDuration(total) : st.ms ? fmtDuration(st.ms / 1000) : "")),
