@@ -88,6 +88,17 @@ def test_runs_list_pages_through_every_run_once(client: TestClient) -> None:
     assert pages[-1] == []
 
 
+def test_count_matches_the_listing_for_every_filter(client: TestClient) -> None:
+    later = (datetime.now(UTC) + timedelta(minutes=5)).isoformat()
+    for query in ({}, {"workflow": "stage"}, {"status": "waiting"}, {"key": "tiny"}, {"q": "PIPE"},
+                  {"since": later}, {"until": later}, {"workflow": "stage", "status": "completed", "q": "stage"}):
+        listed = client.get("/api/runs", params={**query, "limit": 1000}).json()
+        assert client.get("/api/count", params=query).json() == {"count": len(listed)}, query
+    assert client.get("/api/count", params={"workflow": "stage"}).json()["count"] == 5
+    answer = client.get("/api/count", params={"status": "done"})
+    assert answer.status_code == 400 and answer.json()["hint"]
+
+
 @pytest.mark.parametrize("query", [{"status": "done"}, {"limit": 0}, {"limit": 5000}, {"offset": -1},
                                    {"limit": "many"}, {"since": "yesterday"}])
 def test_bad_list_queries_answer_400_with_a_hint(client: TestClient, query: dict[str, Any]) -> None:

@@ -143,11 +143,12 @@ function runsPage() {
     return p.toString();
   }
   function reload() {
+    total = null;
     history.replaceState(null, "", "/" + (query() ? "?" + query() : ""));
     if (source) source.close();
     tbody.replaceChildren(h("tr", {}, h("td", { colspan: 8, class: "note" }, "loading…")));
     source = new EventSource(`/api/events?${query({ limit: state.limit + 1 })}`);
-    source.addEventListener("runs", (e) => { setLive("on", "live"); problem.replaceChildren(); render(JSON.parse(e.data)); });
+    source.addEventListener("runs", (e) => { setLive("on", "live"); problem.replaceChildren(); render(JSON.parse(e.data)); counted(); });
     source.addEventListener("failure", (e) => { problem.replaceChildren(errorBanner(JSON.parse(e.data))); source.close(); });
     source.onerror = () => {
       setLive("off", "reconnecting…");
@@ -156,14 +157,30 @@ function runsPage() {
       }).catch(() => {});
     };
   }
+  // The number of matching runs, asked again whenever the page changed (a new run may have arrived).
+  let total = null, asked = 0;
+  function counted() {
+    const ask = ++asked, q = query();
+    fetch(`/api/count?${q}`).then((r) => (r.ok ? r.json() : null)).then((data) => {
+      if (ask !== asked || !data) return;
+      total = data.count;
+      showInfo();
+    }).catch(() => {});
+  }
+  let shownCount = 0, more = false;
+  function showInfo() {
+    const of = total === null ? "" : ` of ${total.toLocaleString("en")}`;
+    info.textContent = shownCount ? `runs ${state.offset + 1}–${state.offset + shownCount}${of}${more ? "" : " (last page)"}` : total === 0 ? "" : of ? `${total.toLocaleString("en")} runs` : "";
+  }
   function render(runs) {
-    const more = runs.length > state.limit;
+    more = runs.length > state.limit;
     const shown = runs.slice(0, state.limit);
+    shownCount = shown.length;
     const names = new Set(shown.map((r) => r.workflow));
     workflows.replaceChildren(...[...names].sort().map((n) => h("option", { value: n })));
     prev.disabled = state.offset === 0;
     next.disabled = !more;
-    info.textContent = shown.length ? `runs ${state.offset + 1}–${state.offset + shown.length}${more ? "" : " (last page)"}` : "";
+    showInfo();
     if (!shown.length) {
       const filtered = ["q", "status", "workflow", "key", "since", "until"].some((k) => state[k]);
       tbody.replaceChildren(h("tr", {}, h("td", { colspan: 8, class: "note" },
