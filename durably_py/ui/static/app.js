@@ -524,7 +524,7 @@ function rowsOf(snap) {
     const direct = new Set(g.members.map((m) => pathText(m.path.slice(0, depth + 1))));
     const branches = [...direct].filter((k) => groups.has(k)).length;
     g.children = direct.size;
-    g.label = branches === direct.size ? `${branches} branches` : `branch ${g.path[depth - 1]} · ${g.members.filter((m) => !m.group).length} steps`;
+    g.label = branches === direct.size ? `${branches} branches` : `branch ${g.path[depth - 1]}`;
     const statuses = new Set(g.members.map((m) => m.status));
     g.status = rank.find((x) => statuses.has(x)) || (statuses.has("ok") ? "ok" : [...statuses][0] || "");
     let start = Infinity, end = -Infinity, open = false;
@@ -632,7 +632,8 @@ function makeWaterfall(onPick) {
         h("span", { class: "name", style: `padding-left: ${(r.path.length - 1) * 14}px`, title: `${r.key} ${r.label}` }, twisty, h("span", { class: "path" }, r.key), r.label),
         h("span", {}, badge(r.status)),
         h("span", { class: "num" }, st.attempts > 1 ? String(st.attempts) : ""),
-        h("span", { class: "num" }, total ? fmtDuration(total) : st.ms ? fmtDuration(st.ms / 1000) : "")),
+        h("span", { class: "num" }, r.group ? (r.spans.length && r.spans[0].end !== null ? fmtDuration(r.spans[0].end - r.spans[0].start) : "")
+          : total ? fmtDuration(total) : st.ms ? fmtDuration(st.ms / 1000) : "")),
       track);
     return node;
   }
