@@ -117,6 +117,12 @@ def first_event_ms(url: str) -> float:
                 return (time.perf_counter() - began) * 1000
 
 
+def get(url: str) -> None:
+    """One plain GET, its body read."""
+    with urllib.request.urlopen(url, timeout=120) as answer:
+        answer.read()
+
+
 def browser_ms(url: str, selector: str, repeat: int) -> float | None:
     """Median time from navigation start to `selector` on screen, in headless Chromium (None without it)."""
     if CHROMIUM is None:
@@ -212,6 +218,9 @@ def main() -> None:
         try:
             row("HTTP: first event of /api/events (page of 50)",
                 statistics.median(first_event_ms(f"{url}/api/events?limit=51") for _ in range(args.repeat)), floor)
+            row("HTTP: /api/count (every run)", median_ms(lambda: get(f"{url}/api/count"), args.repeat), floor)
+            row("HTTP: /api/count?q=batch-4242 (a search)",
+                median_ms(lambda: get(f"{url}/api/count?q=batch-4242"), args.repeat), floor)
             row("browser: navigation to first run row painted", browser_ms(f"{url}/", "tr[data-run]", args.repeat),
                 floor)
         finally:
