@@ -257,6 +257,80 @@ def test_sigterm_exits_143_and_the_run_resumes(project: Path) -> None:
     assert again.returncode == 0 and "1 replayed" in again.stderr
 
 
+STUBBORN = textwrap.dedent("""
+    import asyncio, pathlib
+    from durably_py import workflow
+
+    async def stubborn(marker):
+        pathlib.Path(marker).write_text("started")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(60)  # a clean-up that takes its time: only a second Ctrl-C cuts it short
+        return 1
+
+    @workflow
+    async def holdout(ctx, marker):
+        await ctx.step(lambda: 0, name="quick")
+        return await ctx.step(stubborn, marker)
+""")
+
+
+def test_a_second_ctrl_c_exits_at_once_and_restores_the_terminal(project: Path) -> None:
+    (project / "stubborn.py").write_text(STUBBORN)
+    marker = project / "started"
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "COLUMNS": "100", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "stubborn.py", "--workflow", "holdout",
+                             "--input", json.dumps(str(marker))], cwd=project, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=terminal, env=env)
+    os.close(terminal)
+    try:
+        deadline = time.monotonic() + 30
+        seen = b""
+        while not marker.exists() and time.monotonic() < deadline:
+            seen += _read_until(controller, b"\0", 0.1)
+        assert marker.exists(), seen.decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        seen += _read_until(controller, b"\0", 1.0)
+        assert proc.poll() is None  # the step's clean-up holds the first Ctrl-C
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert proc.wait(timeout=10) == 130
+        assert time.monotonic() - started < 5
+        seen += _read_until(controller, b"done in", 5)
+    finally:
+        os.close(controller)
+        if proc.poll() is None:
+            proc.kill()
+    text = seen.decode(errors="replace")
+    assert "\x1b[?25h" in text  # the cursor is shown again
+    assert "interrupted; run the same command again to resume where it stopped" in text
+    state = json.loads(durably(project, "inspect", "--json", "--dir", ".durably",
+                               durably(project, "list", "-q").stdout.split()[0]).stdout)
+    assert state["status"] == "interrupted"
+
+
+def test_list_on_a_terminal_shows_a_page_of_20_and_says_how_many_more(project: Path) -> None:
+    seed(project, *[("twice", n, f"k-{n}", False) for n in range(23)])
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "COLUMNS": "200", "TERM": "xterm", "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "list"], cwd=project, stdin=subprocess.DEVNULL,
+                            stdout=terminal, stderr=subprocess.PIPE, env=env)
+    os.close(terminal)
+    try:
+        seen = _read_until(controller, b"more at once)", 30)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        os.close(controller)
+        if proc.poll() is None:
+            proc.kill()
+    lines = seen.decode(errors="replace").splitlines()
+    assert sum("twice-" in line for line in lines) == 20
+    assert lines[-1].strip() == "3 more (--offset 20 shows the next page, --limit N more at once)"
+    assert len(durably(project, "list", "-q").stdout.split()) == 23  # piped output is not cut
+
+
 def test_no_wait_summary_says_what_the_run_waits_for(project: Path) -> None:
     proc = durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait")
     assert proc.returncode == 3
