@@ -54,6 +54,7 @@ from .worker import Worker
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
+CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 RESERVED_WAIT = 2.0
 
 
@@ -538,7 +539,7 @@ class Engine:
     def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
                         detached: bool) -> builtins.list[str]:
         """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
-        yet are created as one batch (`Storage.create_bound`: one fsync or commit for all of them). Each child
+        yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
         is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
         crash finds the children it created whether or not it recorded them."""
         run_ids: builtins.list[str] = []
@@ -558,11 +559,17 @@ class Engine:
                                   parent=parent, detached=detached)
             batch.append(NewRun(run_id, header, identity, found))
             run_ids.append(run_id)
+            if len(batch) >= CREATE_BATCH:
+                self._create_bound(parent, batch)
+                batch = []
+        self._create_bound(parent, batch)
+        return run_ids
+
+    def _create_bound(self, parent: str, batch: builtins.list[NewRun]) -> None:
         if batch:
             lost = self.storage.create_bound(batch)
             if lost is not None:
                 raise LeaseLostError(f"child {lost} of run {parent} was created by another process", run_id=parent)
-        return run_ids
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
         """The outcome of a child run in this process (at most `concurrency` children run at once).

@@ -509,3 +509,25 @@ def test_a_parent_killed_in_a_spawn_all_batch_resumes_with_each_child_once(tmp_p
     assert len(named) == len(set(named)) == 12
     kids = [r.run_id for r in asyncio.run(engine.list()) if r.workflow == "kid"]
     assert sorted(kids) == sorted(named), json.dumps([kids, named])
+
+
+def test_a_wide_spawn_all_is_created_in_bounded_batches(tmp_path, monkeypatch) -> None:
+    """The children of one spawn_all are created CREATE_BATCH at a time (each batch one durable write), so
+    a very wide fan-out never holds every child's header in memory at once; all of them run."""
+    from durably_py import SqliteStorage
+    from durably_py import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CREATE_BATCH", 5)
+    storage = SqliteStorage(tmp_path / "runs.db")
+    sizes: list[int] = []
+    create_bound = storage.create_bound
+
+    def counted(runs):
+        sizes.append(len(runs))
+        return create_bound(runs)
+
+    monkeypatch.setattr(storage, "create_bound", counted)
+    executed.clear()
+    items = [f"w{i}" for i in range(12)]
+    assert asyncio.run(create_engine(storage).run(parent, items)) == [f"{i.upper()}+{i.upper()}-2" for i in items]
+    assert sizes == [5, 5, 2]
