@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import sys
 import time
@@ -74,3 +75,17 @@ def durably(*args: str, cwd: Path, timeout: float = 60, **env: str) -> subproces
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
     return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def read_until(fd: int, needle: bytes, seconds: float) -> bytes:
+    """What a terminal (a pty's controller `fd`) shows until `needle` appears, the output ends or `seconds` pass."""
+    seen = b""
+    deadline = time.monotonic() + seconds
+    while needle not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                break
+    return seen

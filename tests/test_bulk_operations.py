@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import pty
-import select
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import durably
+from helpers import durably, read_until
 
 from durably_py import BulkResult, ValidationError, create_engine
 
@@ -143,19 +142,6 @@ def test_cancel_and_resume_by_filter_through_the_cli(tmp_path: Path) -> None:
     assert statuses(root, storage) == {"cancelled": 4, "completed": 2}
 
 
-def _read_until(fd: int, needle: bytes, seconds: float) -> bytes:
-    seen = b""
-    deadline = time.monotonic() + seconds
-    while needle not in seen and time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
-        if ready:
-            try:
-                seen += os.read(fd, 65536)
-            except OSError:
-                break
-    return seen
-
-
 def _on_a_terminal(root: Path, answer: bytes, *args: str) -> tuple[int, str]:
     """Run the CLI with stdin and stderr on a terminal, answer its question, return (exit code, what it showed)."""
     controller, terminal = pty.openpty()
@@ -164,10 +150,10 @@ def _on_a_terminal(root: Path, answer: bytes, *args: str) -> tuple[int, str]:
                             stdout=subprocess.PIPE, stderr=terminal)
     os.close(terminal)
     try:
-        seen = _read_until(controller, b"[y/N]", 60)
+        seen = read_until(controller, b"[y/N]", 60)
         os.write(controller, answer + b"\n")
         code = proc.wait(timeout=60)
-        seen += _read_until(controller, b"\x00", 0.5)
+        seen += read_until(controller, b"\x00", 0.5)
     finally:
         os.close(controller)
         if proc.poll() is None:

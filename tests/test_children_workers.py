@@ -15,6 +15,7 @@ from durably_py import FileStorage, create_engine, records
 
 JOBS = '''
 import os
+import time
 import durably_py
 from durably_py import workflow
 
@@ -30,9 +31,14 @@ async def tick(ctx, who):
     return await ctx.step(mark, f"tick:{ctx.run_id}")
 
 
+def leaf_work(label):
+    time.sleep(float(os.environ.get("JOBS_LEAF_SECONDS", "0")))
+    return mark(label)
+
+
 @workflow
 async def leaf(ctx, n):
-    return await ctx.step(mark, f"leaf:{n}")
+    return await ctx.step(leaf_work, f"leaf:{n}")
 
 
 @workflow
@@ -51,8 +57,8 @@ durably_py.schedule(tick, "* * * * *", input="racers", name="every-minute")
 '''
 
 
-def workers(tmp_path: Path, n: int = 3, concurrency: int = 2) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "JOBS_MARKS": str(tmp_path / "marks.txt")}
+def workers(tmp_path: Path, n: int = 3, concurrency: int = 2, leaf_seconds: float = 0) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "JOBS_MARKS": str(tmp_path / "marks.txt"), "JOBS_LEAF_SECONDS": str(leaf_seconds)}
     env.pop("DURABLY_DIR", None)
     env.pop("DURABLY_STORAGE", None)
     args = [sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(tmp_path / "state"),
@@ -130,7 +136,7 @@ def test_one_worker_of_concurrency_one_completes_nested_fan_out_with_parents_par
     assert out.returncode == 0, out.stderr
     run_id = json.loads(out.stdout)["run_id"]
     engine = create_engine(FileStorage(tmp_path / "state"))
-    [proc] = workers(tmp_path, n=1, concurrency=1)
+    [proc] = workers(tmp_path, n=1, concurrency=1, leaf_seconds=0.3)  # parents stay parked long enough to be seen
     killed = 0
     parked_seen: set[str] = set()
     deadline = time.monotonic() + 90
@@ -144,7 +150,7 @@ def test_one_worker_of_concurrency_one_completes_nested_fan_out_with_parents_par
             proc.send_signal(signal.SIGKILL)  # the top run is parked: the kill hits the children's worker
             proc.wait()
             killed += 1
-            [proc] = workers(tmp_path, n=1, concurrency=1)
+            [proc] = workers(tmp_path, n=1, concurrency=1, leaf_seconds=0.3)
         state = asyncio.run(engine.inspect(run_id))
         if state.status in ("completed", "failed"):
             break

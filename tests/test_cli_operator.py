@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pty
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import read_until
 
 WORKFLOWS = textwrap.dedent('''
     import os, sys, time
@@ -207,19 +207,6 @@ def test_a_process_that_joins_a_live_run_reports_it(project: Path) -> None:
 # ---- 3 and 8. parked state in the live view; SIGTERM like Ctrl-C -------------------------------------------
 
 
-def _read_until(fd: int, needle: bytes, seconds: float) -> bytes:
-    seen = b""
-    deadline = time.monotonic() + seconds
-    while needle not in seen and time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
-        if ready:
-            try:
-                seen += os.read(fd, 65536)
-            except OSError:
-                break
-    return seen
-
-
 def test_live_view_shows_the_wait_and_sigterm_restores_the_terminal(project: Path) -> None:
     controller, terminal = pty.openpty()
     env = {**os.environ, "COLUMNS": "100", "TERM": "xterm"}
@@ -227,11 +214,11 @@ def test_live_view_shows_the_wait_and_sigterm_restores_the_terminal(project: Pat
                             cwd=project, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=terminal, env=env)
     os.close(terminal)
     try:
-        seen = _read_until(controller, b"waiting for 'approval' (deadline", 20)
+        seen = read_until(controller, b"waiting for 'approval' (deadline", 20)
         assert b"waiting for 'approval' (deadline" in seen, seen.decode(errors="replace")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 143
-        seen += _read_until(controller, b"done in", 5)
+        seen += read_until(controller, b"done in", 5)
     finally:
         os.close(controller)
         if proc.poll() is None:
@@ -289,16 +276,16 @@ def test_a_second_ctrl_c_exits_at_once_and_restores_the_terminal(project: Path) 
         deadline = time.monotonic() + 30
         seen = b""
         while not marker.exists() and time.monotonic() < deadline:
-            seen += _read_until(controller, b"\0", 0.1)
+            seen += read_until(controller, b"\0", 0.1)
         assert marker.exists(), seen.decode(errors="replace")
         proc.send_signal(signal.SIGINT)
-        seen += _read_until(controller, b"\0", 1.0)
+        seen += read_until(controller, b"\0", 1.0)
         assert proc.poll() is None  # the step's clean-up holds the first Ctrl-C
         proc.send_signal(signal.SIGINT)
         started = time.monotonic()
         assert proc.wait(timeout=10) == 130
         assert time.monotonic() - started < 5
-        seen += _read_until(controller, b"done in", 5)
+        seen += read_until(controller, b"done in", 5)
     finally:
         os.close(controller)
         if proc.poll() is None:
@@ -319,7 +306,7 @@ def test_list_on_a_terminal_shows_a_page_of_20_and_says_how_many_more(project: P
                             stdout=terminal, stderr=subprocess.PIPE, env=env)
     os.close(terminal)
     try:
-        seen = _read_until(controller, b"more at once)", 30)
+        seen = read_until(controller, b"more at once)", 30)
         assert proc.wait(timeout=30) == 0
     finally:
         os.close(controller)
