@@ -401,16 +401,8 @@ class PostgresStorage:
     def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
                       check: Check | None) -> Lease:
         """With the run's row locked and its lease free: check the log, cut a torn tail, append the claim."""
-        # A statement of its own, so it sees every record committed before the row lock was granted.
-        cur.execute(
-            f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
-        )
-        data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
-        records, good, torn = parse_log(data, self._where(run_id))
-        records = checked(records, self._where(run_id), check)
-        if good < len(data):
-            cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
-            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
+        data, records, good, torn = self._locked_log(cur, run_id, check)
+        self._cut_torn(cur, run_id, data, good)
         epoch += 1
         line = claimed(records, epoch, owner)
         cur.execute(
@@ -421,6 +413,23 @@ class PostgresStorage:
             (epoch, owner, ttl, line, good + len(line), run_id, line),
         )
         return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id))
+
+    def _locked_log(self, cur: psycopg.Cursor[Any], run_id: str,
+                    check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
+        """With the run's row locked: its log's bytes, checked records, the length of its whole lines, the torn tail."""
+        # A statement of its own, so it sees every record committed before the row lock was granted.
+        cur.execute(
+            f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
+        )
+        data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
+        records, good, torn = parse_log(data, self._where(run_id))
+        return data, checked(records, self._where(run_id), check), good, torn
+
+    def _cut_torn(self, cur: psycopg.Cursor[Any], run_id: str, data: bytes, good: int) -> None:
+        """Drop a torn last line (a write cut off by a crash) before appending after it."""
+        if good < len(data):
+            cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
+            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
 
     def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds (database clock) in one transaction
@@ -439,18 +448,12 @@ class PostgresStorage:
             if row[0]:
                 return False
             state = row[1] or OPEN
-            cur.execute(
-                f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
-            )
-            data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
-            records, good, _ = parse_log(data, self._where(run_id))
-            line = choose(checked(records, self._where(run_id), check), self._where(run_id))
+            data, records, good, _ = self._locked_log(cur, run_id, check)
+            line = choose(records, self._where(run_id))
             if line is None:
                 return True
             line = validate_lines(line)
-            if good < len(data):
-                cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
-                cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
+            self._cut_torn(cur, run_id, data, good)
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
                 " last = %s, size = %s, state = %s WHERE run_id = %s",

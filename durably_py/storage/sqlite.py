@@ -211,12 +211,8 @@ class SqliteStorage:
             now = time.time()
             if holder is not None and expires >= now:
                 return None
-            data = self._log_bytes(db, run_id)
-            records, good, torn = parse_log(data, self._where(run_id))
-            records = checked(records, self._where(run_id), check)
-            if good < len(data):
-                db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
-                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
+            data, records, good, torn = self._checked_log(db, run_id, check)
+            _cut_torn(db, run_id, data, good)
             epoch += 1
             line = claimed(records, epoch, owner)
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
@@ -226,6 +222,13 @@ class SqliteStorage:
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
         return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
+
+    def _checked_log(self, db: sqlite3.Connection, run_id: str,
+                     check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
+        """Inside a transaction: the log's bytes, its checked records, the length of its whole lines, the torn tail."""
+        data = self._log_bytes(db, run_id)
+        records, good, torn = parse_log(data, self._where(run_id))
+        return data, checked(records, self._where(run_id), check), good, torn
 
     def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds in one transaction, without a claim or
@@ -242,15 +245,12 @@ class SqliteStorage:
                 now = time.time()
                 if holder is not None and expires >= now:
                     return False
-                data = self._log_bytes(db, run_id)
-                records, good, _ = parse_log(data, self._where(run_id))
-                line = choose(checked(records, self._where(run_id), check), self._where(run_id))
+                data, records, good, _ = self._checked_log(db, run_id, check)
+                line = choose(records, self._where(run_id))
                 if line is None:
                     return True
                 line = validate_lines(line)
-                if good < len(data):
-                    db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
-                    db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
+                _cut_torn(db, run_id, data, good)
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
                 db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
                            " state = ? WHERE run_id = ?",
@@ -633,3 +633,10 @@ def _durable(storage: SqliteStorage, db: sqlite3.Connection) -> Iterator[sqlite3
     finally:
         db.execute("PRAGMA synchronous=NORMAL")
     storage.fsyncs += 1
+
+
+def _cut_torn(db: sqlite3.Connection, run_id: str, data: bytes, good: int) -> None:
+    """Drop a torn last line (a write cut off by a crash) before appending after it."""
+    if good < len(data):
+        db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
+        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
