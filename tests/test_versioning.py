@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import check_error, durably
+from helpers import Stop, check_error, durably
 
 from durably_py import MemoryStorage, StaleRunError, ValidationError, create_engine
 from durably_py.workflow import Workflow
@@ -94,10 +94,6 @@ else:
         await ctx.wait_for("approved")
         return [total, await ctx.step(effect, f"send {number}", name="send")]
 '''
-
-
-class Stop(BaseException):  # noqa: N818 - stands in for a killed process
-    """Escapes run() like a killed process."""
 
 
 # ---- across real processes ----------------------------------------------------------------------------------
