@@ -1,4 +1,5 @@
-"""Child runs executed in this process: at most `concurrency` at once, a child waiting in a join frees its slot.
+"""Child runs of one engine: created once under their parent's path, executed in this process at most
+`concurrency` at once (a child waiting in a join frees its slot), and their outcomes read back.
 
 A child that waits for a slot costs one small future and a queue entry; only running children have a
 Task, and nothing of a child (task, coroutine, context) is kept once it ended: the future that carried its
@@ -9,6 +10,7 @@ the children running now, not for those that finished.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import contextvars
 import functools
@@ -16,8 +18,16 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from .codec import digest, dump_value, load_error, load_value
+from .errors import DurablyError, LeaseLostError, RunCancelledError, WorkflowFailedError
+from .history import History
+from .storage.base import NewRun
+
 if TYPE_CHECKING:
+    from .engine import Engine
     from .workflow import Workflow
+
+CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 
 RunChild = Callable[[str, "Workflow | None", bool], Awaitable[Any]]
 
@@ -150,3 +160,129 @@ def parked_in_join() -> contextlib.AbstractAsyncContextManager[None]:
     """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
     slot = CHILD_SLOT.get()
     return slot.parked() if slot is not None else contextlib.nullcontext()
+
+
+def joined(workflow: Workflow | None, history: History) -> Any:
+    """The result of a run another process finished (or that had finished already)."""
+    end = history.end
+    assert end is not None
+    run_id = history.header.run_id
+    if end.status == "completed":
+        value = load_value(end.result)
+        schema = workflow.output_schema if workflow is not None else None
+        return schema.convert(value, "result") if schema is not None else value
+    if not end.error:
+        raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
+    error = load_error(end.error)
+    if isinstance(error, DurablyError) or not isinstance(error, Exception):
+        raise error
+    raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
+
+
+class ChildRuns:
+    """The child runs of one engine (`Engine.children`): creating them, running them here, reading how they ended.
+
+    The pool belongs to one event loop; a new loop starts it afresh."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pool = ChildPool(engine.concurrency, self._run_child)
+
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+        """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
+        return self.create_children(parent, [(path, workflow, input)], detached)[0]
+
+    def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
+                        detached: bool) -> builtins.list[str]:
+        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
+        yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
+        is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
+        crash finds the children it created whether or not it recorded them."""
+        from .engine import new_run_id
+
+        run_ids: builtins.list[str] = []
+        batch: builtins.list[NewRun] = []
+        for path, workflow, input in children:
+            identity = f"child:{parent}:{path}"
+            found = self.engine.storage.lookup(identity)
+            if found is not None and self.engine.storage.info(found) is not None:
+                run_ids.append(found)
+                continue
+            schema = workflow.input_schema
+            wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
+            if schema is not None:
+                wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
+            run_id = new_run_id(workflow.name)
+            header = self.engine._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
+                                         parent=parent, detached=detached)
+            batch.append(NewRun(run_id, header, identity, found))
+            run_ids.append(run_id)
+            if len(batch) >= CREATE_BATCH:
+                self._create_bound(parent, batch)
+                batch = []
+        self._create_bound(parent, batch)
+        return run_ids
+
+    def _create_bound(self, parent: str, batch: builtins.list[NewRun]) -> None:
+        if batch:
+            lost = self.engine.storage.create_bound(batch)
+            if lost is not None:
+                raise LeaseLostError(f"child {lost} of run {parent} was created by another process", run_id=parent)
+
+    def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
+        """The outcome of a child run in this process (at most `concurrency` children run at once).
+
+        A child that already ended is not run again, its end is its outcome; only `rerun_failed` (a failed
+        parent being retried joins it again) resumes a failed child at its failed step."""
+        self.bind_loop()
+        return self.pool.start(run_id, workflow, rerun_failed)
+
+    async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
+        info = self.engine.storage.info(run_id)
+        if info is not None and info.last.get("t") == "end" and (
+                info.last.get("status") != "failed" or not rerun_failed):
+            return joined(workflow, History([info.header, info.last], f"run {run_id}"))
+        return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id, advisories="silent")
+
+    async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
+        """Wait for a child to end (running it here if no process does) and return its result or raise."""
+        return await asyncio.shield(self.start_child(run_id, workflow, rerun_failed=rerun_failed))
+
+    def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None:
+        """How a child run ended, as a settled future (its result or error), or None while it has not ended.
+
+        A run out of the queue has ended even when its last record is not its end (a worker that listed it
+        as due just before it ended claimed it once more), so then its whole log is read."""
+        info = self.engine.storage.info(run_id)
+        if info is None:
+            return None
+        if info.last.get("t") == "end":
+            history = History([info.header, info.last], f"run {run_id}")
+        elif self.engine.storage.entry(run_id) is None:
+            history, _ = self.engine._read(run_id)
+            if history.end is None:
+                return None
+        else:
+            return None
+        outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            outcome.set_result(joined(workflow, history))
+        except BaseException as exc:  # noqa: BLE001 - the child's error is its outcome
+            outcome.set_exception(exc)
+        return outcome
+
+    def queued_child(self, run_id: str) -> None:
+        """A child a served run spawned waits in the queue: this engine's worker looks for it at once."""
+        self.engine.queue.poke()
+
+    def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
+        return parked_in_join()
+
+    def bind_loop(self) -> asyncio.AbstractEventLoop:
+        """Child-run state belongs to one event loop; a new loop starts it afresh."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            self.loop, self.pool = loop, ChildPool(self.engine.concurrency, self._run_child)
+        return loop

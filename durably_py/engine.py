@@ -20,20 +20,17 @@ from typing import Any
 from . import records as log_format
 from . import versioning
 from .advisories import Advisory, AdvisoryTracker
-from .children import ChildPool, parked_in_join
+from .children import ChildRuns, joined
 from .clock import Clock
-from .codec import digest, dump_error, dump_value, load_error, load_value, to_iso
+from .codec import digest, dump_error, dump_value, load_value, to_iso
 from .context import AttemptContext, WorkflowContext
 from .errors import (
     CorruptLogError,
-    DurablyError,
     KeyConflictError,
     LeaseLostError,
-    RunCancelledError,
     RunParkedError,
     StaleRunError,
     ValidationError,
-    WorkflowFailedError,
 )
 from .events import StepEvent
 from .graphs import GraphState
@@ -41,20 +38,17 @@ from .heartbeat import Heartbeat
 from .history import BUDGET_KINDS, History, RunState
 from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
 from .operations import BulkResult, Operations
-from .queue import check_delay, check_priority, park_entry
+from .queue import RunQueue, park_entry
 from .resources import Gates, Resource
 from .runs import PruneReport, Runs, check_retention
 from .schedules import Schedule
 from .storage import FileStorage, RunInfo, Storage, validate_key
-from .storage.base import NewRun
 from .storage.url import open_storage, parse_storage_url
 from .threads import DaemonPool, SyncPlacement
 from .timeline import Span
-from .worker import Worker
 from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
-CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 RESERVED_WAIT = 2.0
 
 
@@ -148,10 +142,8 @@ class Engine:
         self.heartbeat = Heartbeat(self.storage, lease, heartbeat, CONTROL_EVERY)
         self.gates = Gates(resources)
         self.schedules: dict[str, Schedule] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool = ChildPool(concurrency, self._run_child)
-        self._worker: Worker | None = None
-        self._enqueued: set[str] = set()
+        self.queue = RunQueue(self)
+        self.children = ChildRuns(self)
         self.operations = Operations(self)
 
     # ---- finding and describing runs (runs.py) ----------------------------------------------------
@@ -276,7 +268,7 @@ class Engine:
                 hook.started(history.header.run_id, workflow.name, joined=True)
             if on_run is not None:
                 on_run(history.header.run_id)
-            return self._joined(workflow, history)
+            return joined(workflow, history)
         run_id = lease.run_id
         for hook in hooks:
             hook.started(run_id, workflow.name)
@@ -385,7 +377,7 @@ class Engine:
         return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
                                           at, priority)
 
-    # ---- the durable queue ----------------------------------------------------------------------
+    # ---- the durable queue (queue.py) ----------------------------------------------------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
@@ -395,80 +387,30 @@ class Engine:
         engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
         same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
         this engine has no worker); `drain` works the queue off."""
-        workflow = as_workflow(wf)
-        priority = check_priority(priority)
-        delay = check_delay(delay)
-        budget = check_budget(budget) if budget is not None else self.budget
-        check_checkpoint(checkpoint_every)
-        if key is not None:
-            validate_key(key)
-        run_id = await self._identify(workflow, input, key, False, budget, at=time.time() + delay,
-                                      priority=priority)
-        self._enqueued.add(run_id)
-        if self._worker is not None:
-            self._worker.poke()
-        return RunHandle(run_id, workflow)
+        return await self.queue.enqueue(wf, input, key=key, priority=priority, delay=delay, budget=budget,
+                                        checkpoint_every=checkpoint_every)
 
     async def start(self, *, poll: float = 0.2) -> None:
         """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
         and release them, and repeat, until `stop()`. Returns at once; idempotent."""
-        if self._worker is None or self._worker.finished:
-            self._worker = Worker(self, concurrency=self.concurrency, poll=poll)
-        self._worker.start()
+        await self.queue.start(poll=poll)
 
     async def join(self, handle: RunHandle) -> Any:
         """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
         in this engine the run is run here and now."""
-        if self._worker is None or self._worker.finished:
-            return await self.run(handle.workflow or self.workflow_for(handle.run_id), run_id=handle.run_id)
-        while True:
-            info = self.storage.info(handle.run_id)
-            if info is not None and info.last.get("t") == "end":
-                return self._joined(handle.workflow, History([info.header, info.last]))
-            await self._worker.settled(JOIN_POLL * 4)
+        return await self.queue.join(handle)
 
     async def drain(self) -> None:
         """Wait until the queue holds no run that is due now or running here, and every run this engine
         enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
         for the duration when it is not running."""
-        started = self._worker is None or self._worker.finished
-        if started:
-            await self.start()
-        worker = self._worker
-        assert worker is not None
-        try:
-            while True:
-                waiting = [r for r in self._enqueued if not self._settled(r)]
-                if not waiting and not worker.active and not self.storage.due(1, skip=worker.skipped()):
-                    return
-                await worker.settled(JOIN_POLL * 4)
-        finally:
-            if started:
-                await self.stop()
-
-    def _settled(self, run_id: str) -> bool:
-        """True when an enqueued run ended, parked for later, or left the queue."""
-        info = self.storage.info(run_id)
-        if info is None or info.last.get("t") == "end":
-            return True
-        entry = self.storage.entry(run_id)
-        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
+        await self.queue.drain()
 
     async def stop(self) -> builtins.list[str]:
         """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
         finish and are recorded; leases are released, so the runs are due again at once for any worker.
         Returns the ids of the runs it stopped part-way."""
-        worker, self._worker = self._worker, None
-        if worker is None:
-            return []
-        return await worker.stop()
-
-    def _bind_loop(self) -> asyncio.AbstractEventLoop:
-        """Queue and child-run state belong to one event loop; a new loop starts them afresh."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            self._loop, self._pool = loop, ChildPool(self.concurrency, self._run_child)
-        return loop
+        return await self.queue.stop()
 
     async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
                               key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
@@ -531,112 +473,35 @@ class Engine:
             created_at=to_iso(datetime.now(UTC)), script=script_of(workflow), module=workflow.fn.__module__,
             ts=time.time(), **extra))
 
-    # ---- child runs -----------------------------------------------------------------------------
+    # ---- child runs (children.py): what the kernel asks of `EngineServices` ---------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
-        return self.create_children(parent, [(path, workflow, input)], detached)[0]
+        return self.children.create_child(parent, path, workflow, input, detached)
 
     def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
                         detached: bool) -> builtins.list[str]:
-        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
-        yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
-        is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
-        crash finds the children it created whether or not it recorded them."""
-        run_ids: builtins.list[str] = []
-        batch: builtins.list[NewRun] = []
-        for path, workflow, input in children:
-            identity = f"child:{parent}:{path}"
-            found = self.storage.lookup(identity)
-            if found is not None and self.storage.info(found) is not None:
-                run_ids.append(found)
-                continue
-            schema = workflow.input_schema
-            wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
-            if schema is not None:
-                wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
-            run_id = new_run_id(workflow.name)
-            header = self._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
-                                  parent=parent, detached=detached)
-            batch.append(NewRun(run_id, header, identity, found))
-            run_ids.append(run_id)
-            if len(batch) >= CREATE_BATCH:
-                self._create_bound(parent, batch)
-                batch = []
-        self._create_bound(parent, batch)
-        return run_ids
-
-    def _create_bound(self, parent: str, batch: builtins.list[NewRun]) -> None:
-        if batch:
-            lost = self.storage.create_bound(batch)
-            if lost is not None:
-                raise LeaseLostError(f"child {lost} of run {parent} was created by another process", run_id=parent)
+        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order (`ChildRuns`)."""
+        return self.children.create_children(parent, children, detached)
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
-        """The outcome of a child run in this process (at most `concurrency` children run at once).
-
-        A child that already ended is not run again, its end is its outcome; only `rerun_failed` (a failed
-        parent being retried joins it again) resumes a failed child at its failed step."""
-        self._bind_loop()
-        return self._pool.start(run_id, workflow, rerun_failed)
-
-    async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
-        info = self.storage.info(run_id)
-        if info is not None and info.last.get("t") == "end" and (
-                info.last.get("status") != "failed" or not rerun_failed):
-            return self._joined(workflow, History([info.header, info.last], f"run {run_id}"))
-        return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
+        """The outcome of a child run in this process (at most `concurrency` children run at once)."""
+        return self.children.start_child(run_id, workflow, rerun_failed=rerun_failed)
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""
-        return await asyncio.shield(self.start_child(run_id, workflow, rerun_failed=rerun_failed))
+        return await self.children.join_child(run_id, workflow, rerun_failed=rerun_failed)
 
     def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None:
-        """How a child run ended, as a settled future (its result or error), or None while it has not ended.
-
-        A run out of the queue has ended even when its last record is not its end (a worker that listed it
-        as due just before it ended claimed it once more), so then its whole log is read."""
-        info = self.storage.info(run_id)
-        if info is None:
-            return None
-        if info.last.get("t") == "end":
-            history = History([info.header, info.last], f"run {run_id}")
-        elif self.storage.entry(run_id) is None:
-            history, _ = self._read(run_id)
-            if history.end is None:
-                return None
-        else:
-            return None
-        outcome: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        try:
-            outcome.set_result(self._joined(workflow, history))
-        except BaseException as exc:  # noqa: BLE001 - the child's error is its outcome
-            outcome.set_exception(exc)
-        return outcome
+        """How a child run ended, as a settled future (its result or error), or None while it has not ended."""
+        return self.children.ended_child(run_id, workflow)
 
     def queued_child(self, run_id: str) -> None:
         """A child a served run spawned waits in the queue: this engine's worker looks for it at once."""
-        if self._worker is not None:
-            self._worker.poke()
+        self.children.queued_child(run_id)
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
         """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
-        return parked_in_join()
-
-    def _joined(self, workflow: Workflow | None, history: History) -> Any:
-        """The result of a run another process finished (or that had finished already)."""
-        end = history.end
-        assert end is not None
-        run_id = history.header.run_id
-        if end.status == "completed":
-            value = load_value(end.result)
-            schema = workflow.output_schema if workflow is not None else None
-            return schema.convert(value, "result") if schema is not None else value
-        if not end.error:
-            raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-        error = load_error(end.error)
-        if isinstance(error, DurablyError) or not isinstance(error, Exception):
-            raise error
-        raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
+        return self.children.parked_in_join()
 
     async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,

@@ -22,11 +22,21 @@ killed, its lease lapsed) comes back: its entry stayed due while it ran.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .children import joined
 from .codec import from_iso
 from .errors import ValidationError
 from .history import History
+from .storage import validate_key
+from .workflow import as_workflow
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .kernel import RunHandle
+    from .worker import Worker
+
+JOIN_POLL = 0.05
 
 QUEUE_DOCS = "docs/running.md#the-queue"
 PARK_BACKOFF = 5.0
@@ -75,3 +85,103 @@ def park_entry(history: History, status: str) -> tuple[float | None, tuple[str, 
     if not times and not names:
         return time.time(), ()
     return (min(times) if times else None), tuple(dict.fromkeys(names))
+
+
+class RunQueue:
+    """The durable queue as one engine works it (`Engine.queue`): enqueueing runs, this process's worker, and
+    waiting for enqueued runs to end or for the queue to drain.
+
+    The kernel imports this module for `park_entry`, so what `RunQueue` needs from above it (the engine's
+    checks, `RunHandle`, `Worker`) it imports when called."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.worker: Worker | None = None
+        self.enqueued: set[str] = set()
+
+    def poke(self) -> None:
+        """New due work may be in the queue: this engine's worker (if started) looks for it at once."""
+        if self.worker is not None:
+            self.worker.poke()
+
+    async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
+                      delay: float = 0.0, budget: dict[str, float] | None = None,
+                      checkpoint_every: int | None = None) -> RunHandle:
+        """Record the run as `pending` in the storage's queue and return its handle; nothing runs yet.
+
+        A worker runs it once due (`delay` seconds from now), highest `priority` first, then oldest: this
+        engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
+        same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
+        this engine has no worker); `drain` works the queue off."""
+        from .engine import check_budget, check_checkpoint
+        from .kernel import RunHandle
+
+        workflow = as_workflow(wf)
+        priority = check_priority(priority)
+        delay = check_delay(delay)
+        budget = check_budget(budget) if budget is not None else self.engine.budget
+        check_checkpoint(checkpoint_every)
+        if key is not None:
+            validate_key(key)
+        run_id = await self.engine._identify(workflow, input, key, False, budget, at=time.time() + delay,
+                                             priority=priority)
+        self.enqueued.add(run_id)
+        self.poke()
+        return RunHandle(run_id, workflow)
+
+    async def start(self, *, poll: float = 0.2) -> None:
+        """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
+        and release them, and repeat, until `stop()`. Returns at once; idempotent."""
+        from .worker import Worker
+
+        if self.worker is None or self.worker.finished:
+            self.worker = Worker(self.engine, concurrency=self.engine.concurrency, poll=poll)
+        self.worker.start()
+
+    async def join(self, handle: RunHandle) -> Any:
+        """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
+        in this engine the run is run here and now."""
+        if self.worker is None or self.worker.finished:
+            workflow = handle.workflow or self.engine.workflow_for(handle.run_id)
+            return await self.engine.run(workflow, run_id=handle.run_id)
+        while True:
+            info = self.engine.storage.info(handle.run_id)
+            if info is not None and info.last.get("t") == "end":
+                return joined(handle.workflow, History([info.header, info.last]))
+            await self.worker.settled(JOIN_POLL * 4)
+
+    async def drain(self) -> None:
+        """Wait until the queue holds no run that is due now or running here, and every run this engine
+        enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
+        for the duration when it is not running."""
+        started = self.worker is None or self.worker.finished
+        if started:
+            await self.start()
+        worker = self.worker
+        assert worker is not None
+        try:
+            while True:
+                waiting = [r for r in self.enqueued if not self._settled(r)]
+                if not waiting and not worker.active and not self.engine.storage.due(1, skip=worker.skipped()):
+                    return
+                await worker.settled(JOIN_POLL * 4)
+        finally:
+            if started:
+                await self.stop()
+
+    def _settled(self, run_id: str) -> bool:
+        """True when an enqueued run ended, parked for later, or left the queue."""
+        info = self.engine.storage.info(run_id)
+        if info is None or info.last.get("t") == "end":
+            return True
+        entry = self.engine.storage.entry(run_id)
+        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
+
+    async def stop(self) -> list[str]:
+        """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
+        finish and are recorded; leases are released, so the runs are due again at once for any worker.
+        Returns the ids of the runs it stopped part-way."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return []
+        return await worker.stop()

@@ -430,7 +430,7 @@ def test_only_running_children_hold_tasks(tmp_path) -> None:
     assert asyncio.run(engine.run(wide, 300, advisories="silent")) == sum(range(300))
     assert len(seen) == 300
     assert max(seen) <= 12, max(seen)       # the parent, its heartbeat and join watcher, 4 running children, ...
-    assert not engine._pool.outcomes and not engine._pool.running and not engine._pool.pending
+    assert not engine.children.pool.outcomes and not engine.children.pool.running and not engine.children.pool.pending
 
 
 BATCH_SCRIPT = """

@@ -58,7 +58,7 @@ def test_nested_fan_out_deeper_than_the_concurrency_completes_with_parents_parke
     async def main() -> None:
         engine = create_engine(storage_of(kind, tmp_path), concurrency=1)
         await engine.start(poll=0.02)
-        worker = engine._worker
+        worker = engine.queue.worker
         handle = await engine.enqueue(pk_top, 3)
         seen_waiting = False
         most_active = 0
@@ -162,7 +162,7 @@ def test_a_long_retry_backoff_parks_the_run_due_at_its_end(tmp_path: Path, monke
         engine = create_engine(FileStorage(tmp_path / "state"), concurrency=1)
         handle = await engine.enqueue(pk_backoff, 1)
         await engine.start(poll=0.02)
-        worker = engine._worker
+        worker = engine.queue.worker
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             state = await engine.inspect(handle.run_id)
