@@ -515,9 +515,9 @@ def test_a_wide_spawn_all_is_created_in_bounded_batches(tmp_path, monkeypatch) -
     """The children of one spawn_all are created CREATE_BATCH at a time (each batch one durable write), so
     a very wide fan-out never holds every child's header in memory at once; all of them run."""
     from durably_py import SqliteStorage
-    from durably_py import engine as engine_module
+    from durably_py import children as children_module
 
-    monkeypatch.setattr(engine_module, "CREATE_BATCH", 5)
+    monkeypatch.setattr(children_module, "CREATE_BATCH", 5)
     storage = SqliteStorage(tmp_path / "runs.db")
     sizes: list[int] = []
     create_bound = storage.create_bound
