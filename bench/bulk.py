@@ -57,7 +57,7 @@ async def seed(engine: Any, wf: Any, start: int, count: int) -> list[str]:
 
 def engine_key(engine: Any, wf: Any, n: int) -> str:
     """The id of the run `wf(n)` names (its identity binding)."""
-    from durably_py.codec import digest
+    from durably_py._codec import digest
 
     return engine.storage.lookup(f"wf:{wf.name}:{digest(n)}")
 

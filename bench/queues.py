@@ -92,7 +92,7 @@ def throughput(url: str, folder: Path, runs: int, workers: int) -> tuple[float, 
     jobs = folder / "jobs.py"
     jobs.write_text(JOBS)
     sys.path.insert(0, str(folder))
-    from durably_py.workflow import REGISTRY, load_script
+    from durably_py._workflow import REGISTRY, load_script
 
     REGISTRY.pop("three", None)
     load_script(jobs)

@@ -6,10 +6,20 @@ and the `durably_py.storage` adapters); every other module is internal (docs/arc
 
 from typing import TYPE_CHECKING
 
-from .advisories import Advisory
-from .clock import Clock, FakeClock
-from .context import AttemptContext, BudgetView, WorkflowContext, attempt
-from .engine import Engine, create_engine, durably, engine_for, run, run_async
+from ._advisories import Advisory
+from ._clock import Clock, FakeClock
+from ._context import AttemptContext, BudgetView, WorkflowContext, attempt
+from ._engine import Engine, create_engine, durably, engine_for, run, run_async
+from ._events import StepEvent
+from ._graphs import GraphState, NodeState, Task
+from ._history import RunState, StepState
+from ._kernel import RunHandle
+from ._operations import BulkResult
+from ._policies import Retry
+from ._resources import Breaker, RateLimit, Resource, resource
+from ._result import Err, Ok, is_ok, partition
+from ._schedules import Schedule, schedule
+from ._workflow import Workflow, workflow
 from .errors import (
     ArgumentError,
     BudgetExceededError,
@@ -37,17 +47,7 @@ from .errors import (
     WaitTimeoutError,
     WorkflowFailedError,
 )
-from .events import StepEvent
-from .graphs import GraphState, NodeState, Task
-from .history import RunState, StepState
-from .kernel import RunHandle
-from .operations import BulkResult
-from .policies import Retry
-from .resources import Breaker, RateLimit, Resource, resource
-from .result import Err, Ok, is_ok, partition
-from .schedules import Schedule, schedule
 from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
-from .workflow import Workflow, workflow
 
 if TYPE_CHECKING:
     from .storage.postgres import PostgresStorage

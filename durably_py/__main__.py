@@ -1,5 +1,5 @@
 """`python -m durably_py`: the `durably` command line."""
 
-from .launcher import main
+from ._launcher import main
 
 main()

@@ -27,11 +27,11 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand
 
-from . import config, launcher
-from .engine import Engine
-from .errors import DurablyError, ValidationError
-from .history import RunState, StepState, path_tuple
-from .run_command import (
+from . import _config as config
+from . import _launcher as launcher
+from ._engine import Engine
+from ._history import RunState, StepState, path_tuple
+from ._run_command import (
     COLOURS,
     DOCS_DIR,
     EXIT_FAILED,
@@ -66,9 +66,10 @@ from .run_command import (
     to_json,
     user_frame,
 )
-from .runs import check_retention
-from .worker import Worker
-from .workflow import REGISTRY
+from ._runs import check_retention
+from ._worker import Worker
+from ._workflow import REGISTRY
+from .errors import DurablyError, ValidationError
 
 if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs none of them
     from rich.tree import Tree
@@ -839,7 +840,7 @@ def schedules(
     debug: DebugOption = False,
 ) -> None:
     """List the schedules the imported code declares: cron, workflow, last fired tick and next tick (UTC)."""
-    from .schedules import states
+    from ._schedules import states
 
     with _guard(debug):
         import_code(imports or [])

@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import records
-from .advisories import Advisory, AdvisoryTracker
-from .clock import FakeClock
-from .codec import encode, load_error, load_value
-from .context import AttemptContext, WorkflowContext
-from .engine import Engine
+from ._advisories import Advisory, AdvisoryTracker
+from ._clock import FakeClock
+from ._codec import encode, load_error, load_value
+from ._context import AttemptContext, WorkflowContext
+from ._engine import Engine
+from ._events import StepEvent
+from ._history import History, RunState, path_tuple
+from ._kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
+from ._workflow import Workflow, as_workflow
 from .errors import (
     CorruptLogError,
     DurablyError,
@@ -45,12 +49,8 @@ from .errors import (
     StepFailedError,
     ValidationError,
 )
-from .events import StepEvent
-from .history import History, RunState, path_tuple
-from .kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
 from .storage import MemoryStorage, Storage
 from .storage.base import parse_log
-from .workflow import Workflow, as_workflow
 
 __all__ = ["Crash", "ReplayDivergenceError", "ReplayReport", "ShadowReplayError", "SyncTestEngine", "TestEngine",
            "TestRunResult", "TestStep", "assert_replays", "inject_crash", "load_history", "replay_check"]

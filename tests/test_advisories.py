@@ -1,4 +1,4 @@
-"""Tests for durably_py.advisories: the catalogue, level thresholds and the per-run tracker."""
+"""Tests for durably_py._advisories: the catalogue, level thresholds and the per-run tracker."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from durably_py import advisories as adv
-from durably_py.advisories import CODES, Advisory, AdvisoryTracker, RetryStormWindow, level_for
+from durably_py import _advisories as adv
+from durably_py._advisories import CODES, Advisory, AdvisoryTracker, RetryStormWindow, level_for
 from durably_py.errors import ValidationError
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)

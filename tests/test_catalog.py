@@ -14,8 +14,8 @@ import pytest
 from test_storage import LONG, header, line, make
 
 from durably_py import Engine, workflow
+from durably_py._runs import STATUSES
 from durably_py.errors import RunNotFoundError, RunParkedError, ValidationError
-from durably_py.runs import STATUSES
 from durably_py.storage import FileStorage, SqliteStorage
 
 

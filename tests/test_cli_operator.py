@@ -571,7 +571,7 @@ def test_settings_come_from_flags_env_project_and_user_config_in_that_order(proj
 
 
 def test_this_repository_commits_an_example_durably_folder() -> None:
-    from durably_py.config import read_config
+    from durably_py._config import read_config
 
     root = Path(__file__).resolve().parent.parent
     assert read_config(root / ".durably" / "config.toml") == {}  # every key is an example, commented out

@@ -1,4 +1,4 @@
-"""Tests for durably_py.codec: wire form round-trips, refusals with exact paths, canonical identity, errors as data."""
+"""Tests for durably_py._codec: wire form round-trips, refusals with exact paths, canonical identity, errors as data."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from durably_py import codec
-from durably_py.codec import (
+from durably_py import _codec as codec
+from durably_py._codec import (
     canonical,
     decode,
     decode_lines,
@@ -764,7 +764,7 @@ def test_module_exports() -> None:
 def test_load_value_copies_flat_containers_and_still_decodes_tags() -> None:
     from datetime import UTC, datetime
 
-    from durably_py.codec import dump_value, load_value
+    from durably_py._codec import dump_value, load_value
 
     for wire in ({"a": 1, "b": "x", "c": 2.5, "d": None, "e": True}, [1, "x", 2.5, None], {"i": 1}):
         value = load_value(wire)

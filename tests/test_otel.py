@@ -106,8 +106,8 @@ def test_durably_otel_0_turns_export_off(tmp_path: Path) -> None:
 def test_no_tracer_provider_means_no_span_hook_in_the_run(tmp_path: Path) -> None:
     code = textwrap.dedent('''
         import sys
-        from durably_py import engine, run, workflow
-        from durably_py.otel import OtelHook
+        from durably_py import _engine as engine, run, workflow
+        from durably_py._otel import OtelHook
 
         @workflow
         async def plain(ctx, n):

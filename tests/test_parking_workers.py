@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, records, workflow
-from durably_py import queue as queue_rules
-from durably_py.codec import digest, dump_value
+from durably_py import _queue as queue_rules
+from durably_py._codec import digest, dump_value
 
 ran: list[str] = []
 
@@ -319,7 +319,7 @@ def test_a_run_taken_over_in_its_backoff_parks_for_what_is_left_and_never_retrie
     wire = dump_value(1, "input")
     run_id = "pk-taken-over"
     retry_at = time.time() + 2.0
-    from durably_py.codec import to_iso
+    from durably_py._codec import to_iso
 
     header = records.Header(v=records.LOG_VERSION, run_id=run_id, workflow="pk_taken_over",
                             fingerprint=pk_taken_over.fingerprint, key=None, input=wire, input_digest=digest(1),

@@ -13,7 +13,7 @@ import pytest
 
 import durably_py
 from durably_py import FakeClock, FileStorage, MemoryStorage, ValidationError, create_engine, workflow
-from durably_py.schedules import SCHEDULES, fire_due, states
+from durably_py._schedules import SCHEDULES, fire_due, states
 
 T0 = datetime(2026, 3, 2, 10, 2, 30, tzinfo=UTC)
 
@@ -102,7 +102,7 @@ RACER = textwrap.dedent('''
     from datetime import datetime, timedelta, UTC
     import durably_py
     from durably_py import FakeClock, FileStorage, create_engine, workflow
-    from durably_py.schedules import fire_due
+    from durably_py._schedules import fire_due
 
     @workflow
     async def tick_work(ctx, who):

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
 
 PROBE = textwrap.dedent('''
     import sys
-    from durably_py.launcher import main
+    from durably_py._launcher import main
     sys.argv = ["durably", *sys.argv[1:]]
     try:
         main()
@@ -95,7 +95,7 @@ def test_plain_lines_are_what_rich_prints_off_a_terminal(monkeypatch: Any, capsy
     from rich.console import Console
     from rich.text import Text
 
-    from durably_py import run_command
+    from durably_py import _run_command as run_command
 
     lines = [[("✓", "green"), " ", ("run-1", "bold"), "  a\tb\rc\x07d"], [("  two\n\tlines", "red")]]
     monkeypatch.delenv("FORCE_COLOR", raising=False)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from durably_py import FileStorage, SqliteStorage, ValidationError, create_engine, workflow
-from durably_py.engine import engine_for
+from durably_py._engine import engine_for
 from durably_py.storage.url import open_storage, parse_storage_url
 
 

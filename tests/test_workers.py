@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from durably_py import FileStorage, create_engine
-from durably_py.workflow import REGISTRY, load_script
+from durably_py._workflow import REGISTRY, load_script
 
 JOBS = '''
 import os, secrets, time
@@ -259,7 +259,7 @@ def _verify(engine: Any, ids: dict[int, str], effects: Path) -> None:
 def _check_parked_backoff(engine: Any, run_id: str) -> None:
     """The flaky step failed once, parked for its backoff, and its second attempt began at the backoff's end,
     not earlier, with the failed attempt recorded once whatever was killed meanwhile."""
-    from durably_py.codec import from_iso
+    from durably_py._codec import from_iso
 
     plain = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in engine.storage.read(run_id).records]
     fails = [r for r in plain if r.get("t") == "fail"]

@@ -15,9 +15,9 @@ import urllib.request
 from datetime import UTC, datetime
 from typing import Any
 
-from ..codec import decode, digest, dump_value, encode, load_error, load_value
+from .._codec import decode, digest, dump_value, encode, load_error, load_value
+from .._history import RunState, StepState
 from ..errors import DurablyError, RunNotFoundError, RunParkedError, ValidationError
-from ..history import RunState, StepState
 
 PREFIX = "durably."
 DOCS = "docs/restate.md"

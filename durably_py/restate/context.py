@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from ..branches import checked_branches, run_branches
+from .._branches import checked_branches, run_branches
+from .._kernel import Complete, RunHandle, StepOptions, _is_async, label_of
+from .._policies import check_timeout
+from .._result import Err, Ok
+from .._schema import compile_schema
+from .._workflow import as_workflow
 from ..errors import LoopLimitError, PurityError, ValidationError
-from ..kernel import Complete, RunHandle, StepOptions, _is_async, label_of
-from ..policies import check_timeout
-from ..result import Err, Ok
-from ..schema import compile_schema
-from ..workflow import as_workflow
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
 
@@ -133,7 +133,7 @@ class RestateWorkflowContext:
         return self._loop(path, initial, reducer, max_iterations)
 
     async def _loop(self, path: str, state: Any, reducer: Callable[..., Any], limit: int | None) -> Any:
-        from ..context import LoopDone, LoopIteration
+        from .._context import LoopDone, LoopIteration
 
         i = 0
         while True:
@@ -269,7 +269,7 @@ def enter_root(pump: Pump) -> None:
 
 async def run_body(pump: Pump, ctx: RestateWorkflowContext, workflow: Any, input: Any) -> tuple[str, Any]:
     """The workflow body on its thread: its result wire, or its error after the compensations ran."""
-    from ..codec import dump_error, dump_value
+    from .._codec import dump_error, dump_value
 
     enter_root(pump)
     try:
@@ -280,7 +280,7 @@ async def run_body(pump: Pump, ctx: RestateWorkflowContext, workflow: Any, input
         schema = workflow.output_schema
         wire = dump_value(schema.to_builtins(result) if schema else result, "result")
         if schema is not None:
-            from ..codec import load_value
+            from .._codec import load_value
             schema.convert(load_value(wire), "result")
         return "ok", wire
     except Exception as exc:  # noqa: BLE001 - the run's failure is its outcome

@@ -37,13 +37,13 @@ import restate
 from restate import RunOptions, TerminalError
 from restate.serde import Serde
 
-from ..codec import decode, dump_error, dump_value, encode, load_error, load_value
+from .._codec import decode, dump_error, dump_value, encode, load_error, load_value
+from .._kernel import NOT_RETRYABLE, current_attempt
+from .._threads import DaemonPool
 from ..errors import PurityError, StepInterruptedError, StepTimeoutError, WaitTimeoutError
-from ..kernel import NOT_RETRYABLE, current_attempt
-from ..threads import DaemonPool
 
 if TYPE_CHECKING:
-    from ..workflow import Workflow
+    from .._workflow import Workflow
 
 SCHED = "durably:sched"
 TOMBSTONE = {"$durably": "timed-out"}

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._workflow import REGISTRY, load_script
 from ..errors import ValidationError
-from ..workflow import REGISTRY, load_script
 
 DEFAULT_ADMIN = "http://127.0.0.1:9070"
 

@@ -27,9 +27,9 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from ..engine import Engine
+from .._engine import Engine
+from .._history import RunState
 from ..errors import DurablyError, RunNotFoundError, ValidationError
-from ..history import RunState
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"

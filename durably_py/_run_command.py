@@ -2,7 +2,7 @@
 watcher of its step events, then print what happened; shared by the `durably` commands that run workflows.
 
 Kept free of typer and of rich at import: `durably run SCRIPT` without options is answered by this module
-alone (see `durably_py.launcher`), and on a stderr that is not a terminal its lines are written as plain text,
+alone (see `durably_py._launcher`), and on a stderr that is not a terminal its lines are written as plain text,
 so a one-step script starts about as fast as `python script.py`. rich is imported only to draw the live view
 and to style lines on a terminal.
 """
@@ -28,12 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import config
-from .engine import Engine, RunHook, engine_for, set_run_hook
+from . import _config as config
+from ._engine import Engine, RunHook, engine_for, set_run_hook
+from ._events import StepEvent
+from ._history import RunState
+from ._workflow import REGISTRY, Workflow, load_script
 from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
-from .events import StepEvent
-from .history import RunState
-from .workflow import REGISTRY, Workflow, load_script
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -128,7 +128,7 @@ def _json_default(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, set | frozenset | tuple):
         return list(value)
-    from .schema import to_builtins
+    from ._schema import to_builtins
 
     try:  # a typed result (dataclass, Struct, pydantic model...) prints as the JSON it is stored as
         return to_builtins(value)

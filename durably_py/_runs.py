@@ -23,15 +23,15 @@ from typing import Any
 
 import msgspec
 
-from . import graphs
+from . import _graphs as graphs
 from . import records as log_format
-from .codec import dump_error
+from ._codec import dump_error
+from ._graphs import GraphState
+from ._history import History, RunState, describe, path_tuple, run_status
+from ._timeline import Span, spans
 from .errors import CorruptLogError, DurablyError, RunNotFoundError, ValidationError
-from .graphs import GraphState
-from .history import History, RunState, describe, path_tuple, run_status
 from .storage import RunInfo, Storage, validate_run_id
 from .storage.catalog import ENDED, OPEN
-from .timeline import Span, spans
 
 CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
 FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .history import path_tuple
+from ._history import path_tuple
 
 INTERNAL = ("ctx.sleep", "ctx.wait_for")
 

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import records
+from ._history import History, path_tuple, run_status
 from .errors import ValidationError
-from .history import History, path_tuple, run_status
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .events import StepEvent
+    from ._engine import Engine
+    from ._events import StepEvent
 
 DOCS = "docs/versioning.md#adopt"
 

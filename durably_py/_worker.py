@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._history import History
+from ._kernel import Parked
+from ._schedules import fire_due
 from .errors import DurablyError, RunCancelledError
-from .history import History
-from .kernel import Parked
-from .schedules import fire_due
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ._engine import Engine
 
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
 

@@ -23,11 +23,19 @@ from datetime import datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from . import graphs, queue, records
-from .advisories import AdvisoryTracker, RetryStormWindow, level_for
-from .branches import checked_branches, run_branches
-from .clock import Clock
-from .codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
+from . import _graphs as graphs
+from . import _queue as queue
+from . import records
+from ._advisories import AdvisoryTracker, RetryStormWindow, level_for
+from ._branches import checked_branches, run_branches
+from ._clock import Clock
+from ._codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
+from ._events import StepEvent
+from ._history import BUDGET_KINDS, History, path_tuple
+from ._policies import Retry, check_timeout
+from ._result import Err, Ok
+from ._schema import compile_schema
+from ._workflow import Workflow, as_workflow
 from .errors import (
     BudgetExceededError,
     DependencyFailedError,
@@ -43,20 +51,14 @@ from .errors import (
     ValidationError,
     WaitTimeoutError,
 )
-from .events import StepEvent
-from .history import BUDGET_KINDS, History, path_tuple
-from .policies import Retry, check_timeout
-from .result import Err, Ok
-from .schema import compile_schema
-from .workflow import Workflow, as_workflow
 
 if TYPE_CHECKING:
     import contextlib
 
-    from .graphs import Task
-    from .resources import Gates
+    from ._graphs import Task
+    from ._resources import Gates
+    from ._threads import SyncPlacement
     from .storage.base import Lease, Storage
-    from .threads import SyncPlacement
 
 CO_COROUTINE = inspect.CO_COROUTINE
 PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable

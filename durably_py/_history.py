@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import records as r
-from .codec import load_value
+from ._codec import load_value
 from .records import Header, Record
 
 BUDGET_KINDS = ("usd", "tokens", "units")

@@ -24,17 +24,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .children import joined
-from .codec import from_iso
+from ._children import joined
+from ._codec import from_iso
+from ._history import History
+from ._workflow import as_workflow
 from .errors import ValidationError
-from .history import History
 from .storage import validate_key
-from .workflow import as_workflow
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .kernel import RunHandle
-    from .worker import Worker
+    from ._engine import Engine
+    from ._kernel import RunHandle
+    from ._worker import Worker
 
 JOIN_POLL = 0.05
 
@@ -113,8 +113,8 @@ class RunQueue:
         engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
         same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
         this engine has no worker); `drain` works the queue off."""
-        from .engine import check_budget, check_checkpoint
-        from .kernel import RunHandle
+        from ._engine import check_budget, check_checkpoint
+        from ._kernel import RunHandle
 
         workflow = as_workflow(wf)
         priority = check_priority(priority)
@@ -132,7 +132,7 @@ class RunQueue:
     async def start(self, *, poll: float = 0.2) -> None:
         """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
         and release them, and repeat, until `stop()`. Returns at once; idempotent."""
-        from .worker import Worker
+        from ._worker import Worker
 
         if self.worker is None or self.worker.finished:
             self.worker = Worker(self.engine, concurrency=self.engine.concurrency, poll=poll)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from .errors import LeaseLostError
 
 if TYPE_CHECKING:
-    from .kernel import RunKernel
+    from ._kernel import RunKernel
     from .storage.base import Lease, Storage
 
 CONTROL_NAMES = ("$cancel", "$pause", "$resume")

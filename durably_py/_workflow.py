@@ -30,7 +30,7 @@ class Workflow:
 
     def __init__(self, fn: Callable[..., Awaitable[Any]], *, name: str | None = None,
                  input: Any = None, output: Any = None) -> None:
-        from .schema import compile_schema
+        from ._schema import compile_schema
 
         if not inspect.iscoroutinefunction(fn):
             raise ValidationError(

@@ -20,14 +20,14 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from . import records as log_format
-from .codec import dump_error, dump_value, load_value, to_iso
+from ._codec import dump_error, dump_value, load_value, to_iso
+from ._events import StepEvent
+from ._history import History, RunState, path_tuple, run_status
+from ._kernel import Selector, selects
 from .errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFoundError, ValidationError
-from .events import StepEvent
-from .history import History, RunState, path_tuple, run_status
-from .kernel import Selector, selects
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ._engine import Engine
 
 JOIN_POLL = 0.05
 ALL_REQUESTS = ("$cancel", "$pause", "$resume")

@@ -1,4 +1,4 @@
-"""The engine: finds or creates a run, takes its lease and runs the kernel; operations by id live in operations.py."""
+"""The engine: finds or creates a run, takes its lease and runs the kernel; operations by id live in _operations.py."""
 
 from __future__ import annotations
 
@@ -17,13 +17,26 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from . import _versioning as versioning
 from . import records as log_format
-from . import versioning
-from .advisories import Advisory, AdvisoryTracker
-from .children import ChildRuns, joined
-from .clock import Clock
-from .codec import digest, dump_error, dump_value, load_value, to_iso
-from .context import AttemptContext, WorkflowContext
+from ._advisories import Advisory, AdvisoryTracker
+from ._children import ChildRuns, joined
+from ._clock import Clock
+from ._codec import digest, dump_error, dump_value, load_value, to_iso
+from ._context import AttemptContext, WorkflowContext
+from ._events import StepEvent
+from ._graphs import GraphState
+from ._heartbeat import Heartbeat
+from ._history import BUDGET_KINDS, History, RunState
+from ._kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
+from ._operations import BulkResult, Operations
+from ._queue import RunQueue, park_entry
+from ._resources import Gates, Resource
+from ._runs import PruneReport, Runs, check_retention
+from ._schedules import Schedule
+from ._threads import DaemonPool, SyncPlacement
+from ._timeline import Span
+from ._workflow import REGISTRY, Workflow, as_workflow, load_script
 from .errors import (
     CorruptLogError,
     KeyConflictError,
@@ -32,21 +45,8 @@ from .errors import (
     StaleRunError,
     ValidationError,
 )
-from .events import StepEvent
-from .graphs import GraphState
-from .heartbeat import Heartbeat
-from .history import BUDGET_KINDS, History, RunState
-from .kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
-from .operations import BulkResult, Operations
-from .queue import RunQueue, park_entry
-from .resources import Gates, Resource
-from .runs import PruneReport, Runs, check_retention
-from .schedules import Schedule
 from .storage import FileStorage, RunInfo, Storage, validate_key
 from .storage.url import open_storage, parse_storage_url
-from .threads import DaemonPool, SyncPlacement
-from .timeline import Span
-from .workflow import REGISTRY, Workflow, as_workflow, load_script
 
 JOIN_POLL = 0.05
 RESERVED_WAIT = 2.0
@@ -146,7 +146,7 @@ class Engine:
         self.children = ChildRuns(self)
         self.operations = Operations(self)
 
-    # ---- finding and describing runs (runs.py) ----------------------------------------------------
+    # ---- finding and describing runs (_runs.py) ----------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
         return self.runs.read(run_id)
 
@@ -377,7 +377,7 @@ class Engine:
         return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
                                           at, priority)
 
-    # ---- the durable queue (queue.py) ----------------------------------------------------------------
+    # ---- the durable queue (_queue.py) ----------------------------------------------------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
@@ -444,7 +444,7 @@ class Engine:
     def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
         """Start `wf(input)` on every tick of `cron` (five fields, UTC) wherever this engine's loop serves
         schedules; like `durably_py.schedule`, but for this engine only."""
-        from .schedules import check
+        from ._schedules import check
 
         item = check(wf, cron, input, name)
         self.schedules[item.name] = item
@@ -473,7 +473,7 @@ class Engine:
             created_at=to_iso(datetime.now(UTC)), script=script_of(workflow), module=workflow.fn.__module__,
             ts=time.time(), **extra))
 
-    # ---- child runs (children.py): what the kernel asks of `EngineServices` ---------------------------
+    # ---- child runs (_children.py): what the kernel asks of `EngineServices` ---------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
         return self.children.create_child(parent, path, workflow, input, detached)
@@ -794,7 +794,7 @@ def run_hooks() -> builtins.list[RunHook]:
     global _otel_checked
     if not _otel_checked:
         _otel_checked = True
-        from . import otel
+        from . import _otel as otel
 
         otel.install_if_available()
     return ([_run_hook] if _run_hook is not None else []) + [hook for hook in _added_hooks if hook.active()]

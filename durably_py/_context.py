@@ -8,18 +8,18 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
-from .codec import dump_value, load_value
+from ._codec import dump_value, load_value
+from ._history import BUDGET_KINDS
+from ._kernel import PLAIN, Complete, LoopDone, RunHandle, StepOptions, current_attempt, label_of
+from ._policies import check_timeout
+from ._result import Err, Ok
 from .errors import ArgumentError, ValidationError
-from .history import BUDGET_KINDS
-from .kernel import PLAIN, Complete, LoopDone, RunHandle, StepOptions, current_attempt, label_of
-from .policies import check_timeout
 from .records import Stash
-from .result import Err, Ok
 
 if TYPE_CHECKING:
-    from .clock import Clock
-    from .graphs import Task
-    from .history import History
+    from ._clock import Clock
+    from ._graphs import Task
+    from ._history import History
     from .records import Record
 
 

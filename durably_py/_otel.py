@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from .engine import RunHook, add_run_hook
-from .events import StepEvent
+from ._engine import RunHook, add_run_hook
+from ._events import StepEvent
 
 TRACER_NAME = "durably"
 ENDS = ("ok", "retrying", "failed")

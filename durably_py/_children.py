@@ -18,14 +18,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .codec import digest, dump_value, load_error, load_value
+from ._codec import digest, dump_value, load_error, load_value
+from ._history import History
 from .errors import DurablyError, LeaseLostError, RunCancelledError, WorkflowFailedError
-from .history import History
 from .storage.base import NewRun
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .workflow import Workflow
+    from ._engine import Engine
+    from ._workflow import Workflow
 
 CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 
@@ -199,7 +199,7 @@ class ChildRuns:
         yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
         is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
         crash finds the children it created whether or not it recorded them."""
-        from .engine import new_run_id
+        from ._engine import new_run_id
 
         run_ids: builtins.list[str] = []
         batch: builtins.list[NewRun] = []

@@ -25,14 +25,14 @@ def direct_run(argv: list[str]) -> int | None:
     before, after = rest[:cut], rest[cut + 1:]
     if not before or any(token.startswith("-") for token in before):
         return None
-    from .run_command import run_plain
+    from ._run_command import run_plain
 
     return run_plain(Path(before[0]), before[1:] + after)
 
 
 def main() -> None:
     """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
-    from .run_command import EXIT_INTERRUPTED, EXIT_TERMINATED, Output, on_sigterm
+    from ._run_command import EXIT_INTERRUPTED, EXIT_TERMINATED, Output, on_sigterm
 
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, on_sigterm)

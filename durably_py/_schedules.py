@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .codec import digest, dump_value, load_value, to_iso
+from ._codec import digest, dump_value, load_value, to_iso
+from ._workflow import Workflow, as_workflow
 from .errors import ValidationError
-from .workflow import Workflow, as_workflow
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ._engine import Engine
     from .storage.base import Storage
 
 __all__ = ["SCHEDULES", "Schedule", "ScheduleState", "fire_due", "next_tick", "schedule", "states"]
@@ -153,7 +153,7 @@ def _claim(engine: Engine, item: Schedule, tick: datetime) -> str | None:
         first = _orphans.setdefault((id(storage), identity), time.monotonic())
         if time.monotonic() - first < ORPHAN_AFTER:
             return None
-    from .engine import new_run_id
+    from ._engine import new_run_id
 
     run_id = new_run_id(item.workflow.name)
     if not storage.bind(identity, run_id, expect=found):

@@ -7,8 +7,8 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ._result import Err, Ok
 from .errors import ValidationError
-from .result import Err, Ok
 
 
 def checked_branches(items: Iterable[Any], concurrency: int | None) -> list[Any]:

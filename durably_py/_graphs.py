@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._workflow import Workflow, as_workflow
 from .errors import ValidationError
-from .workflow import Workflow, as_workflow
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TASKS = 100
