@@ -17,3 +17,16 @@ def test_all_is_sorted_and_every_name_resolves() -> None:
 
 def test_the_package_is_typed() -> None:
     assert (Path(durably_py.__file__).parent / "py.typed").is_file()
+
+
+PUBLIC_MODULES = {"__init__", "__main__", "cli", "errors", "pytest_plugin", "records", "testing"}
+
+
+def test_every_other_module_is_named_internal() -> None:
+    """docs/architecture.md: a module outside the public surface starts with an underscore."""
+    package = Path(durably_py.__file__).parent
+    named = {path.stem for path in package.glob("*.py")}
+    assert PUBLIC_MODULES <= named
+    assert sorted(name for name in named - PUBLIC_MODULES if not name.startswith("_")) == []
+    assert {path.name for path in package.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == {
+        "restate", "storage", "ui"}
