@@ -70,11 +70,27 @@ def invoke(*args: str) -> Any:
     return runner.invoke(app, list(args))
 
 
-def durably(*args: str, cwd: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    """`python -m durably_py.cli ARGS` in a real subprocess that imports this checkout."""
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env}
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=timeout)
+def durably(*args: str, cwd: Path | None = None, timeout: float = 60, columns: int | None = None,
+            unset: tuple[str, ...] = (), pythonpath: bool = True, module: str = "durably_py.cli", check: bool = False,
+            **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` (the CLI by default) in a real subprocess, run to its end.
+
+    `cwd` None keeps this process's directory. The child's environment is this process's, then: `unset` names
+    removed (a name ending in `*` removes every name with that prefix), `COLUMNS` set when `columns` is given,
+    `PYTHONPATH` set to this process's `sys.path` when `pythonpath` (so it imports this checkout), `env` added
+    last (it overrides all of those). `check` fails the test, showing stderr, on a non-zero exit code."""
+    prefixes = tuple(name[:-1] for name in unset if name.endswith("*"))
+    environ = {k: v for k, v in os.environ.items() if k not in unset and not (prefixes and k.startswith(prefixes))}
+    if columns is not None:
+        environ["COLUMNS"] = str(columns)
+    if pythonpath:
+        environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    environ.update(env)
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True, text=True,
+                          timeout=timeout)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
 
 
 def read_until(fd: int, needle: bytes, seconds: float) -> bytes:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably as run_cli
 from helpers import invoke
 
 from durably_py import Retry, attempt, run, workflow
@@ -200,11 +201,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def durably(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("DURABLY_DIR", "DURABLY_SCRIPT")}
-    full_env.update(env)
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=60)
+durably = partial(run_cli, unset=("DURABLY_DIR", "DURABLY_SCRIPT"), pythonpath=False)
 
 
 @pytest.fixture
@@ -220,55 +217,55 @@ def executions(script: Path) -> list[str]:
 
 
 def test_run_script_keeps_stdout_and_records_script(tmp_path: Path, script: Path) -> None:
-    proc = durably(tmp_path, "run", "job.py", "--dir", "state", "--", "3")
+    proc = durably("run", "job.py", "--dir", "state", "--", "3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "main block: ['3']\nresult: {'n': 3, 'sum': 30}\n"
     assert "completed" in proc.stderr and "3 ran" in proc.stderr
     assert executions(script) == ["step-0", "step-1", "step-2"]
-    rows = json.loads(durably(tmp_path, "list", "--dir", "state", "--json").stdout)
+    rows = json.loads(durably("list", "--dir", "state", "--json", cwd=tmp_path).stdout)
     assert len(rows) == 1 and rows[0]["status"] == "completed"
     assert rows[0]["script"] == str(script.resolve())
     assert rows[0]["run_id"] in proc.stderr
 
 
 def test_run_failing_script_exits_1_without_traceback(tmp_path: Path, script: Path) -> None:
-    proc = durably(tmp_path, "run", "job.py", "--", "3", FAIL_AT="1")
+    proc = durably("run", "job.py", "--", "3", FAIL_AT="1", cwd=tmp_path)
     assert proc.returncode == 1
     assert "ValueError: step 1 is broken" in proc.stderr
     assert f"{script.resolve()}:" in proc.stderr and "in work" in proc.stderr
     assert "Traceback" not in proc.stderr and "durably inspect" in proc.stderr
-    debug = durably(tmp_path, "run", "job.py", "--debug", "--", "3", FAIL_AT="1")
+    debug = durably("run", "job.py", "--debug", "--", "3", FAIL_AT="1", cwd=tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
 
 def test_run_workflow_with_input_prints_json(tmp_path: Path, script: Path) -> None:
-    proc = durably(tmp_path, "run", "job.py", "--workflow", "steps", "--input", '{"n": 3}')
+    proc = durably("run", "job.py", "--workflow", "steps", "--input", '{"n": 3}', cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"n": 3, "sum": 30}
     assert "main block" not in proc.stdout
     (tmp_path / "input.json").write_text('{"n": 2}')
-    as_json = durably(tmp_path, "run", "job.py", "-w", "steps", "-i", "@input.json", "--key", "two", "--json")
+    as_json = durably("run", "job.py", "-w", "steps", "-i", "@input.json", "--key", "two", "--json", cwd=tmp_path)
     assert as_json.returncode == 0, as_json.stderr
     outcome = json.loads(as_json.stdout)
     assert outcome["result"] == {"n": 2, "sum": 10} and outcome["status"] == "completed"
     assert outcome["run_id"].startswith("steps-") and outcome["exit_code"] == 0
     assert as_json.stderr == ""
-    unknown = durably(tmp_path, "run", "job.py", "--workflow", "nope")
+    unknown = durably("run", "job.py", "--workflow", "nope", cwd=tmp_path)
     assert unknown.returncode == 2 and "no workflow named 'nope'" in unknown.stderr and "steps" in unknown.stderr
-    state = json.loads(durably(tmp_path, "inspect", "two", "--json").stdout)
+    state = json.loads(durably("inspect", "two", "--json", cwd=tmp_path).stdout)
     assert state["script"] == str(script.resolve()) and state["input"] == {"n": 2}
 
 
 def test_run_resumes_after_sigkill(tmp_path: Path, script: Path) -> None:
-    first = durably(tmp_path, "run", "job.py", "--", "4", KILL_AT="2")
+    first = durably("run", "job.py", "--", "4", KILL_AT="2", cwd=tmp_path)
     assert first.returncode == -9
     assert executions(script) == ["step-0", "step-1", "step-2"]
-    second = durably(tmp_path, "run", "job.py", "--", "4", KILL_AT="2")
+    second = durably("run", "job.py", "--", "4", KILL_AT="2", cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert second.stdout.endswith("result: {'n': 4, 'sum': 60}\n")
     assert executions(script) == ["step-0", "step-1", "step-2", "step-2", "step-3"]
     assert "2 ran" in second.stderr and "2 replayed" in second.stderr
-    rows = json.loads(durably(tmp_path, "list", "--json").stdout)
+    rows = json.loads(durably("list", "--json", cwd=tmp_path).stdout)
     assert len(rows) == 1 and rows[0]["status"] == "completed"
 
 
@@ -280,10 +277,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     ("slow_steps.py", ["3", "0.01"], "{'steps': 3,"),
 ])
 def test_examples_run_under_durably(tmp_path: Path, example: str, args: list[str], expected: str) -> None:
-    proc = durably(tmp_path, "run", str(EXAMPLES / example), "--", *args)
+    proc = durably("run", str(EXAMPLES / example), "--", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert expected in proc.stdout and "completed" in proc.stderr
-    rows = json.loads(durably(tmp_path, "list", "--json").stdout)
+    rows = json.loads(durably("list", "--json", cwd=tmp_path).stdout)
     assert [r["script"] for r in rows] == [str(EXAMPLES / example)]
 
 
@@ -347,14 +344,14 @@ def test_run_no_wait_exits_3_when_parked(tmp_path: Path) -> None:
 def test_approval_example_parks_takes_a_signal_and_finishes(tmp_path: Path) -> None:
     args = ["run", str(EXAMPLES / "approval.py"), "--workflow", "expense", "--input", '{"amount": 420}',
             "--key", "exp-1"]
-    parked = durably(tmp_path, *args, "--no-wait")
+    parked = durably(*args, "--no-wait", cwd=tmp_path)
     assert parked.returncode == 3, parked.stderr
     assert "waiting for the signal 'approval'" in parked.stderr  # ctx.log writes to stderr
-    sent = durably(tmp_path, "signal", "exp-1", "approval", '{"ok": true, "by": "ana"}')
+    sent = durably("signal", "exp-1", "approval", '{"ok": true, "by": "ana"}', cwd=tmp_path)
     assert sent.returncode == 0, sent.stderr
-    done = durably(tmp_path, *args)
+    done = durably(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == "paid 420.00, approved by ana"
     assert "waiting for the signal" not in done.stderr  # ctx.log stays quiet while a parked run resumes
-    rows = {r["workflow"]: r["status"] for r in json.loads(durably(tmp_path, "list", "--json").stdout)}
+    rows = {r["workflow"]: r["status"] for r in json.loads(durably("list", "--json", cwd=tmp_path).stdout)}
     assert rows == {"expense": "completed", "check_line": "completed"}

@@ -12,10 +12,12 @@ import sys
 import textwrap
 import time
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably as run_cli
 from helpers import read_until
 
 WORKFLOWS = textwrap.dedent('''
@@ -128,11 +130,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def durably(cwd: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI in `cwd` at 80 columns."""
-    full_env = {**os.environ, "COLUMNS": "80", **env}
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+durably = partial(run_cli, columns=80, pythonpath=False)
 
 
 def seed(cwd: Path, *runs: tuple[str, Any, str | None, bool]) -> None:
@@ -161,18 +159,18 @@ def as_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 def test_run_and_restart_json_is_one_object_with_the_run_id(project: Path) -> None:
-    proc = durably(project, "run", "wf.py", "--workflow", "loud", "--input", "1", "--json")
+    proc = durably("run", "wf.py", "--workflow", "loud", "--input", "1", "--json", cwd=project)
     assert proc.returncode == 0, proc.stderr
     out = as_json(proc)
     assert out["run_id"].startswith("loud-") and out["status"] == "completed" and out["result"] == 2
     assert out["exit_code"] == 0 and out["error"] is None
     assert [r["run_id"] for r in out["runs"]] == [out["run_id"]] and out["runs"][0]["ran"] == 1
     assert "hello from ctx.log" in proc.stderr
-    again = durably(project, "restart", out["run_id"], "--json")
+    again = durably("restart", out["run_id"], "--json", cwd=project)
     assert again.returncode == 0, again.stderr
     restarted = as_json(again)
     assert restarted["run_id"] != out["run_id"] and restarted["result"] == 2
-    failed = durably(project, "run", "wf.py", "--workflow", "early", "--input", "1", "--json")
+    failed = durably("run", "wf.py", "--workflow", "early", "--input", "1", "--json", cwd=project)
     assert failed.returncode == 1
     body = as_json(failed)
     assert body["status"] == "failed" and body["error"] == {"type": "ValueError", "message": "broken before any step"}
@@ -183,9 +181,9 @@ def test_run_and_restart_json_is_one_object_with_the_run_id(project: Path) -> No
 
 def test_runs_without_steps_appear_in_the_summary(project: Path) -> None:
     for name, code, status in (("nostep", 0, "completed"), ("early", 1, "failed")):
-        proc = durably(project, "run", "wf.py", "--workflow", name, "--input", "3")
+        proc = durably("run", "wf.py", "--workflow", name, "--input", "3", cwd=project)
         assert proc.returncode == code, proc.stderr
-        run_id = json.loads(durably(project, "list", "--workflow", name, "--json").stdout)[0]["run_id"]
+        run_id = json.loads(durably("list", "--workflow", name, "--json", cwd=project).stdout)[0]["run_id"]
         assert f"{run_id}  {status}  0 steps: 0 ran · 0 replayed" in proc.stderr
         assert "no durable" not in proc.stderr
 
@@ -196,11 +194,11 @@ def test_a_process_that_joins_a_live_run_reports_it(project: Path) -> None:
     deadline = time.monotonic() + 20
     while not list((project / ".durably" / "runs").glob("napper-*.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.05)
-    joined = durably(project, "run", "wf.py", "--workflow", "napper", "--input", "0.6")
+    joined = durably("run", "wf.py", "--workflow", "napper", "--input", "0.6", cwd=project)
     first.communicate(timeout=30)
     assert joined.returncode == 0, joined.stderr
     assert json.loads(joined.stdout) == [0.6, 0.6]
-    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
     assert f"{run_id}  completed" in joined.stderr
 
 
@@ -240,7 +238,7 @@ def test_sigterm_exits_143_and_the_run_resumes(project: Path) -> None:
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM; run the same command again to resume where it stopped" in err
     assert "interrupted" in err and out == ""
-    again = durably(project, "run", "wf.py", "--workflow", "napper", "--input", "1.5")
+    again = durably("run", "wf.py", "--workflow", "napper", "--input", "1.5", cwd=project)
     assert again.returncode == 0 and "1 replayed" in again.stderr
 
 
@@ -293,8 +291,8 @@ def test_a_second_ctrl_c_exits_at_once_and_restores_the_terminal(project: Path) 
     text = seen.decode(errors="replace")
     assert "\x1b[?25h" in text  # the cursor is shown again
     assert "interrupted; run the same command again to resume where it stopped" in text
-    state = json.loads(durably(project, "inspect", "--json", "--dir", ".durably",
-                               durably(project, "list", "-q").stdout.split()[0]).stdout)
+    state = json.loads(durably("inspect", "--json", "--dir", ".durably",
+                               durably("list", "-q", cwd=project).stdout.split()[0], cwd=project).stdout)
     assert state["status"] == "interrupted"
 
 
@@ -315,16 +313,16 @@ def test_list_on_a_terminal_shows_a_page_of_20_and_says_how_many_more(project: P
     lines = seen.decode(errors="replace").splitlines()
     assert sum("twice-" in line for line in lines) == 20
     assert lines[-1].strip() == "3 more (--offset 20 shows the next page, --limit N more at once)"
-    assert len(durably(project, "list", "-q").stdout.split()) == 23  # piped output is not cut
+    assert len(durably("list", "-q", cwd=project).stdout.split()) == 23  # piped output is not cut
 
 
 def test_no_wait_summary_says_what_the_run_waits_for(project: Path) -> None:
-    proc = durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait")
+    proc = durably("run", "wf.py", "--workflow", "waiter", "--no-wait", cwd=project)
     assert proc.returncode == 3
-    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
+    run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
     assert f"`durably signal {run_id} approval PAYLOAD`" in proc.stderr  # the real signal name
     assert "waiting for 'approval' (deadline 20" in proc.stderr
-    out = as_json(durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--json"))
+    out = as_json(durably("run", "wf.py", "--workflow", "waiter", "--no-wait", "--json", cwd=project))
     assert out["status"] == "waiting" and out["detail"].startswith("waiting for 'approval' (deadline ")
     assert out["exit_code"] == 3 and out["error"]["type"] == "RunParkedError"
 
@@ -334,14 +332,14 @@ def test_no_wait_summary_says_what_the_run_waits_for(project: Path) -> None:
 
 def test_list_fits_80_columns_with_whole_ids_and_names_the_empty_filter(project: Path) -> None:
     seed(project, *[("twice", n, f"key-number-{n}", False) for n in range(3)], ("early", 1, None, False))
-    table = durably(project, "list")
+    table = durably("list", cwd=project)
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
     assert lines[0].split() == ["run", "id", "workflow", "key", "status", "updated"]
-    for row in json.loads(durably(project, "list", "--json").stdout):
+    for row in json.loads(durably("list", "--json", cwd=project).stdout):
         assert any(line.startswith(row["run_id"] + " ") for line in lines), row["run_id"]
-    empty = durably(project, "list", "--status", "cancelled", "--workflow", "twice")
+    empty = durably("list", "--status", "cancelled", "--workflow", "twice", cwd=project)
     assert empty.returncode == 0
     assert empty.stdout.startswith("no runs match --status cancelled --workflow twice in ")
 
@@ -350,13 +348,13 @@ def test_list_fits_80_columns_with_whole_ids_and_names_the_empty_filter(project:
 
 
 def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
-    run_id = as_json(durably(project, "run", "wf.py", "--workflow", "twice", "--input", "1", "--json"))["run_id"]
+    run_id = as_json(durably("run", "wf.py", "--workflow", "twice", "--input", "1", "--json", cwd=project))["run_id"]
     for spec, ran in (("1", 2), ("inc", 3), ("inc#2", 2), ("last", 1)):
-        proc = durably(project, "retry", run_id, "--from-step", spec, "--json")
+        proc = durably("retry", run_id, "--from-step", spec, "--json", cwd=project)
         assert proc.returncode == 0, (spec, proc.stderr)
         out = as_json(proc)
         assert out["result"] == 4 and out["runs"][0]["ran"] == ran, spec
-    bad = durably(project, "retry", run_id, "--from-step", "inc#3")
+    bad = durably("retry", run_id, "--from-step", "inc#3", cwd=project)
     assert bad.returncode == 2
     assert f"--from-step inc#3 matches no recorded step of run {run_id}; its steps: 0 inc, 1 inc, 2 last" in bad.stderr
     assert "a step path such as 2 or 2.0.1" in bad.stderr and "label#N" in bad.stderr
@@ -367,15 +365,15 @@ def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
 
 
 def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_move(project: Path) -> None:
-    cut = durably(project, "run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', CUT="1")
+    cut = durably("run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', CUT="1", cwd=project)
     assert cut.returncode == 9
-    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
-    shown = durably(project, "inspect", run_id, COLUMNS="200").stdout
+    run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
+    shown = durably("inspect", run_id, COLUMNS="200", cwd=project).stdout
     assert "input     {\"n\": 1}" in shown and "status    interrupted" in shown
     assert f"next      durably retry {run_id} resumes it (cut off after (1,) ctx.sleep)" in shown
-    parked = durably(project, "run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', "--no-wait")
+    parked = durably("run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', "--no-wait", cwd=project)
     assert parked.returncode == 3 and "2 steps: 0 ran · 2 replayed" in parked.stderr
-    lines = durably(project, "inspect", run_id, COLUMNS="200").stdout.splitlines()
+    lines = durably("inspect", run_id, COLUMNS="200", cwd=project).stdout.splitlines()
     assert any(line.startswith("parked    waiting for 'approval' (deadline 20") for line in lines)
     assert f"next      durably signal {run_id} approval PAYLOAD" in lines
     assert "steps (2 · 1 waiting)" in lines
@@ -389,7 +387,7 @@ def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_mov
     assert 0.25 <= seconds < 5, sleep
     wait = next(line for line in lines if "(2,) ctx.wait_for" in line)
     assert "→ waiting for signal 'approval' until 20" in wait
-    state = json.loads(durably(project, "inspect", run_id, "--json").stdout)
+    state = json.loads(durably("inspect", run_id, "--json", cwd=project).stdout)
     assert state["input"] == {"n": 1} and state["status"] == "waiting"
 
 
@@ -397,34 +395,34 @@ def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_mov
 
 
 def test_graph_shows_a_task_whose_input_raised_as_failed(project: Path) -> None:
-    proc = durably(project, "run", "wf.py", "--workflow", "grapher", "--json")
+    proc = durably("run", "wf.py", "--workflow", "grapher", "--json", cwd=project)
     out = as_json(proc)
     assert out["status"] == "completed", proc.stderr
-    graph = as_json(durably(project, "graph", out["run_id"], "--json"))
+    graph = as_json(durably("graph", out["run_id"], "--json", cwd=project))
     assert [(n["id"], n["status"], n["wait"]) for n in graph[0]["nodes"]] == [
         ("a", "completed", None), ("b", "failed", "input_failed")]
     assert graph[0]["status"] != "running"
-    assert "running" not in durably(project, "graph", out["run_id"]).stdout
+    assert "running" not in durably("graph", out["run_id"], cwd=project).stdout
 
 
 # ---- 9. the state dir is found like git finds .git ----------------------------------------------------------
 
 
 def test_state_dir_is_the_nearest_durably_folder(project: Path) -> None:
-    failed = durably(project, "run", "wf.py", "--workflow", "resumable", "--input", "5", FAIL="1")
+    failed = durably("run", "wf.py", "--workflow", "resumable", "--input", "5", FAIL="1", cwd=project)
     assert failed.returncode == 1
-    from_sub = durably(project / "sub", "run", "../wf.py", "--workflow", "resumable", "--input", "5")
+    from_sub = durably("run", "../wf.py", "--workflow", "resumable", "--input", "5", cwd=project / "sub")
     assert from_sub.returncode == 0 and json.loads(from_sub.stdout) == 6
     assert "1 ran · 1 replayed" in from_sub.stderr
     assert not (project / "sub" / ".durably").exists()
-    rows = json.loads(durably(project / "sub", "list", "--json").stdout)
+    rows = json.loads(durably("list", "--json", cwd=project / "sub").stdout)
     assert len(rows) == 1 and rows[0]["workflow"] == "resumable" and rows[0]["status"] == "completed"
-    script = durably(project / "sub", "run", "../wf.py", "--", "7", FAIL="1")
+    script = durably("run", "../wf.py", "--", "7", FAIL="1", cwd=project / "sub")
     assert script.returncode == 1
-    resumed = durably(project / "sub", "run", "../wf.py", "--", "7")
+    resumed = durably("run", "../wf.py", "--", "7", cwd=project / "sub")
     assert resumed.returncode == 0 and "1 ran · 1 replayed" in resumed.stderr
     assert not (project / "sub" / ".durably").exists()
-    not_a_dir = durably(project, "list", "--dir", "wf.py")
+    not_a_dir = durably("list", "--dir", "wf.py", cwd=project)
     assert not_a_dir.returncode == 2 and "--dir 'wf.py' is a file, not a directory" in not_a_dir.stderr
 
 
@@ -432,33 +430,33 @@ def test_state_dir_is_the_nearest_durably_folder(project: Path) -> None:
 
 
 def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
-    durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate")
-    run_id = json.loads(durably(project, "list", "--json").stdout)[0]["run_id"]
-    sent = as_json(durably(project, "signal", "gate", "other", "1", "--json"))
+    durably("run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate", cwd=project)
+    run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
+    sent = as_json(durably("signal", "gate", "other", "1", "--json", cwd=project))
     assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True}
-    first = durably(project, "cancel", "gate", "--json")
+    first = durably("cancel", "gate", "--json", cwd=project)
     assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True}
-    second = durably(project, "cancel", "gate")
+    second = durably("cancel", "gate", cwd=project)
     assert second.returncode == 0 and second.stderr.strip() == f"{run_id} was already cancelled"
 
     (project / "broken.py").write_text("def oops(:\n")
-    syntax = durably(project, "run", "broken.py", "--workflow", "x")
+    syntax = durably("run", "broken.py", "--workflow", "x", cwd=project)
     assert syntax.returncode == 2
     assert "cannot import broken.py: SyntaxError:" in syntax.stderr and "broken.py:1" in syntax.stderr
 
-    option = durably(project, "run", "wf.py", "--verbose")
+    option = durably("run", "wf.py", "--verbose", cwd=project)
     flat = " ".join(option.stderr.replace("│", " ").split())
     assert option.returncode == 2 and "Options for the script go after `--`: durably run SCRIPT -- --verbose" in flat
 
-    no_input = durably(project, "run", "wf.py", "--workflow", "noinput", "--input", "1")
+    no_input = durably("run", "wf.py", "--workflow", "noinput", "--input", "1", cwd=project)
     assert no_input.returncode == 2
     assert "ValidationError: workflow 'noinput' takes no input, got 1" in no_input.stderr
 
-    kwargs = durably(project, "run", "wf.py", "--workflow", "bad_kwargs", "--input", "1")
+    kwargs = durably("run", "wf.py", "--workflow", "bad_kwargs", "--input", "1", cwd=project)
     assert kwargs.returncode == 1
     assert "ArgumentError: ctx.step() got unknown keyword argument(s) 'x'" in kwargs.stderr
 
-    timed = durably(project, "run", "wf.py", "--workflow", "timing_out", "--input", "1")
+    timed = durably("run", "wf.py", "--workflow", "timing_out", "--input", "1", cwd=project)
     assert timed.returncode == 1 and "StepTimeoutError" in timed.stderr
     assert "give `retry=` more attempts" in timed.stderr and "add `retry=`" not in timed.stderr
 
@@ -468,28 +466,28 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
 
 def test_list_filters_pages_and_quiet_ids_feed_xargs(project: Path) -> None:
     seed(project, *[("resumable", n, f"night-{n}", n > 0) for n in range(3)], ("twice", 1, "day-1", False))
-    rows = json.loads(durably(project, "list", "--json").stdout)
+    rows = json.loads(durably("list", "--json", cwd=project).stdout)
     assert len(rows) == 4
-    failed = durably(project, "list", "-q", "--status", "failed")
+    failed = durably("list", "-q", "--status", "failed", cwd=project)
     assert sorted(failed.stdout.split()) == sorted(r["run_id"] for r in rows if r["status"] == "failed")
-    both = durably(project, "list", "-q", "--status", "failed", "--status", "completed", "--key", "night-")
+    both = durably("list", "-q", "--status", "failed", "--status", "completed", "--key", "night-", cwd=project)
     assert len(both.stdout.split()) == 3
-    page = [json.loads(line) for line in durably(project, "list", "-o", "jsonl", "--limit", "2", "--offset", "1")
+    page = [json.loads(line) for line in durably("list", "-o", "jsonl", "--limit", "2", "--offset", "1", cwd=project)
             .stdout.splitlines()]
     assert [r["run_id"] for r in page] == [r["run_id"] for r in rows[1:3]]
-    table = durably(project, "list", "--limit", "3").stdout
+    table = durably("list", "--limit", "3", cwd=project).stdout
     assert table.rstrip().endswith("1 more (--offset 3 shows the next page, --limit N more at once)")
     future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
-    assert durably(project, "list", "-q", "--since", future).stdout == ""
-    assert len(durably(project, "list", "-q", "--since", "1h", "--until", future).stdout.split()) == 4
-    assert durably(project, "list", "-q", "--until", "1h").stdout == ""
-    assert durably(project, "list", "--since", "yesterday").returncode == 2
+    assert durably("list", "-q", "--since", future, cwd=project).stdout == ""
+    assert len(durably("list", "-q", "--since", "1h", "--until", future, cwd=project).stdout.split()) == 4
+    assert durably("list", "-q", "--until", "1h", cwd=project).stdout == ""
+    assert durably("list", "--since", "yesterday", cwd=project).returncode == 2
 
     cli = f"{sys.executable} -m durably_py.cli"
     retried = subprocess.run(f"{cli} list -q --status failed | xargs -n1 {cli} retry", shell=True, cwd=project,
                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
     assert retried.returncode == 0, retried.stderr
-    statuses = {r["status"] for r in json.loads(durably(project, "list", "--json").stdout)}
+    statuses = {r["status"] for r in json.loads(durably("list", "--json", cwd=project).stdout)}
     assert statuses == {"completed"}
 
 
@@ -505,7 +503,7 @@ def test_logs_follow_prints_what_another_process_appends_until_the_run_ends(proj
         time.sleep(0.05)
     run_id = next(runs.glob("napper-*.jsonl")).stem
     started = time.time()
-    followed = durably(project, "logs", run_id, "--follow", "--json")
+    followed = durably("logs", run_id, "--follow", "--json", cwd=project)
     writer.communicate(timeout=30)
     assert followed.returncode == 0, followed.stderr
     records = [json.loads(line) for line in followed.stdout.splitlines()]
@@ -513,15 +511,15 @@ def test_logs_follow_prints_what_another_process_appends_until_the_run_ends(proj
     assert records[-1]["t"] == "end" and records[-1]["status"] == "completed"
     oks = [r for r in records if r["t"] == "ok"]
     assert [r["l"] for r in oks] == ["nap", "nap"] and any(r["ts"] > started for r in oks)
-    assert records == [json.loads(line) for line in durably(project, "logs", run_id, "-o", "jsonl").stdout.splitlines()]
-    shown = durably(project, "logs", run_id, COLUMNS="200").stdout.splitlines()
+    assert records == [json.loads(line) for line in durably("logs", run_id, "-o", "jsonl", cwd=project).stdout.splitlines()]
+    shown = durably("logs", run_id, COLUMNS="200", cwd=project).stdout.splitlines()
     assert f"run {run_id} of napper created  input 0.8" in shown[0]
     assert "(0,) nap  ok" in shown[2] and shown[-1].endswith("run completed  → [0.8, 0.8]")
 
 
 def test_logs_follow_stops_when_the_run_parks(project: Path) -> None:
-    durably(project, "run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate")
-    followed = durably(project, "logs", "gate", "--follow", timeout=20)
+    durably("run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate", cwd=project)
+    followed = durably("logs", "gate", "--follow", timeout=20, cwd=project)
     assert followed.returncode == 0
     assert "waiting for signal 'approval' (deadline " in followed.stdout.splitlines()[-1]
 
@@ -530,7 +528,7 @@ def test_logs_follow_stops_when_the_run_parks(project: Path) -> None:
 
 
 def config_of(cwd: Path, *args: str, **env: str) -> dict[str, Any]:
-    proc = durably(cwd, "config", "--json", *args, **env)
+    proc = durably("config", "--json", *args, **env, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     return as_json(proc)
 
@@ -538,7 +536,7 @@ def config_of(cwd: Path, *args: str, **env: str) -> dict[str, Any]:
 def test_settings_come_from_flags_env_project_and_user_config_in_that_order(project: Path, tmp_path: Path) -> None:
     sub = project / "sub"
     assert config_of(sub)["sources"] == {"dir": "default", "color": "default"}
-    made = durably(project, "init")
+    made = durably("init", cwd=project)
     assert made.returncode == 0 and "created .durably/config.toml" in made.stderr.replace(str(project) + "/", "")
     assert (project / ".durably" / ".gitignore").read_text().splitlines()[1:] == ["*", "!.gitignore", "!config.toml"]
     found = config_of(sub)
@@ -559,14 +557,14 @@ def test_settings_come_from_flags_env_project_and_user_config_in_that_order(proj
     from_flag = config_of(sub, "--storage", "sqlite:runs.db", DURABLY_DIR=str(tmp_path / "env-dir"))
     assert from_flag["storage"] == "sqlite:runs.db" and from_flag["dir"] is None
     assert from_flag["sources"]["storage"] == "--storage"
-    shown = durably(sub, "config").stdout.splitlines()
+    shown = durably("config", cwd=sub).stdout.splitlines()
     assert shown[0] == f"dir     {project / 'state'}  ({project / '.durably' / 'config.toml'})"
 
-    ran = durably(sub, "run", "../wf.py", "--workflow", "twice", "--input", "1")
+    ran = durably("run", "../wf.py", "--workflow", "twice", "--input", "1", cwd=sub)
     assert ran.returncode == 0 and list((project / "state" / "runs").glob("twice-*.jsonl"))
 
     (project / ".durably" / "config.toml").write_text('dri = "state"\n')
-    bad = durably(sub, "list")
+    bad = durably("list", cwd=sub)
     assert bad.returncode == 2 and "has unknown key 'dri'" in bad.stderr and "dir, storage, color" in bad.stderr
 
 

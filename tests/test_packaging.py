@@ -6,17 +6,17 @@ import os
 import subprocess
 import sys
 import tomllib
+from functools import partial
 from pathlib import Path
 
 import typer
+from helpers import durably as run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def durably(*args: str, module: str = "durably_py", **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "80", **env})
+durably = partial(run_cli, module="durably_py", columns=80, pythonpath=False)
 
 
 def test_license_file_matches_the_declared_licence() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably as run_cli
 
 from durably_py import Engine, create_engine, workflow
 from durably_py.errors import RunNotFoundError, RunParkedError, ValidationError
@@ -126,23 +126,21 @@ def test_a_worker_with_retention_prunes_on_its_own(tmp_path: Path) -> None:
     assert set(left) == {runs["waiting"], runs["parent"], runs["child"]}
 
 
-def durably(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+durably = partial(run_cli, timeout=120, pythonpath=False)
 
 
 def test_durably_prune_on_the_command_line(tmp_path: Path) -> None:
     state = tmp_path / ".durably"
     engine = Engine(FileStorage(state))
     runs = a_mix(engine)
-    plan = durably(tmp_path, "prune", "--older-than", "0s", "--status", "failed", "--dry-run", "--json")
+    plan = durably("prune", "--older-than", "0s", "--status", "failed", "--dry-run", "--json", cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["runs"] == [runs["failed"]] and json.loads(plan.stdout)["dry_run"] is True
-    assert durably(tmp_path, "prune", "--older-than", "30d").stdout.startswith("deleted 0 ended runs")
-    done = durably(tmp_path, "prune", "--older-than", "0s", "--workflow", "prune_job")
+    assert durably("prune", "--older-than", "30d", cwd=tmp_path).stdout.startswith("deleted 0 ended runs")
+    done = durably("prune", "--older-than", "0s", "--workflow", "prune_job", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("deleted 3 ended runs") and "kept 1 that matched" in done.stdout
-    listed = durably(tmp_path, "list", "-q").stdout.split()
+    listed = durably("list", "-q", cwd=tmp_path).stdout.split()
     assert sorted(listed) == sorted([runs["waiting"], runs["parent"], runs["child"]])
-    bad = durably(tmp_path, "prune", "--older-than", "1d", "--status", "running")
+    bad = durably("prune", "--older-than", "1d", "--status", "running", cwd=tmp_path)
     assert bad.returncode == 2 and "not an end status" in bad.stderr

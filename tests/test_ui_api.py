@@ -9,10 +9,12 @@ import subprocess
 import sys
 import warnings
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably as run_cli
 
 from durably_py import Engine, FileStorage, SqliteStorage, ValidationError
 
@@ -29,12 +31,7 @@ from durably_py.ui import create_app  # noqa: E402
 FLOWS = Path(__file__).parent / "ui_flows.py"
 
 
-def durably(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI in a subprocess."""
-    done = subprocess.run([sys.executable, "-m", "durably_py.cli", *args], capture_output=True, text=True, timeout=60)
-    if check:
-        assert done.returncode == 0, done.stderr
-    return done
+durably = partial(run_cli, check=True, pythonpath=False)
 
 
 def run_flow(state: Path, workflow: str, input: Any, *extra: str, check: bool = True) -> None:
