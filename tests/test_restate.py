@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import durably
 from restate_env import ROOT, RestateEnv, server_binary
 
 pytest.importorskip("restate", reason="the restate extra (restate-sdk) is not installed")
@@ -46,15 +47,12 @@ def replay_env(marks: Path) -> Any:
 
 
 def cli(env: RestateEnv, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--restate", env.ingress,
-                           "--restate-admin", env.admin], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return durably(*args, "--restate", env.ingress, "--restate-admin", env.admin, cwd=ROOT, timeout=timeout,
+                   pythonpath=False, PYTHONPATH=str(ROOT))
 
 
 def on_files(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args, "--dir", str(tmp_path / "state")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return durably(*args, "--dir", str(tmp_path / "state"), cwd=ROOT, pythonpath=False, PYTHONPATH=str(ROOT))
 
 
 def start(env: RestateEnv, workflow: str, input: Any, key: str) -> None:
@@ -275,10 +273,9 @@ def test_service_serves_back_to_back_runs_and_stops_on_sigterm_and_ctrl_c(env: R
 
 def durably_in(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """The CLI in `cwd` with no Restate flags, the user's config under `cwd`/user-config, and `env` added."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
-    return subprocess.run([sys.executable, "-m", "durably_py.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=60, env={**clean, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(cwd / "user-config"),
-                                           "DURABLY_TEST_MARKS": os.environ["DURABLY_TEST_MARKS"], **env})
+    return durably(*args, cwd=cwd, unset=("DURABLY_*",), pythonpath=False,
+                   **{"PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(cwd / "user-config"),
+                      "DURABLY_TEST_MARKS": os.environ["DURABLY_TEST_MARKS"], **env})
 
 
 def test_restate_urls_come_from_flags_env_project_and_user_config(env: RestateEnv, tmp_path: Path) -> None:
