@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from helpers import durably
 
 import durably_py
 from durably_py import FakeClock, FileStorage, MemoryStorage, ValidationError, create_engine, workflow
@@ -163,20 +164,14 @@ def test_durably_schedules_lists_the_imported_schedules(tmp_path) -> None:
 
         durably_py.schedule(cleanup, "15 3 * * *", input=30, name="cleanup")
     '''))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-m", "durably_py.cli", "schedules", "--import", str(script),
-                          "--dir", str(tmp_path / "state"), "--json"], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=60)
+    at = {"cwd": tmp_path, "pythonpath": False, "PYTHONPATH": os.getcwd()}
+    out = durably("schedules", "--import", str(script), "--dir", str(tmp_path / "state"), "--json", **at)
     assert out.returncode == 0, out.stderr
     [listed] = json.loads(out.stdout)
     assert listed["name"] == "cleanup" and listed["cron"] == "15 3 * * *" and listed["input"] == 30
     next_tick = datetime.fromisoformat(listed["next_tick"])
     assert next_tick > datetime.now(UTC) and (next_tick.hour, next_tick.minute) == (3, 15)
-    table = subprocess.run([sys.executable, "-m", "durably_py.cli", "schedules", "--import", str(script),
-                            "--dir", str(tmp_path / "state")], capture_output=True, text=True, env=env,
-                           cwd=tmp_path, timeout=60)
+    table = durably("schedules", "--import", str(script), "--dir", str(tmp_path / "state"), **at)
     assert table.returncode == 0 and "cleanup" in table.stdout and "15 3 * * *" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "durably_py.cli", "schedules", "--import", "no_such_mod_xyz",
-                          "--dir", str(tmp_path / "state")], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=60)
+    bad = durably("schedules", "--import", "no_such_mod_xyz", "--dir", str(tmp_path / "state"), **at)
     assert bad.returncode == 2 and "no_such_mod_xyz" in bad.stderr

@@ -1,11 +1,9 @@
 """Storage URLs: a directory, file:PATH, sqlite:PATH, postgresql://...; a bad one names the accepted forms."""
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
+from helpers import durably
 
 from durably_py import FileStorage, SqliteStorage, ValidationError, create_engine, workflow
 from durably_py._engine import engine_for
@@ -85,17 +83,13 @@ def test_cli_honours_durably_storage_and_a_bad_url_is_a_usage_error(tmp_path) ->
     script = tmp_path / "job.py"
     script.write_text("from durably_py import workflow\n\n@workflow\nasync def triple(ctx, x):\n"
                       "    return await ctx.step(lambda: x * 3)\n")
-    env = {**os.environ, "DURABLY_STORAGE": f"sqlite:{tmp_path / 'runs.db'}"}
-    env.pop("DURABLY_DIR", None)
-    run = subprocess.run([sys.executable, "-m", "durably_py.cli", "run", str(script), "--workflow", "triple",
-                          "--input", "5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    at = {"unset": ("DURABLY_DIR",), "pythonpath": False, "cwd": tmp_path}
+    run = durably("run", str(script), "--workflow", "triple", "--input", "5", **at,
+                  DURABLY_STORAGE=f"sqlite:{tmp_path / 'runs.db'}")
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "runs.db").exists() and not (tmp_path / ".durably").exists()
-    listed = subprocess.run([sys.executable, "-m", "durably_py.cli", "list", "--json"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=60)
+    listed = durably("list", "--json", **at, DURABLY_STORAGE=f"sqlite:{tmp_path / 'runs.db'}")
     assert '"triple"' in listed.stdout
-    env["DURABLY_STORAGE"] = "mysql://nope"
-    bad = subprocess.run([sys.executable, "-m", "durably_py.cli", "list"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)
+    bad = durably("list", **at, DURABLY_STORAGE="mysql://nope")
     assert bad.returncode == 2
     assert "sqlite:PATH" in bad.stderr
