@@ -11,6 +11,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from helpers import durably
+
 from durably_py import FileStorage, create_engine, records
 
 JOBS = '''
@@ -105,10 +107,8 @@ def test_a_schedule_fires_once_per_tick_with_three_workers_racing(tmp_path: Path
 def test_nested_fan_out_wider_than_the_concurrency_completes_on_workers(tmp_path: Path) -> None:
     (tmp_path / "jobs.py").write_text(JOBS)
     procs = workers(tmp_path, concurrency=2)
-    env = {**os.environ, "JOBS_MARKS": str(tmp_path / "marks.txt")}
-    out = subprocess.run([sys.executable, "-m", "durably_py.cli", "enqueue", str(tmp_path / "jobs.py"),
-                          "--workflow", "top", "--input", "5", "--dir", str(tmp_path / "state"), "--json"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = durably("enqueue", str(tmp_path / "jobs.py"), "--workflow", "top", "--input", "5", "--dir",
+                  str(tmp_path / "state"), "--json", pythonpath=False, JOBS_MARKS=str(tmp_path / "marks.txt"))
     assert out.returncode == 0, out.stderr
     engine = create_engine(FileStorage(tmp_path / "state"))
     deadline = time.monotonic() + 90
@@ -129,10 +129,8 @@ def test_one_worker_of_concurrency_one_completes_nested_fan_out_with_parents_par
     """Depth 3, width 3 on one `durably worker -c 1`: every parent leaves its only slot while it waits in
     `join_all` (seen parked, held by no process), and a SIGKILL while it is parked loses nothing."""
     (tmp_path / "jobs.py").write_text(JOBS)
-    env = {**os.environ, "JOBS_MARKS": str(tmp_path / "marks.txt")}
-    out = subprocess.run([sys.executable, "-m", "durably_py.cli", "enqueue", str(tmp_path / "jobs.py"),
-                          "--workflow", "top", "--input", "3", "--dir", str(tmp_path / "state"), "--json"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    out = durably("enqueue", str(tmp_path / "jobs.py"), "--workflow", "top", "--input", "3", "--dir",
+                  str(tmp_path / "state"), "--json", pythonpath=False, JOBS_MARKS=str(tmp_path / "marks.txt"))
     assert out.returncode == 0, out.stderr
     run_id = json.loads(out.stdout)["run_id"]
     engine = create_engine(FileStorage(tmp_path / "state"))

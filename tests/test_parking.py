@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
+from helpers import durably
 
 from durably_py import (
     FileStorage,
@@ -232,8 +233,7 @@ def test_a_signal_from_another_process_reaches_a_waiting_process(tmp_path) -> No
             assert time.monotonic() < deadline
             time.sleep(0.05)
         (parked,) = asyncio.run(engine.list())
-        cli = subprocess.run([sys.executable, "-m", "durably_py.cli", "signal", parked.run_id, "open", '"bo"',
-                              "--dir", str(state)], capture_output=True, text=True, timeout=30)
+        cli = durably("signal", parked.run_id, "open", '"bo"', "--dir", str(state), timeout=30, pythonpath=False)
         assert cli.returncode == 0, cli.stderr
         out, _ = waiter.communicate(timeout=15)
         assert out.strip() == "opened by bo"
