@@ -1,5 +1,6 @@
 """Test scaffolding shared by the suites: cutting a run off, crashing one, running a coroutine, checking an error,
-waiting for a condition, finding run logs, the CLI in this process and in a subprocess."""
+waiting for a condition, finding run logs, a storage adapter of each kind, the CLI in this process and in a
+subprocess."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
-from durably_py import DurablyError, Engine
+from durably_py import DurablyError, Engine, FileStorage, MemoryStorage, SqliteStorage
 from durably_py.cli import app
 from durably_py.testing import inject_crash
 
@@ -55,6 +57,18 @@ def interrupt(engine: Engine, wf: Any, input: Any, after: tuple[int, ...]) -> st
 def log_files(state_dir: Path) -> list[Path]:
     """Every run log under `state_dir`, sorted by name."""
     return sorted((state_dir / "runs").glob("*.jsonl"))
+
+
+def storage_of(kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None) -> Any:
+    """A fresh adapter of `kind` rooted in `tmp_path` (postgres: on the test's schema of the session's server)."""
+    if kind == "file":
+        return FileStorage(tmp_path / "state")
+    if kind == "memory":
+        return MemoryStorage()
+    if kind == "postgres":
+        assert request is not None
+        return request.getfixturevalue("postgres_storage")()
+    return SqliteStorage(tmp_path / "state" / "durably.db")
 
 
 def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:

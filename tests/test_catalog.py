@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_storage import LONG, header, line, make
+from helpers import storage_of
+from test_storage import LONG, header, line
 
 from durably_py import Engine, workflow
 from durably_py._runs import STATUSES
@@ -21,7 +22,7 @@ from durably_py.storage import FileStorage, SqliteStorage
 
 @pytest.fixture(params=["file", "memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    return make(request.param, tmp_path, request)
+    return storage_of(request.param, tmp_path, request)
 
 
 def end(store: Any, run_id: str, status: str, *, after: bytes = b"") -> None:

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 from helpers import durably as run_cli
+from helpers import storage_of
 
 from durably_py import Engine, create_engine, workflow
 from durably_py.errors import RunNotFoundError, RunParkedError, ValidationError
-from durably_py.storage import FileStorage, SqliteStorage
+from durably_py.storage import FileStorage
 
 
 def work(name: str) -> str:
@@ -38,14 +39,6 @@ async def prune_parent(ctx: Any, name: str) -> str:
     done = await ctx.join(handle)
     await ctx.wait_for("go", timeout=3600)  # unfinished, with a finished child
     return str(done)
-
-
-def storage_of(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
-    if kind == "file":
-        return FileStorage(tmp_path / "state")
-    if kind == "sqlite":
-        return SqliteStorage(tmp_path / "state" / "durably.db")
-    return request.getfixturevalue("postgres_storage")()
 
 
 def a_mix(engine: Engine) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import storage_of
 
 from durably_py.errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from durably_py.storage import (
@@ -42,21 +43,9 @@ def line(**record: Any) -> bytes:
     return msgspec.json.encode(record) + b"\n"
 
 
-def make(kind: str, tmp_path: Path, request: pytest.FixtureRequest | None = None) -> Any:
-    """A fresh adapter of `kind` rooted in `tmp_path` (postgres: on the test's schema of the session's server)."""
-    if kind == "file":
-        return FileStorage(tmp_path / "state")
-    if kind == "memory":
-        return MemoryStorage()
-    if kind == "postgres":
-        assert request is not None
-        return request.getfixturevalue("postgres_storage")()
-    return SqliteStorage(tmp_path / "state" / "durably.db")
-
-
 @pytest.fixture(params=["file", "memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    adapter = make(request.param, tmp_path, request)
+    adapter = storage_of(request.param, tmp_path, request)
     yield adapter
     adapter.close()
 
@@ -236,7 +225,7 @@ def test_amend_refuses_a_held_run_and_writes_nothing_it_should_not(store: Any) -
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])
 def test_amend_takes_the_lease_from_a_lapsed_owner(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    store = make(kind, tmp_path, request)
+    store = storage_of(kind, tmp_path, request)
     store.create("r1", header("r1"))
     old = store.claim("r1", "me", 0.05)
     time.sleep(0.1)
@@ -471,7 +460,7 @@ def test_threads_append_through_one_lease(store: Any) -> None:
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])
 def test_time_based_leases_expire(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    store = make(kind, tmp_path, request)
+    store = storage_of(kind, tmp_path, request)
     store.create("r1", header("r1"))
     old = store.claim("r1", "me", 0.05)
     assert store.held("r1") is True
@@ -611,7 +600,7 @@ def test_signals_need_no_lease_and_leave_it_alone(store: Any) -> None:
 
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_signals_are_shared_between_instances(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    owner, sender = make(kind, tmp_path, request), make(kind, tmp_path, request)
+    owner, sender = storage_of(kind, tmp_path, request), storage_of(kind, tmp_path, request)
     lease = started(owner)
     sender.send("r1", sig("a", payload=1))
     assert owner.inbox("r1") == [{"id": "a", "payload": 1}]
@@ -976,7 +965,7 @@ def test_claim_due_from_two_adapters_at_once_shares_no_run(store, tmp_path, requ
         other = store
     else:
         kind = "file" if isinstance(store, FileStorage) else "sqlite" if isinstance(store, SqliteStorage) else "postgres"
-        other = make(kind, tmp_path, request)
+        other = storage_of(kind, tmp_path, request)
     for i in range(40):
         store.create(f"r{i}", header(f"r{i}"))
     got: list[list[str]] = [[], []]
@@ -1036,7 +1025,7 @@ def test_children_ending_at_once_on_two_adapters_wake_their_parent_once_the_last
         other = store
     else:
         kind = "file" if isinstance(store, FileStorage) else "sqlite" if isinstance(store, SqliteStorage) else "postgres"
-        other = make(kind, tmp_path, request)
+        other = storage_of(kind, tmp_path, request)
     for round in range(3):
         parent = f"p{round}"
         store.create(parent, header(parent))
