@@ -3,18 +3,14 @@
 import asyncio
 
 import pytest
-from helpers import Stop
+from helpers import Stop, storage_of
 
-from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, workflow
+from durably_py import Retry, create_engine, workflow
 
 
 @pytest.fixture(params=["file", "memory", "sqlite"])
 def storage(request, tmp_path):
-    if request.param == "file":
-        return FileStorage(tmp_path / "state")
-    if request.param == "memory":
-        return MemoryStorage()
-    return SqliteStorage(tmp_path / "durably.db")
+    return storage_of(request.param, tmp_path)
 
 
 def test_interrupt_resume_inspect_on_every_adapter(storage) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import durably
+from helpers import durably, storage_of
 
-from durably_py import FileStorage, MemoryStorage, RunParkedError, SqliteStorage, create_engine, workflow
+from durably_py import RunParkedError, create_engine, workflow
 
 WF = textwrap.dedent('''
     from durably_py import workflow
@@ -57,13 +57,7 @@ async def attempt_gate(ctx: Any) -> Any:
 
 @pytest.fixture(params=["file", "memory", "sqlite", "postgres"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    if request.param == "file":
-        return FileStorage(tmp_path / "state")
-    if request.param == "memory":
-        return MemoryStorage()
-    if request.param == "postgres":
-        return request.getfixturevalue("postgres_storage")()
-    return SqliteStorage(tmp_path / "durably.db")
+    return storage_of(request.param, tmp_path, request)
 
 
 def test_operations_on_an_unheld_run_are_not_attempts_on_every_adapter(storage: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import storage_of
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, records, workflow
 from durably_py import _queue as queue_rules
@@ -36,14 +37,6 @@ async def pk_top(ctx, width):
     single = await ctx.join(await ctx.spawn(pk_middle, "solo"))
     results = await ctx.join_all(await ctx.spawn_all([(pk_middle, i) for i in range(width)]))
     return [single, *[r.value for r in results]]
-
-
-def storage_of(kind: str, tmp_path: Path) -> Any:
-    if kind == "memory":
-        return MemoryStorage()
-    if kind == "sqlite":
-        return SqliteStorage(tmp_path / "durably.db")
-    return FileStorage(tmp_path / "state")
 
 
 def parks(engine: Any, run_id: str) -> list[records.Park]:
