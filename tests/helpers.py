@@ -71,12 +71,12 @@ def storage_of(kind: str, tmp_path: Path, request: pytest.FixtureRequest | None 
     return SqliteStorage(tmp_path / "state" / "durably.db")
 
 
-def wait_until(check: Callable[[], bool], seconds: float = 20.0) -> None:
-    """Poll `check` every 20 ms until it is true; fail the test after `seconds`."""
+def wait_until(check: Callable[[], bool], seconds: float = 20.0, every: float = 0.02) -> None:
+    """Poll `check` every `every` seconds until it is true; fail the test after `seconds`."""
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+        time.sleep(every)
 
 
 def invoke(*args: str) -> Any:

@@ -13,13 +13,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_until
 
 pytest.importorskip("starlette")
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -110,13 +110,6 @@ def wait_for_status(page: Any, status: str, timeout: float = 20) -> None:
     page.wait_for_selector(f".runhead .badge[data-status='{status}']", timeout=timeout * 1000)
 
 
-def wait_until(predicate: Any, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def exists(state: Path, key: str, status: str | None = None) -> bool:
     done = subprocess.run(cli("list", "--key", key, "--json", "--dir", str(state)), capture_output=True, text=True)
     runs = json.loads(done.stdout or "[]")
@@ -186,7 +179,7 @@ def test_graph_links_to_child_runs(page: Any, server: str, state: Path, tmp_path
 def test_follows_a_live_run_to_completion(page: Any, server: str, state: Path) -> None:
     proc = run_flow(state, "slow", {"n": 10, "delay": 0.3}, "--key", "live-1")
     try:
-        wait_until(lambda: exists(state, "live-1"))
+        wait_until(lambda: exists(state, "live-1"), every=0.1)
         page.goto(f"{server}/runs/live-1")
         wait_for_status(page, "running")
         seen = page.locator(".wf-row").count()
@@ -202,7 +195,7 @@ def test_follows_a_live_run_to_completion(page: Any, server: str, state: Path) -
 def test_signal_through_the_form_completes_the_waiting_run(page: Any, server: str, state: Path) -> None:
     proc = run_flow(state, "approval", 420, "--key", "expense-12")
     try:
-        wait_until(lambda: exists(state, "expense-12", "waiting"))
+        wait_until(lambda: exists(state, "expense-12", "waiting"), every=0.1)
         page.goto(f"{server}/runs/expense-12")
         wait_for_status(page, "waiting")
         page.click("button[data-op='signal']")
@@ -223,7 +216,7 @@ def test_signal_through_the_form_completes_the_waiting_run(page: Any, server: st
 def test_cancel_a_running_run(page: Any, server: str, state: Path) -> None:
     proc = run_flow(state, "slow", {"n": 60, "delay": 0.2}, "--key", "batch-99")
     try:
-        wait_until(lambda: exists(state, "batch-99", "running"))
+        wait_until(lambda: exists(state, "batch-99", "running"), every=0.1)
         page.goto(f"{server}/runs/batch-99")
         wait_for_status(page, "running")
         page.click("button[data-op='cancel']")
