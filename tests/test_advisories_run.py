@@ -2,6 +2,8 @@
 
 import asyncio
 
+from helpers import Stop
+
 from durably_py import MemoryStorage, Retry, create_engine, workflow
 
 
@@ -42,9 +44,6 @@ def test_silent_advisories_still_reach_the_callback(capsys) -> None:
 
 
 def test_a_resumed_run_does_not_announce_again(capsys) -> None:
-    class Stop(BaseException):
-        pass
-
     state = {"stop": True}
 
     @workflow

@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import pytest
+from helpers import Stop
 
 from durably_py import (
     FileStorage,
@@ -261,9 +262,6 @@ def test_killed_parent_process_resumes_children(tmp_path) -> None:
 
 
 def test_cancelling_a_parent_cancels_its_attached_children_only(tmp_path) -> None:
-    class Stop(BaseException):
-        pass
-
     @workflow
     async def waiting_child(ctx, name):
         return await ctx.wait_for(f"go-{name}", timeout=3600)
@@ -292,9 +290,6 @@ def test_cancelling_a_parent_cancels_its_attached_children_only(tmp_path) -> Non
 
 
 def test_pausing_a_parent_pauses_its_attached_children_and_resume_resumes_them(tmp_path) -> None:
-    class Stop(BaseException):
-        pass
-
     @workflow
     async def sleepy_child(ctx, name):
         await ctx.step(work, name, name="work")

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import Stop
 
 from durably_py import LeaseLostError, RunNotFoundError, ValidationError, create_engine, workflow
 from durably_py.storage import Lease, PostgresStorage, Storage
@@ -34,10 +35,6 @@ def line(**record: Any) -> bytes:
 
 def kinds(store: Any, run_id: str = "r1") -> list[str]:
     return [r["t"] for r in store.read(run_id).records]
-
-
-class Interrupted(BaseException):
-    """Escapes run() as a killed machine would."""
 
 
 def test_importing_durably_does_not_import_psycopg() -> None:
@@ -209,12 +206,12 @@ def test_interrupted_run_resumes_on_another_machine(postgres_storage: Machines) 
         out += [r.value for r in await ctx.parallel([lambda n=n: ctx.step(work, n) for n in names[1:]])]
         if state["interrupt"]:
             state["interrupt"] = False
-            raise Interrupted()
+            raise Stop()
         out.append(await ctx.step(work, "last"))
         return out
 
     first = create_engine(postgres_storage())
-    with pytest.raises(Interrupted):
+    with pytest.raises(Stop):
         asyncio.run(first.run(wf, ["a", "b", "c"], key="job"))
     assert calls == {"a": 1, "b": 1, "c": 1}
     second = create_engine(postgres_storage())
