@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from functools import partial
 from pathlib import Path
@@ -334,9 +332,8 @@ def test_run_no_wait_exits_3_when_parked(tmp_path: Path) -> None:
         async def gate(ctx):
             return await ctx.wait_for("open", timeout=60)
     """))
-    cmd = [sys.executable, "-m", "durably_py.cli", "run", str(script), "--workflow", "gate", "--no-wait",
-           "--dir", str(tmp_path / "state")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    done = run_cli("run", str(script), "--workflow", "gate", "--no-wait", "--dir", str(tmp_path / "state"),
+                   pythonpath=False)
     assert done.returncode == 3, done.stderr
     assert "waiting" in done.stderr
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tomllib
 from functools import partial
 from pathlib import Path
@@ -46,9 +43,8 @@ def test_python_m_durably_py_version_and_completion() -> None:
     version = durably("--version")
     assert version.returncode == 0 and version.stdout == f"durably {__version__}\n"
     assert durably("--version", module="durably_py.cli").stdout == version.stdout
-    completion = subprocess.run([sys.executable, "-m", "durably_py"], capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "_DURABLY_COMPLETE": "complete_bash", "COMP_WORDS": "durably li",
-                                     "COMP_CWORD": "1"})
+    completion = run_cli(module="durably_py", pythonpath=False, _DURABLY_COMPLETE="complete_bash",
+                         COMP_WORDS="durably li", COMP_CWORD="1")
     assert completion.stdout.split() == ["list"]
 
 
