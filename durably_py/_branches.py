@@ -1,4 +1,5 @@
-"""`ctx.parallel`'s branches, the same in every mode: checking them, and running them to `Ok`/`Err` results."""
+"""`ctx.parallel`'s branches, the same in every mode: checking them, running them to `Ok`/`Err` results, and the
+errors of a step started from a strand out of place."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._result import Err, Ok
-from .errors import ValidationError
+from .errors import PurityError, ValidationError
 
 
 def checked_branches(items: Iterable[Any], concurrency: int | None) -> list[Any]:
@@ -56,3 +57,19 @@ async def run_branches(items: list[Any], concurrency: int | None,
         for task in tasks:
             task.cancel()
         raise
+
+
+def outside_workflow() -> PurityError:
+    """The error for a ctx call made while no workflow function of this run is running."""
+    return PurityError("ctx was used outside its running workflow",
+                       hint="Call ctx methods only while the workflow function runs.")
+
+
+def foreign_strand() -> PurityError:
+    """The error for a step started from a task the workflow does not own: its path would depend on scheduling."""
+    return PurityError(
+        "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
+        "coroutines that call ctx.step), so its path would depend on scheduling",
+        hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
+             "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
+        docs="docs/authoring.md#paths")

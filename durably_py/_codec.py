@@ -159,17 +159,7 @@ def _walk(v: Any, depth: int, seen: set[int] | None) -> Any:
             if depth > _FAST_DEPTH:
                 raise _TooDeep
             return _walk_container(v, t, depth, seen)
-        ident = id(v)
-        if ident in seen:
-            raise _Reject(
-                f"a {t.__name__} that contains itself",
-                "Break the cycle; a value that refers to itself cannot be recorded.",
-            )
-        seen.add(ident)
-        try:
-            return _walk_container(v, t, depth, seen)
-        finally:
-            seen.discard(ident)
+        return _walk_sub(v, v, depth, seen)
     if t is _datetime:
         return _tag_dt(v)
     return _walk_other(v, depth, seen)
@@ -248,7 +238,8 @@ def _walk_other(v: Any, depth: int, seen: set[int] | None) -> Any:
 
 
 def _walk_sub(original: Any, plain: Any, depth: int, seen: set[int]) -> Any:
-    """Walk a plain copy of a container subclass while the original's id marks the path (cycle detection)."""
+    """Walk `plain` (the container itself, or a plain copy of a container subclass) while the original's id marks
+    the path (cycle detection)."""
     ident = id(original)
     if ident in seen:
         raise _Reject(

@@ -27,7 +27,7 @@ from . import _graphs as graphs
 from . import _queue as queue
 from . import records
 from ._advisories import AdvisoryTracker, RetryStormWindow, level_for
-from ._branches import checked_branches, run_branches
+from ._branches import checked_branches, foreign_strand, outside_workflow, run_branches
 from ._clock import Clock
 from ._codec import dump_error, dump_value, encode_line, from_iso, load_error, load_value, to_iso
 from ._events import StepEvent
@@ -534,16 +534,9 @@ class RunKernel:
         try:
             scope = current_scope.get()
         except LookupError:
-            raise PurityError("ctx was used outside its running workflow",
-                              hint="Call ctx methods only while the workflow function runs.") from None
+            raise outside_workflow() from None
         if scope.owner is not None and scope.owner is not asyncio.current_task():
-            raise self.replay_failed(PurityError(
-                "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
-                "coroutines that call ctx.step), so its path would depend on scheduling",
-                hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
-                     "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
-                docs="docs/authoring.md#paths",
-            ))
+            raise self.replay_failed(foreign_strand())
         return scope
 
     def check_label(self, path: str, rec: records.Ok | records.Err, label: str) -> None:

@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from .._branches import checked_branches, run_branches
+from .._branches import checked_branches, foreign_strand, outside_workflow, run_branches
 from .._kernel import Complete, RunHandle, StepOptions, _is_async, label_of
 from .._policies import check_timeout
 from .._result import Err, Ok
 from .._schema import compile_schema
 from .._workflow import as_workflow
-from ..errors import LoopLimitError, PurityError, ValidationError
+from ..errors import LoopLimitError, ValidationError
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
 
@@ -76,15 +76,9 @@ class RestateWorkflowContext:
         try:
             scope = _scope.get()
         except LookupError:
-            raise PurityError("ctx was used outside its running workflow",
-                              hint="Call ctx methods only while the workflow function runs.") from None
+            raise outside_workflow() from None
         if scope.owner is not None and scope.owner is not asyncio.current_task():
-            raise PurityError(
-                "a step was started from a task the workflow does not own (asyncio.create_task / gather of "
-                "coroutines that call ctx.step), so its path would depend on scheduling",
-                hint="Run concurrent strands with ctx.parallel([...]) or pass ctx.step(...) awaitables to "
-                     "asyncio.gather directly; each ctx.parallel branch gets its own stable path prefix.",
-                docs="docs/authoring.md#paths")
+            raise foreign_strand()
         return scope
 
     # ---- steps ------------------------------------------------------------------------------------------
