@@ -276,7 +276,9 @@ def dump_value(value: Any, where: str = "value") -> Any:
         ) from None
 
 
-_PLAIN = frozenset({str, int, float, bool, type(None)})
+SCALARS = frozenset({str, int, float, bool, type(None)})
+"""The wire types that are their own value (`load_value` returns them as they are)."""
+_PLAIN = SCALARS
 
 
 def load_value(wire: Any) -> Any:

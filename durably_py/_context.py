@@ -174,6 +174,7 @@ class WorkflowContext:
 
     def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
+        self._step = kernel.step  # bound once: every ctx.step call goes through it
         self.budget = BudgetView(kernel)
 
     @property
@@ -204,11 +205,17 @@ class WorkflowContext:
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
              schema: Any, replay: str = "safe") -> Awaitable[Any]: ...
 
-    def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
-             timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
-             concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
+        if options:
+            return self._configured(fn, args, **options)
+        return self._step(fn, args, None, PLAIN)
+
+    def _configured(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None = None, retry: Any = None,
+                    timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
+                    schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
+        """`ctx.step` with options: validated once per call shape (`_OPTIONS`), then handed to the kernel."""
         if unknown:
             raise ArgumentError(
                 f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
@@ -216,7 +223,7 @@ class WorkflowContext:
                      "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
         if (retry is None and timeout is None and compensate is None and concurrency_key is None
                 and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
-            return self._kernel.step(fn, args, name, PLAIN)
+            return self._step(fn, args, name, PLAIN)
         label = name or label_of(fn)
         key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
         try:
@@ -230,7 +237,7 @@ class WorkflowContext:
                 if len(_OPTIONS) >= 4096:
                     _OPTIONS.clear()
                 _OPTIONS[key] = opts
-        return self._kernel.step(fn, args, name, opts)
+        return self._step(fn, args, name, opts)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

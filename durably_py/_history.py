@@ -29,6 +29,7 @@ class History:
         typed = r.load(records, where)
         self.header: Header = typed[0]  # type: ignore[assignment]
         self.done: dict[str, r.Ok | r.Err] = {}
+        self.errs: set[str] = set()  # paths recorded failed (`reopen` runs them again), with stale ones
         self.fails: dict[str, r.Fail] = {}
         self.starts: dict[str, r.Start] = {}
         self.stashes: dict[str, r.Stash] = {}
@@ -53,8 +54,13 @@ class History:
         self.fingerprint: str | None = self.header.fingerprint
         self.updated: float | None = None
         fold = _FOLD
+        done = self.done
+        ok = r.Ok
         for rec in typed[1:]:
-            fold[type(rec)](self, rec)
+            if type(rec) is ok and rec.signal is None:  # most of a log: `_done` inlined
+                done[rec.path] = rec
+            else:
+                fold[type(rec)](self, rec)
         for rec in reversed(typed):
             ts = getattr(rec, "ts", None)
             if ts is not None:
@@ -70,8 +76,11 @@ class History:
 
     def _done(self, rec: r.Ok | r.Err) -> None:
         self.done[rec.path] = rec
-        if isinstance(rec, r.Ok) and rec.signal is not None:
-            self.signals.add(rec.signal)
+        if isinstance(rec, r.Ok):
+            if rec.signal is not None:
+                self.signals.add(rec.signal)
+        else:
+            self.errs.add(rec.path)
 
     def _advice(self, rec: r.Advice) -> None:
         self.advisories[rec.advisory["code"]] = rec.advisory
@@ -126,7 +135,10 @@ class History:
 
     def reopen(self, rec: r.Reopen | None = None) -> None:
         """A failed run resumes: failed and compensated steps run again, with fresh attempts."""
-        for path in [p for p, d in self.done.items() if isinstance(d, r.Err) or p in self.comps]:
+        failed = [p for p in self.errs if isinstance(self.done.get(p), r.Err)]
+        failed.extend(p for p in self.comps if p in self.done)
+        self.errs.clear()
+        for path in dict.fromkeys(failed):
             del self.done[path]
             self.fails.pop(path, None)
             self.starts.pop(path, None)
@@ -207,7 +219,10 @@ class History:
             out.append(r.Budget(budget=self.budget))
         if self.claim:
             out.append(self.claim)
-        out.extend(d for p, d in self.done.items() if not self.snapshotted(p))
+        if self.snaps:
+            out.extend(d for p, d in self.done.items() if not self.snapshotted(p))
+        else:
+            out.extend(self.done.values())
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
             out.extend(d for p, d in table.items() if p not in self.done)
