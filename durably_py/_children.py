@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ._workflow import Workflow
 
 CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
+ENDING_MAX = 256  # child ends waiting for one group commit at most (each holds its lease: two descriptors on files)
 
 RunChild = Callable[[str, "Workflow | None", bool], Awaitable[Any]]
 
@@ -80,14 +81,94 @@ class ChildSlot:
 CHILD_SLOT: contextvars.ContextVar[ChildSlot | None] = contextvars.ContextVar("durably_child_slot", default=None)
 
 
+class EndGroup:
+    """Group commit of child runs' ends. A child whose run ended hands its lease here and its task ends; its
+    log is made durable together with every sibling that ended meanwhile (one `Storage.sync_all` in a worker
+    thread for all of them), then its queue entry goes, its lease is released and only then its outcome
+    reaches its parent, so a parent never records a result whose child end a machine crash could still lose."""
+
+    def __init__(self, sync_all: Callable[[builtins.list[Any]], None], finish: Callable[[Any, bool], None],
+                 run_in_thread: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+        self.sync_all = sync_all
+        self.finish = finish
+        self.run_in_thread = run_in_thread
+        self.waiting: builtins.list[tuple[Any, Callable[[BaseException | None], None]]] = []
+        self.in_flight = 0
+        self.task: asyncio.Task[None] | None = None
+        self.room: asyncio.Event | None = None
+
+    def full(self) -> bool:
+        """True while `ENDING_MAX` ends wait (each holds its lease: a log and a lock descriptor on files)."""
+        return len(self.waiting) + self.in_flight >= ENDING_MAX
+
+    async def has_room(self) -> None:
+        while self.full():
+            if self.room is None:
+                self.room = asyncio.Event()
+            await self.room.wait()
+
+    def add(self, lease: Any, settle: Callable[[BaseException | None], None]) -> None:
+        """Make `lease`'s appends durable in the next group commit, then finish its run and call `settle`
+        (with the error when its log could not be made durable)."""
+        self.waiting.append((lease, settle))
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._commit())
+
+    def now(self, lease: Any) -> None:
+        """Finish one handed-over run at once, in this thread (its child task was cancelled)."""
+        self._settle([(lease, lambda error: None)], None, durable_each=True)
+
+    async def _commit(self) -> None:
+        group: builtins.list[tuple[Any, Callable[[BaseException | None], None]]] = []
+        try:
+            while self.waiting:
+                group, self.waiting = self.waiting, []
+                self.in_flight = len(group)
+                error: BaseException | None = None
+                try:
+                    await self.run_in_thread(functools.partial(self.sync_all, [lease for lease, _ in group]))
+                except Exception as exc:  # noqa: BLE001 - each end is then made durable (or fails) on its own
+                    error = exc
+                self._settle(group, error, durable_each=error is not None)
+                group = []
+                self.in_flight = 0
+                if self.room is not None:
+                    self.room.set()
+                    self.room = None
+        except BaseException:  # cancelled (the loop is closing): the ends still waiting are finished here
+            rest, self.waiting = group + self.waiting, []
+            self._settle(rest, None, durable_each=True)
+            raise
+        finally:
+            self.task = None
+            self.in_flight = 0
+
+    def _settle(self, group: builtins.list[tuple[Any, Callable[[BaseException | None], None]]],
+                error: BaseException | None, *, durable_each: bool) -> None:
+        for lease, settle in group:
+            own = None
+            if durable_each:
+                try:
+                    self.sync_all([lease])
+                except Exception as exc:  # noqa: BLE001 - this child's outcome
+                    own = exc
+            try:
+                self.finish(lease, own is None)
+            except Exception as exc:  # noqa: BLE001 - this child's outcome
+                own = own or exc
+            settle(own)
+
+
 class ChildPool:
     """Runs child runs of one event loop, `size` at a time; running children that want their slot back (after
     a join) go before children not started yet, so a deep fan-out finishes branches before widening."""
 
-    def __init__(self, size: int, run: RunChild) -> None:
+    def __init__(self, size: int, run: RunChild, ending: EndGroup | None = None) -> None:
         self.size = size
         self.free = size
         self.run = run
+        self.ending = ending
+        self.handed: dict[str, Any] = {}  # run id -> the lease of a child whose end `ending` makes durable
         self.outcomes: dict[str, asyncio.Future[Any]] = {}
         self.pending: deque[tuple[str, Workflow | None, bool, asyncio.Future[Any]]] = deque()
         self.waiters: deque[asyncio.Future[None]] = deque()
@@ -137,23 +218,43 @@ class ChildPool:
                      outcome: asyncio.Future[Any]) -> None:
         slot = ChildSlot(self)
         CHILD_SLOT.set(slot)
+        value: Any = None
+        failed: BaseException | None = None
         try:
-            value = await self.run(run_id, workflow, rerun_failed)
-        except asyncio.CancelledError:
-            if not outcome.done():
-                outcome.cancel()
-            raise
-        except BaseException as exc:  # noqa: BLE001 - the child's outcome, whatever it is, goes to its joiners
-            if not outcome.done():
-                outcome.set_exception(exc)
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
+            try:
+                value = await self.run(run_id, workflow, rerun_failed)
+            except asyncio.CancelledError:
+                lease = self.handed.pop(run_id, None)
+                if lease is not None and self.ending is not None:
+                    self.ending.now(lease)
+                if not outcome.done():
+                    outcome.cancel()
                 raise
-        else:
-            if not outcome.done():
-                outcome.set_result(value)
+            except BaseException as exc:  # noqa: BLE001 - the child's outcome, whatever it is, goes to its joiners
+                failed = exc
+            lease = self.handed.pop(run_id, None)
+            if lease is not None and self.ending is not None:
+                await self.ending.has_room()
+                self.ending.add(lease, functools.partial(_settle, outcome, value, failed))
+            else:
+                _settle(outcome, value, failed, None)
+            if isinstance(failed, KeyboardInterrupt | SystemExit):
+                raise failed
         finally:
             self.running.pop(outcome, None)
             slot.give_back()
+
+
+def _settle(outcome: asyncio.Future[Any], value: Any, failed: BaseException | None,
+            error: BaseException | None) -> None:
+    """Hand a child's outcome to its joiners: its value, its error, or the error that kept its end from
+    becoming durable."""
+    if outcome.done():
+        return
+    if error is not None or failed is not None:
+        outcome.set_exception(error if error is not None else failed)  # type: ignore[arg-type]
+    else:
+        outcome.set_result(value)
 
 
 def parked_in_join() -> contextlib.AbstractAsyncContextManager[None]:
@@ -187,7 +288,32 @@ class ChildRuns:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.pool = ChildPool(engine.concurrency, self._run_child)
+        self.pool = self._new_pool()
+
+    def _new_pool(self) -> ChildPool:
+        storage = self.engine.storage
+
+        def run_in_thread(call: Callable[[], None]) -> Awaitable[None]:
+            return asyncio.get_running_loop().run_in_executor(self.engine.executor, call)
+
+        def finish(lease: Any, durable: bool) -> None:
+            try:
+                if durable:
+                    storage.unschedule(lease.run_id)
+            finally:
+                storage.release(lease)
+
+        return ChildPool(self.engine.concurrency, self._run_child, EndGroup(storage.sync_all, finish, run_in_thread))
+
+    def in_pool(self) -> bool:
+        """True in a child run this engine's pool runs: its end is made durable with its siblings' ends."""
+        slot = CHILD_SLOT.get()
+        return slot is not None and slot.pool is self.pool and self.pool.ending is not None
+
+    def hand_over(self, lease: Any) -> None:
+        """A pool child's run ended unsynced: the group commit makes it durable, takes it out of the queue and
+        releases its lease before its outcome reaches its parent."""
+        self.pool.handed[lease.run_id] = lease
 
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
@@ -284,5 +410,5 @@ class ChildRuns:
         """Child-run state belongs to one event loop; a new loop starts it afresh."""
         loop = asyncio.get_running_loop()
         if self.loop is not loop:
-            self.loop, self.pool = loop, ChildPool(self.engine.concurrency, self._run_child)
+            self.loop, self.pool = loop, self._new_pool()
         return loop

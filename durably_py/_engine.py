@@ -298,12 +298,17 @@ class Engine:
                      on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
                      torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
         """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after.
-        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs."""
+        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs. A child run of
+        this engine's pool ends without its own fsync: its lease goes to the pool's group commit
+        (`ChildRuns.hand_over`), which makes it durable, unqueues and releases it before its parent learns
+        the outcome."""
         run_id = lease.run_id
         parked_on: tuple[str, ...] = ()
+        grouped = stopping is None and self.children.in_pool()
         try:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                       advisories, on_advisory, on_step, torn, wait, stopping)
+                                       advisories, on_advisory, on_step, torn, wait, stopping,
+                                       end_sync=not grouped)
         except Parked as parked:
             if parked.children:
                 self.storage.join_wait(run_id, parked.children)
@@ -320,9 +325,12 @@ class Engine:
                 pass
             raise
         finally:
-            if history.end is not None:
-                self.storage.unschedule(run_id)
-            self.storage.release(lease)
+            if grouped and history.end is not None:  # a child here: made durable with its siblings' ends
+                self.children.hand_over(lease)
+            else:
+                if history.end is not None:
+                    self.storage.unschedule(run_id)
+                self.storage.release(lease)
             if parked_on and any(m.get("name") in parked_on for m in self.storage.inbox(run_id)):
                 self.storage.wake(run_id)  # a signal that arrived while it parked
 
@@ -506,7 +514,8 @@ class Engine:
     async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                        budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                        on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                       torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
+                       torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
+                       end_sync: bool = True) -> Any:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
@@ -522,6 +531,7 @@ class Engine:
                            input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
                            on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
+        kernel.end_sync = end_sync
         if history.end is not None and history.end.status == "failed":
             kernel.write(log_format.Reopen(ts=time.time()))
             kernel.retrying = True

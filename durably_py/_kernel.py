@@ -434,6 +434,7 @@ class RunKernel:
         self.observer: Observer | None = make(self) if make is not None else None
         self.parks = False  # served by a worker: children are queued runs; joins and long backoffs park the run
         self.attached: dict[str, None] = {}  # unjoined attached children while `parks` (the end waits for them)
+        self.end_sync = True  # False: whoever runs the kernel makes its end durable (a child's, with its siblings')
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
@@ -1648,7 +1649,8 @@ class RunKernel:
                 raise cancelled from exc
             await self.compensate(exc)
             self.write(records.End(status="failed", error=dump_error(exc), ts=time.time()))
-            self.sync()
+            if self.end_sync:
+                self.sync()
             raise
         if self.replay_error is not None:
             raise self.replay_error
@@ -1656,7 +1658,8 @@ class RunKernel:
             self.finish_cancelled(self.cancel_error)
             raise self.cancel_error
         self.write(records.End(status="completed", result=wire, ts=time.time()))
-        self.sync()
+        if self.end_sync:
+            self.sync()
         return value
 
 

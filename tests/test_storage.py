@@ -414,6 +414,30 @@ def test_sync_counts_fsyncs(store: Any) -> None:
     assert store.fsyncs == after_first + 1
 
 
+def test_sync_all_makes_every_lease_durable_as_one_group(store: Any) -> None:
+    leases = [started(store, run_id) for run_id in ("r1", "r2", "r3")]
+    for lease in leases[:2]:
+        store.append(lease, line(t="step"))
+    before = store.fsyncs
+    store.sync_all(leases)
+    assert store.fsyncs > before
+    after = store.fsyncs
+    for lease in leases:
+        store.sync(lease)  # nothing appended since the group commit: nothing left to sync
+    store.sync_all(leases)
+    store.sync_all([])
+    assert store.fsyncs == after
+    store.append(leases[0], line(t="step"))
+    store.sync_all(leases)
+    assert store.fsyncs > after
+    other = started(store, "r4")
+    store.release(other)
+    with pytest.raises(LeaseLostError):
+        store.sync_all([leases[1], other])
+    for lease in leases:
+        store.release(lease)
+
+
 def test_claim_validates_owner_and_ttl(store: Any) -> None:
     store.create("r1", header("r1"))
     for owner, ttl in [("", LONG), (None, LONG), ("me", -1), ("me", "10"), ("me", float("nan"))]:
@@ -649,9 +673,13 @@ def test_file_layout(fs: FileStorage) -> None:
     fs.bind("a/../../b", "r1")
     runs = sorted(p.name for p in (fs.dir / "runs").iterdir())
     assert runs == ["r1.jsonl", "r1.lock", "r1.owner"]
-    index, lock = sorted((fs.dir / "index").iterdir())
+    (index,) = sorted((fs.dir / "index").iterdir())  # a first binding is a hard link: no lock file
     assert len(index.name) == 64 and index.read_text() == "r1"
-    assert lock.name == index.name + ".lock"
+    assert fs.bind("a/../../b", "r2", expect="r1") is True  # a rebinding is decided under the binding's lock
+    index, lock = sorted((fs.dir / "index").iterdir())
+    assert index.read_text() == "r2" and lock.name == index.name + ".lock"
+    assert fs.bind("a/../../b", "r1", expect="r1") is False and fs.bind("a/../../b", "r3") is False
+    fs.bind("a/../../b", "r1", expect="r2")
     info = fs.holder_info("r1")
     assert info is not None and info["owner"] == "worker-1" and info["pid"] == os.getpid() and info["epoch"] == 1
     fs.release(lease)

@@ -383,6 +383,12 @@ class NewRun:
     expect: str | None = None
 
 
+def sync_each(storage: Any, leases: list[Lease]) -> None:
+    """`Storage.sync_all` as one `sync` per lease, for adapters whose commits cost the same grouped or not."""
+    for lease in leases:
+        storage.sync(lease)
+
+
 def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
     """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way."""
     for run in runs:
@@ -433,6 +439,11 @@ class Storage(Protocol):
     def sync(self, lease: Lease) -> None:
         """Make every appended record durable against a machine crash (fsync or equivalent, counted in
         `fsyncs`); a no-op, not counted, when nothing changed since this lease's last sync."""
+
+    def sync_all(self, leases: list[Lease]) -> None:
+        """`sync` every lease in `leases` as one group commit (the file adapter: one `syncfs` where the OS has
+        it, instead of an fsync per log); afterwards `sync` of any of them is a no-op until it appends again.
+        `LeaseLostError` if any lease is no longer current (the others may be durable by then)."""
 
     def size(self, run_id: str) -> int:
         """Bytes the run's log takes (what compaction is measured against); `RunNotFoundError` if unknown."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -204,6 +205,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_syncfs_call: Any = None
+
+
+def _syncfs_call_for() -> Any:
+    """libc's ``syncfs`` (Linux), loaded on first use; None where the OS has none."""
+    global _syncfs_call
+    if _syncfs_call is None:
+        _syncfs_call = False
+        if sys.platform.startswith("linux") and os.environ.get("DURABLY_NO_SYNCFS") != "1":
+            try:
+                import ctypes
+
+                _syncfs_call = ctypes.CDLL(None, use_errno=True).syncfs
+            except (OSError, AttributeError):  # pragma: no cover - a libc without syncfs
+                pass
+    return _syncfs_call or None
+
+
+def _syncfs(path: str) -> bool:
+    """``syncfs(2)`` of the file system holding `path` (every file's data and metadata on it, one call):
+    True once done, False where the OS has no syncfs; an `OSError` when the file system reports a write error."""
+    call = _syncfs_call_for()
+    if call is None:
+        return False
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if call(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), path)
+    finally:
+        os.close(fd)
+    return True
+
+
 def _lost(lease: Lease) -> LeaseLostError:
     """The error for a lease that does not belong to any file storage (or was never granted)."""
     return LeaseLostError(f"lease on run {lease.run_id} is not a live file-storage lease", run_id=lease.run_id)
@@ -220,6 +257,11 @@ class FileStorage:
         self.index_dir = self.dir / "index"
         self.queue_dir = self.dir / "queue"
         self.joins_dir = self.dir / "joins"
+        self._runs_path = str(self.runs_dir)
+        self._queue_path = str(self.queue_dir)
+        self._index_path_str = str(self.index_dir)
+        self._runs_real: str | None = None  # the resolved runs directory, once it exists
+        self._dir_durable: set[str] = set()  # runs created here whose directory entry a group sync made durable
         self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
@@ -237,16 +279,21 @@ class FileStorage:
 
     def _lock_path(self, run_id: str) -> str:
         """The resolved lock path of a run: the key of the in-process lease registry."""
-        return os.path.realpath(self.runs_dir / f"{run_id}.lock")
+        real = self._runs_real
+        if real is None:
+            real = os.path.realpath(self._runs_path)
+            if os.path.isdir(real):
+                self._runs_real = real
+        return os.path.join(real, f"{run_id}.lock")
 
     def _fsync(self, fd: int) -> None:
         """fsync and count it."""
         os.fsync(fd)
         self.fsyncs += 1
 
-    def _write_tmp(self, directory: Path, stem: str, data: bytes, *, durable: bool) -> Path:
+    def _write_tmp(self, directory: str | Path, stem: str, data: bytes, *, durable: bool) -> str:
         """Write `data` to a new uniquely named hidden temp file in `directory` (fsynced if `durable`)."""
-        tmp = directory / f".{stem}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+        tmp = os.path.join(directory, f".{stem}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, data)
@@ -254,11 +301,11 @@ class FileStorage:
                 self._fsync(fd)
         except OSError as exc:
             os.close(fd)
-            tmp.unlink()
+            os.unlink(tmp)
             raise storage_full(exc, "write", str(directory)) from exc
         except BaseException:
             os.close(fd)
-            tmp.unlink()
+            os.unlink(tmp)
             raise
         os.close(fd)
         return tmp
@@ -266,29 +313,44 @@ class FileStorage:
     def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now); its queue
         entry is written first, so a crash in between leaves an entry without a log, which `due` skips."""
-        log = self._log(run_id)
-        fields = header_fields(validate_header(run_id, header))
+        fields = header_fields(validate_header(validate_run_id(run_id), header))
         at = validate_at(at)
         priority = validate_priority(priority)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        entry = QueueEntry(run_id, now if at is None else at, priority, (), now)
         with self._queue_lock():
-            queued = not self._entry_path(run_id).exists() and not log.exists()
-            if queued:
-                self._write_entry(entry)
+            queued = self._new_entry(QueueEntry(run_id, now if at is None else at, priority, (), now))
+        self._new_log(run_id, header, queued)
+        # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
+        # between leaves a log without a row, which the next listing finds (``runs/`` changed)
+        self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
+
+    def _new_entry(self, entry: QueueEntry) -> bool:
+        """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
+        log already (the log's creation then fails loudly)."""
+        run_id = entry.run_id
+        if os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")) \
+                or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
+            return False
+        self._write_entry(entry)
+        return True
+
+    def _new_log(self, run_id: str, header: bytes, queued: bool) -> None:
+        """Create the log holding `header`, whole or not at all: a hidden temp file hard-linked to its name
+        (the link fails if the name exists), so no reader ever sees a log without its header."""
+        log = os.path.join(self._runs_path, f"{run_id}.jsonl")
         try:
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
             if queued:
-                self._entry_path(run_id).unlink(missing_ok=True)
-            raise storage_full(exc, "create", str(log)) from exc
+                self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
+            raise storage_full(exc, "create", log) from exc
         try:
             try:
                 os.link(tmp, log)
             except FileExistsError:
                 if queued:
-                    self._entry_path(run_id).unlink(missing_ok=True)
+                    self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
                     hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
@@ -296,12 +358,16 @@ class FileStorage:
                     run_id=run_id,
                 ) from None
             except OSError:  # pragma: no cover - filesystems without hard links
-                self._create_exclusive(log, run_id, header)
+                self._create_exclusive(Path(log), run_id, header)
         finally:
-            tmp.unlink()
-        # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
-        # between leaves a log without a row, which the next listing finds (``runs/`` changed)
-        self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
+            os.unlink(tmp)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
     def _create_exclusive(self, log: Path, run_id: str, header: bytes) -> None:  # pragma: no cover
         """`create` where hard links are unavailable: O_EXCL plus a single write."""
@@ -340,6 +406,9 @@ class FileStorage:
         except BaseException:
             self._drop(held)
             raise
+        if run_id in self._dir_durable:
+            self._dir_durable.discard(run_id)
+            held.dir_synced = True
         self._mine.add(held)
         return Lease(run_id, owner, epoch, {"file": held}, records, torn, str(log))
 
@@ -532,6 +601,30 @@ class FileStorage:
                 self.fsyncs += 1
                 held.dir_synced = True
 
+    def sync_all(self, leases: list[Lease]) -> None:
+        """Make every lease's appends durable in one pass: one ``syncfs`` of the state directory's file system
+        where the OS has it (Linux), else `sync` of each (an fsync per changed log, one of the runs directory)."""
+        todo: list[tuple[_Held, int]] = []
+        for lease in leases:
+            held = lease.state.get("file")
+            if not isinstance(held, _Held):
+                raise _lost(lease)
+            with held.mutex:
+                held.check()
+                if held.synced != held.size or not held.dir_synced:
+                    todo.append((held, held.size))
+        if not todo:
+            return
+        if len(todo) == 1 and todo[0][0].dir_synced or not _syncfs(str(self.runs_dir)):
+            for lease in leases:
+                self.sync(lease)
+            return
+        self.fsyncs += 1
+        for held, size in todo:
+            with held.mutex:
+                held.synced = size if held.synced < size else held.synced
+                held.dir_synced = True
+
     def size(self, run_id: str) -> int:
         """Bytes of the run's log file."""
         log = self._log(run_id)
@@ -581,31 +674,72 @@ class FileStorage:
         return True
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
-        """Bind and create each run in order: each binding's file is fsynced before its rename (as `bind`),
-        the index directory once for the batch instead of once per binding."""
+        """Bind and create the runs as one batch in two passes, each made durable once: first every binding
+        (up to the first one lost), then every queue entry and log. With ``syncfs`` (Linux) each pass is one
+        call for all its files; without it each binding is fsynced before its rename and the directories once.
+        A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
+        binding a machine crash could lose."""
+        for run in runs:
+            validate_header(validate_run_id(run.run_id), run.header)
+        grouped = _syncfs_call_for() is not None
         lost = None
-        bound = False
-        try:
-            for run in runs:
-                if not self._bind(run.identity, run.run_id, run.expect):
-                    lost = run.identity
-                    break
-                bound = True
-                self.create(run.run_id, run.header)
-        finally:
-            if bound:
-                _fsync_dir(self.index_dir)
-                self.fsyncs += 1
+        bound: list[NewRun] = []
+        for run in runs:
+            if not self._bind(run.identity, run.run_id, run.expect, durable=not grouped):
+                lost = run.identity
+                break
+            bound.append(run)
+        if not bound:
+            return lost
+        self._sync_dirs(grouped, self._index_path_str)
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        with self._queue_lock():
+            queued = [self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
+        rows = []
+        for run, entry in zip(bound, queued, strict=True):
+            self._new_log(run.run_id, run.header, entry)
+            rows.append((run.run_id, *header_fields(validate_header(run.run_id, run.header)), OPEN, now,
+                         len(run.header)))
+        self._sync_dirs(grouped, self._runs_path, self._queue_path)
+        if grouped:
+            self._dir_durable.update(run.run_id for run in bound)
+        self._indexed(lambda catalog: catalog.put_many(rows))
         return lost
 
-    def _bind(self, identity: str, run_id: str, expect: str | None) -> bool:
-        """`bind` but for making the rename durable (an fsync of the index directory, the caller's)."""
+    def _sync_dirs(self, grouped: bool, *dirs: str) -> None:
+        """Make what was just written in `dirs` durable: one syncfs when `grouped`, else an fsync of each
+        directory (their files were fsynced as written, or are made durable by their runs' own syncs)."""
+        if grouped and _syncfs(self._runs_path if os.path.isdir(self._runs_path) else str(self.dir)):
+            self.fsyncs += 1
+            return
+        for directory in dirs:
+            _fsync_dir(Path(directory))
+            self.fsyncs += 1
+
+    def _bind(self, identity: str, run_id: str, expect: str | None, *, durable: bool = True) -> bool:
+        """`bind` but for making the rename durable (an fsync of the index directory, the caller's).
+
+        A first binding (`expect` None, nothing bound) is a hard link of a temp file holding the run id: it
+        fails if the name exists, so it needs no lock; anything else is decided under the binding's own lock
+        file, where a damaged binding counts as none."""
         path = self._index_path(identity)
         validate_run_id(run_id)
         if expect is not None:
             validate_run_id(expect)
-        self.index_dir.mkdir(parents=True, exist_ok=True)
-        lock = _OsLock(str(path) + ".lock")
+        os.makedirs(self._index_path_str, exist_ok=True)
+        if expect is None:
+            tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                pass
+            except OSError:  # pragma: no cover - filesystems without hard links: the locked way
+                pass
+            finally:
+                os.unlink(tmp)
+        lock = _OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -616,12 +750,16 @@ class FileStorage:
         try:
             if self.lookup(identity) != expect:
                 return False
-            tmp = self._write_tmp(self.index_dir, "bind", run_id.encode(), durable=True)
+            tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
             try:
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+                if expect is None and not os.path.lexists(path):
+                    os.link(tmp, path)  # fails if another process's first binding came in meanwhile
+                else:
+                    os.replace(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                self._unlink(tmp)
             return True
         finally:
             lock.release()
@@ -629,17 +767,22 @@ class FileStorage:
     def lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
         try:
-            run_id = self._index_path(identity).read_bytes().decode("utf-8", "replace").strip()
+            fd = os.open(self._index_path(identity), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
+        finally:
+            os.close(fd)
         try:
             return validate_run_id(run_id)
         except ValidationError:
             return None
 
-    def _index_path(self, identity: str) -> Path:
+    def _index_path(self, identity: str) -> str:
         """Where an identity's binding lives: its SHA-256, never the identity itself."""
-        return self.index_dir / hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
+        digest = hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
+        return os.path.join(self._index_path_str, digest)
 
     def catalog(self) -> FileCatalog:
         """The run catalog beside the logs (`fileindex.FileCatalog`), opened on first use."""
@@ -757,7 +900,7 @@ class FileStorage:
     def _unbind(self, identity: str, run_id: str) -> None:
         """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""
         path = self._index_path(identity)
-        lock = _OsLock(str(path) + ".lock")
+        lock = _OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -765,7 +908,7 @@ class FileStorage:
             time.sleep(0.001)
         try:
             if self.lookup(identity) == run_id:
-                path.unlink(missing_ok=True)
+                self._unlink(path)
         finally:
             lock.release()
 
@@ -808,7 +951,7 @@ class FileStorage:
         try:
             os.replace(tmp, directory / f"{ns:020d}-{os.urandom(8).hex()}.json")
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp)
             raise
         _fsync_dir(directory)
         self.fsyncs += 1
@@ -900,11 +1043,11 @@ class FileStorage:
     def _write_entry(self, entry: QueueEntry) -> None:
         """Atomically replace a run's queue entry (call with the queue lock held)."""
         data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
-        tmp = self._write_tmp(self.queue_dir, entry.run_id, data, durable=False)
+        tmp = self._write_tmp(self._queue_path, entry.run_id, data, durable=False)
         try:
-            os.replace(tmp, self._entry_path(entry.run_id))
+            os.replace(tmp, os.path.join(self._queue_path, f"{entry.run_id}.json"))
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp)
             raise
 
     def _read_entry(self, run_id: str) -> QueueEntry | None:

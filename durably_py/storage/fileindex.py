@@ -126,6 +126,11 @@ class FileCatalog:
         with self._write() as db:
             db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", row)
 
+    def put_many(self, rows: list[Row]) -> None:
+        """Insert or replace many runs' rows in one transaction (a batch of child runs)."""
+        with self._write() as db:
+            db.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
     def refresh(self, run_id: str) -> None:
         """Bring one run's row up to date with its log, reading only what was appended since the row was
         written (the whole log when the row is new or the log shrank); the row goes when the log is gone."""

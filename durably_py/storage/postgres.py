@@ -45,6 +45,7 @@ from .base import (
     decode_signal,
     last_line,
     parse_log,
+    sync_each,
     validate_at,
     validate_header,
     validate_identity,
@@ -518,6 +519,10 @@ class PostgresStorage:
         if self._synced.get(key) != rows[0][0]:
             self._synced[key] = rows[0][0]
             self.fsyncs += 1
+
+    def sync_all(self, leases: list[Lease]) -> None:
+        """`sync` each lease (a grouped commit costs what separate ones do here)."""
+        sync_each(self, leases)
 
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""

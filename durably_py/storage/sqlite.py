@@ -45,6 +45,7 @@ from .base import (
     decode_signal,
     last_line,
     parse_log,
+    sync_each,
     validate_at,
     validate_header,
     validate_identity,
@@ -318,6 +319,10 @@ class SqliteStorage:
             with _durable(self, db) as tx:
                 self._fenced(tx, lease, "syncs = syncs + 1", ())
             self._synced[key] = row[0]
+
+    def sync_all(self, leases: list[Lease]) -> None:
+        """`sync` each lease (a grouped commit costs what separate ones do here)."""
+        sync_each(self, leases)
 
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""
