@@ -130,9 +130,26 @@ class Scope:
         self.outer = outer  # (prefix, first index) of the positions that come after this strand in its enclosing ones
 
     def alloc(self) -> str:
-        path = f"{self.prefix}{self.n}"
-        self.n += 1
-        return path
+        n = self.n
+        self.n = n + 1
+        return self.prefix + number(n)
+
+
+_NUMBERS: list[str] = []
+_NUMBERS_KEPT = 1 << 15
+
+
+def number(n: int) -> str:
+    """`str(n)` for a path index, from a table of the first `_NUMBERS_KEPT` (a path is built per step)."""
+    global _NUMBERS
+    try:
+        return _NUMBERS[n]
+    except IndexError:
+        if n >= _NUMBERS_KEPT:
+            return str(n)
+        # a new table, swapped in whole: a thread reading the old one meanwhile still reads true entries
+        _NUMBERS = list(map(str, range(min(max(n + 1, 2 * len(_NUMBERS), 64), _NUMBERS_KEPT))))
+        return _NUMBERS[n]
 
 
 current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
@@ -600,7 +617,10 @@ class RunKernel:
             scope = self.scope()
         n = scope.n
         scope.n = n + 1
-        path = f"{scope.prefix}{n}"
+        try:
+            path = scope.prefix + _NUMBERS[n]
+        except IndexError:
+            path = scope.prefix + number(n)
         if name:
             label = name
         else:
