@@ -211,8 +211,8 @@ class WorkflowContext:
             return self._configured(fn, args, **options)
         return self._step(fn, args, None, PLAIN)
 
-    def _configured(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None = None, retry: Any = None,
-                    timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
+    def _configured(self, fn: Callable[..., Any], args: tuple[Any, ...], /, name: str | None = None,
+                    retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
                     concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
                     schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
         """`ctx.step` with options: validated once per call shape (`_OPTIONS`), then handed to the kernel."""

@@ -11,6 +11,7 @@ import pytest
 from helpers import check_error, go
 
 from durably_py import (
+    ArgumentError,
     Engine,
     FakeClock,
     MemoryStorage,
@@ -115,6 +116,24 @@ def test_bad_step_option_fails_at_the_call(options: dict[str, Any], words: str) 
     assert len(caught) == 1
     check_error(caught[0])
     assert words in str(caught[0])
+
+
+@pytest.mark.parametrize("keyword", ["x", "fn", "args", "self"])
+def test_unknown_step_keyword_is_an_argument_error_whatever_its_name(keyword: str) -> None:
+    caught: list[BaseException] = []
+
+    @workflow
+    async def wf(ctx: Any) -> str:
+        try:
+            ctx.step(noop, **{keyword: 1})
+        except ArgumentError as exc:
+            caught.append(exc)
+        return await ctx.step(noop)
+
+    assert go(lambda: new_engine().run(wf)) == "ran"
+    assert len(caught) == 1
+    check_error(caught[0])
+    assert f"ctx.step() got unknown keyword argument(s) {keyword!r}" in str(caught[0])
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
