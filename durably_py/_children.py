@@ -1,10 +1,12 @@
 """Child runs of one engine: created once under their parent's path, executed in this process at most
 `concurrency` at once (a child waiting in a join frees its slot), and their outcomes read back.
 
-A child that waits for a slot costs one small future and a queue entry; only running children have a
-Task, and nothing of a child (task, coroutine, context) is kept once it ended: the future that carried its
-outcome is dropped as soon as it is settled, so a parent that spawned 100,000 children holds memory for
-the children running now, not for those that finished.
+A child that waits for a slot costs one small future (an attached child of a parent running here has no
+queue entry: the parent's stands for it); only running children have a Task, and nothing of a child (task,
+coroutine, context) is kept once it ended: the future that carried its outcome is dropped as soon as it is
+settled, so a parent that spawned 100,000 children holds memory for the children running now, not for
+those that finished. A child's end is made durable in a group commit with its siblings' (`EndGroup`) before
+its outcome reaches its parent.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import builtins
 import contextlib
 import contextvars
 import functools
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -315,16 +318,19 @@ class ChildRuns:
         releases its lease before its outcome reaches its parent."""
         self.pool.handed[lease.run_id] = lease
 
-    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
+                     queued: bool = True) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
-        return self.create_children(parent, [(path, workflow, input)], detached)[0]
+        return self.create_children(parent, [(path, workflow, input)], detached, queued=queued)[0]
 
     def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
-                        detached: bool) -> builtins.list[str]:
+                        detached: bool, *, queued: bool = True) -> builtins.list[str]:
         """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
         yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
         is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
-        crash finds the children it created whether or not it recorded them."""
+        crash finds the children it created whether or not it recorded them. `queued` False (the parent runs
+        its attached children in its own process): they get no queue entry, the parent's entry brings them
+        back (`ended_child` queues one it finds unended and out of the queue)."""
         from ._engine import new_run_id
 
         run_ids: builtins.list[str] = []
@@ -342,7 +348,7 @@ class ChildRuns:
             run_id = new_run_id(workflow.name)
             header = self.engine._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
                                          parent=parent, detached=detached)
-            batch.append(NewRun(run_id, header, identity, found))
+            batch.append(NewRun(run_id, header, identity, found, queued or detached))
             run_ids.append(run_id)
             if len(batch) >= CREATE_BATCH:
                 self._create_bound(parent, batch)
@@ -379,7 +385,9 @@ class ChildRuns:
         """How a child run ended, as a settled future (its result or error), or None while it has not ended.
 
         A run out of the queue has ended even when its last record is not its end (a worker that listed it
-        as due just before it ended claimed it once more), so then its whole log is read."""
+        as due just before it ended claimed it once more), so then its whole log is read; one that has not
+        ended (a child its parent ran in place, without a queue entry, before that process died) is queued,
+        due now, so a worker runs it and a parent parked in a join waits for it."""
         info = self.engine.storage.info(run_id)
         if info is None:
             return None
@@ -388,6 +396,7 @@ class ChildRuns:
         elif self.engine.storage.entry(run_id) is None:
             history, _ = self.engine._read(run_id)
             if history.end is None:
+                self.engine.storage.schedule(run_id, time.time())
                 return None
         else:
             return None

@@ -274,7 +274,7 @@ class Engine:
             hook.started(run_id, workflow.name)
         if on_run is not None:
             on_run(run_id)
-        if not self.storage.wake(run_id) and self.storage.entry(run_id) is None:
+        if not self.storage.wake(run_id) and not self.children.in_pool() and self.storage.entry(run_id) is None:
             self.storage.schedule(run_id, time.time())  # due at once should this process die while it runs
         outcome: tuple[str, BaseException | None] = ("interrupted", None)
         try:
@@ -482,14 +482,15 @@ class Engine:
             ts=time.time(), **extra))
 
     # ---- child runs (_children.py): what the kernel asks of `EngineServices` ---------------------------
-    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
+                     queued: bool = True) -> str:
         """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
-        return self.children.create_child(parent, path, workflow, input, detached)
+        return self.children.create_child(parent, path, workflow, input, detached, queued=queued)
 
     def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
-                        detached: bool) -> builtins.list[str]:
+                        detached: bool, *, queued: bool = True) -> builtins.list[str]:
         """The child runs spawned at each `(path, workflow, input)` of `parent`, in order (`ChildRuns`)."""
-        return self.children.create_children(parent, children, detached)
+        return self.children.create_children(parent, children, detached, queued=queued)
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
         """The outcome of a child run in this process (at most `concurrency` children run at once)."""

@@ -175,10 +175,11 @@ class EngineServices(Protocol):
     gates: Gates
     placement: SyncPlacement
 
-    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str: ...
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
+                     queued: bool = True) -> str: ...
 
     def create_children(self, parent: str, children: list[tuple[str, Workflow, Any]],
-                        detached: bool) -> list[str]: ...
+                        detached: bool, *, queued: bool = True) -> list[str]: ...
 
     def start_child(self, run_id: str, workflow: Workflow | None, *,
                     rerun_failed: bool = False) -> asyncio.Future[Any]: ...
@@ -1120,7 +1121,7 @@ class RunKernel:
             if self.observer is not None:
                 for path, _, _ in missing:
                     self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
-            created = iter(self.engine.create_children(self.run_id, missing, detached))
+            created = iter(self.engine.create_children(self.run_id, missing, detached, queued=self.parks))
             for i, path in enumerate(paths):
                 if not run_ids[i]:
                     run_ids[i] = next(created)
@@ -1135,7 +1136,7 @@ class RunKernel:
         else:
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
-            run_id = self.engine.create_child(self.run_id, path, workflow, input, detached)
+            run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)
             self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
                                   ms=0, ts=time.time()))
             self.step_done()

@@ -3,7 +3,8 @@
 Every run has a queue entry in its storage from creation until the engine records its end (see
 `durably_py.storage.base`). The engine moves the entry at the moments that change when a run is next due:
 
-- created (`run`, `enqueue`, a child): due at once, or after `delay`, with its `priority`;
+- created (`run`, `enqueue`, a child): due at once, or after `delay`, with its `priority`; an attached child
+  its parent runs in the parent's process has no entry (the parent's stands for it, see `ChildRuns`);
 - parked on `ctx.sleep`: due at the wake time; on `ctx.wait_for`: due at the deadline (or only when woken),
   and woken at once by a signal with a name it waits for (`Storage.send` wakes it);
 - parked in a join (a run a worker serves waits in `ctx.join` / `ctx.join_all`, or at its end for attached

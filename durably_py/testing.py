@@ -254,10 +254,12 @@ class _ReplayServices:
         self.placement = engine.placement
         self._engine = engine
 
-    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool) -> str:
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
+                     queued: bool = True) -> str:
         raise Crash()  # unreachable: the observer stops an unrecorded spawn first
 
-    def create_children(self, parent: str, children: list[tuple[str, Workflow, Any]], detached: bool) -> list[str]:
+    def create_children(self, parent: str, children: list[tuple[str, Workflow, Any]], detached: bool, *,
+                        queued: bool = True) -> list[str]:
         raise Crash()  # unreachable: the observer stops an unrecorded spawn first
 
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:

@@ -375,12 +375,15 @@ def claim_candidates(storage: Any, candidates: list[str], owner: str, ttl: float
 @dataclass(frozen=True, slots=True)
 class NewRun:
     """A run to create bound to an identity (see `Storage.create_bound`): `identity` must still point at
-    `expect` (None: at nothing, or a run id whose run is gone) when it is bound to `run_id`."""
+    `expect` (None: at nothing, or a run id whose run is gone) when it is bound to `run_id`. `queued` False:
+    the run needs no queue entry (a child its parent's process runs at once; the parent's own entry brings
+    both back after a crash); an adapter may queue it all the same."""
 
     run_id: str
     header: bytes
     identity: str
     expect: str | None = None
+    queued: bool = True
 
 
 def sync_each(storage: Any, leases: list[Lease]) -> None:

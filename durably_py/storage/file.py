@@ -95,6 +95,7 @@ _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
+_REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 _registry: dict[str, _Held] = {}
 _registry_lock = threading.Lock()
 
@@ -261,7 +262,8 @@ class FileStorage:
         self._queue_path = str(self.queue_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
-        self._dir_durable: set[str] = set()  # runs created here whose directory entry a group sync made durable
+        self._dir_durable: set[str] = set()
+        self._unrefreshed: dict[str, None] = {}  # runs whose catalog row `_refresh_now` brings up to date  # runs created here whose directory entry a group sync made durable
         self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
@@ -393,11 +395,12 @@ class FileStorage:
 
     def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock."""
-        log = self._log(run_id)
+        path = os.path.join(self._runs_path, f"{validate_run_id(run_id)}.jsonl")
         validate_owner(owner)
         validate_ttl(ttl)
-        if not log.exists():
+        if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
+        log = Path(path)
         held = self._lock_run(run_id, log)
         if held is None:
             return None
@@ -410,7 +413,7 @@ class FileStorage:
             self._dir_durable.discard(run_id)
             held.dir_synced = True
         self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held}, records, torn, str(log))
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn, path)
 
     def _lock_run(self, run_id: str, log: Path) -> _Held | None:
         """Take the run's lock (registered in this process); None while another owner holds it."""
@@ -477,7 +480,7 @@ class FileStorage:
         except FileNotFoundError:
             raise RunNotFoundError(f"no run {held.run_id} in {self.dir}", run_id=held.run_id) from None
         held.fd = fd
-        held.log.with_name(held.log.name + ".tmp").unlink(missing_ok=True)
+        self._unlink(f"{held.log}.tmp")
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
         records, good, torn = parse_log(data, str(held.log))
@@ -509,16 +512,29 @@ class FileStorage:
 
     def _write_sidecar(self, run_id: str, info: dict[str, Any]) -> None:
         """Atomically replace the owner sidecar (only the lock holder writes it)."""
-        path = self.runs_dir / f"{run_id}.owner"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(msgspec.json.encode(info))
-        os.replace(tmp, path)
+        path = os.path.join(self._runs_path, f"{run_id}.owner")
+        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, msgspec.json.encode(info))
+        finally:
+            os.close(fd)
+        os.replace(f"{path}.tmp", path)
 
     def holder_info(self, run_id: str) -> dict[str, Any] | None:
         """What the last claimant wrote about itself (owner, pid, host, epoch, at); meaningful while `held`."""
         try:
-            info = msgspec.json.decode((self.runs_dir / f"{validate_run_id(run_id)}.owner").read_bytes())
-        except (FileNotFoundError, msgspec.DecodeError):
+            fd = os.open(os.path.join(self._runs_path, f"{validate_run_id(run_id)}.owner"), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            data = b""
+            while chunk := os.read(fd, 65536):
+                data += chunk
+        finally:
+            os.close(fd)
+        try:
+            info = msgspec.json.decode(data)
+        except msgspec.DecodeError:
             return None
         return info if isinstance(info, dict) else None
 
@@ -695,7 +711,7 @@ class FileStorage:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         with self._queue_lock():
-            queued = [self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
+            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
         rows = []
         for run, entry in zip(bound, queued, strict=True):
             self._new_log(run.run_id, run.header, entry)
@@ -792,6 +808,19 @@ class FileStorage:
             self._catalog = FileCatalog(self.dir / "catalog.db", self.runs_dir, self._run_names)
         return self._catalog
 
+    def _refresh_later(self, run_id: str) -> None:
+        """Bring a run's catalog row up to date with its log (it ended) in the next batch: at the next
+        listing or count here, at `close`, or once `_REFRESH_BATCH` wait. Until then another process's
+        listing finds the row behind the log and reads its tail itself."""
+        self._unrefreshed[run_id] = None
+        if len(self._unrefreshed) >= _REFRESH_BATCH:
+            self._refresh_now()
+
+    def _refresh_now(self) -> None:
+        if self._unrefreshed:
+            run_ids, self._unrefreshed = list(self._unrefreshed), {}
+            self._indexed(lambda catalog: catalog.refresh_many(run_ids))
+
     def _indexed(self, change: Callable[[FileCatalog], None]) -> None:
         """Apply `change` to the catalog; a catalog that cannot be written never fails the run (the next
         listing repairs it from the logs)."""
@@ -827,6 +856,7 @@ class FileStorage:
     def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently active first, from the catalog; each
         run's `RunInfo` read from its log's first and last lines."""
+        self._refresh_now()
         query = RunFilter.of(**where)
         limit, offset = validate_page(limit, offset)
         if not self.runs_dir.exists():
@@ -846,6 +876,7 @@ class FileStorage:
 
     def count_runs(self, **where: Any) -> int:
         """How many runs match the filter, from the catalog."""
+        self._refresh_now()
         query = RunFilter.of(**where)
         if not self.runs_dir.exists():
             return 0
@@ -915,6 +946,7 @@ class FileStorage:
     def reindex(self) -> int:
         """Rebuild the run catalog from the logs (it repairs itself; this is for a state dir edited by hand);
         the number of runs indexed."""
+        self._refresh_now()
         return self.catalog().rebuild()
 
     def info(self, run_id: str) -> RunInfo | None:
@@ -1110,8 +1142,12 @@ class FileStorage:
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
-        join, remove its file there and make the parent due if it was the last."""
+        join, remove its file there and make the parent due if it was the last. A run without an entry (a
+        child its parent ran in place) is waited for in no join: only its catalog row changes."""
         path = self._entry_path(validate_run_id(run_id))
+        if not os.path.exists(path) and not os.path.exists(os.path.join(self.joins_dir, run_id)):
+            self._refresh_later(run_id)
+            return
         parent = None
         try:
             with open(self._log(run_id), "rb") as f:
@@ -1134,11 +1170,12 @@ class FileStorage:
                     folder.rmdir()
             self._drop_joins(run_id)
             path.unlink(missing_ok=True)
-        self._indexed(lambda catalog: catalog.refresh(run_id))
+        self._refresh_later(run_id)
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
-        validate_run_id(run_id)
+        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")):
+            return False  # not queued (an entry written after this look is as if written after the wake)
         with self._queue_lock():
             old = self._read_entry(run_id)
             if old is None or (name is not None and name not in old.wait):
@@ -1194,6 +1231,7 @@ class FileStorage:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
+        self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
 

@@ -131,6 +131,18 @@ class FileCatalog:
         with self._write() as db:
             db.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
 
+    def refresh_many(self, run_ids: list[str]) -> None:
+        """`refresh` of many runs with one transaction for all their rows."""
+        with self._lock:
+            db = self._db()
+            olds = {run_id: db.execute("SELECT workflow, key, parent, state, size FROM runs WHERE run_id = ?",
+                                       (run_id,)).fetchone() for run_id in run_ids}
+        rows = [(run_id, self._scan(run_id, old)) for run_id, old in olds.items()]
+        with self._write() as db:
+            db.executemany("DELETE FROM runs WHERE run_id = ?", [(run_id,) for run_id, row in rows if row is None])
+            db.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [row for _, row in rows if row is not None])
+
     def refresh(self, run_id: str) -> None:
         """Bring one run's row up to date with its log, reading only what was appended since the row was
         written (the whole log when the row is new or the log shrank); the row goes when the log is gone."""
