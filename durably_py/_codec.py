@@ -281,6 +281,26 @@ SCALARS = frozenset({str, int, float, bool, type(None)})
 _PLAIN = SCALARS
 
 
+def dump_output(value: Any) -> tuple[Any, Any]:
+    """A live step's output as `(wire, value)`: `dump_value(value, "output")` and what `load_value` rebuilds from
+    it, so the step returns exactly what its replay will. A flat dict of plain scalars (the common output) is
+    checked once and copied twice instead of walked and then read back."""
+    t = type(value)
+    if t is dict:
+        scalars = _SCALARS
+        for k, x in value.items():
+            tx = type(x)
+            if type(k) is not str or tx not in scalars or (tx is int and not -_INT_BOUND < x < _INT_BOUND):
+                break
+        else:
+            if len(value) != 1 or (DT_TAG not in value and ESC_TAG not in value):
+                return value.copy(), value.copy()
+    elif t is str or t is bool or value is None or (t is int and -_INT_BOUND < value < _INT_BOUND):
+        return value, value
+    wire = dump_value(value, "output")
+    return wire, load_value(wire)
+
+
 def load_value(wire: Any) -> Any:
     """Rebuild the value from its wire form: tagged datetimes become `datetime`, escaped dicts are unwrapped.
 

@@ -34,6 +34,7 @@ from ._codec import (
     ESC_TAG,
     SCALARS,
     dump_error,
+    dump_output,
     dump_value,
     encode_line,
     from_iso,
@@ -691,8 +692,91 @@ class RunKernel:
 
     async def execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
                       opts: StepOptions) -> Any:
+        """Run a step live and record its outcome.
+
+        The common case (no options, nobody observing the run, no earlier attempt or stash at this path) takes
+        the short path written out here: the same checks, records and bookkeeping as `_execute` and `_attempts`
+        minus what only options, observers and retries need, in one coroutine instead of three."""
         try:
-            return await self._execute(scope, path, label, fn, args, opts)
+            history = self.history
+            if opts is not PLAIN or self.observer is not None or self.on_step is not None \
+                    or path in history.fails or path in history.stashes:
+                return await self._execute(scope, path, label, fn, args, opts)
+            if self.stopping is not None and self.stopping():
+                raise Parked("interrupted", "stopped by its worker before its next step")
+            now = time.monotonic()
+            if now >= self.next_control:
+                await self.boundary()
+                now = time.monotonic()
+            if self.budget is not None:
+                self.check_budget()
+            is_async = _is_async(fn)
+            running = self.running
+            # `alone(scope)` before this step is registered as running
+            inline = not is_async and not running and scope.pending == 1 and not self.branches \
+                and RunKernel.live == 1 and self.placement.is_quick(fn)
+            att = self.attempt_cls(self, path, 1, None)
+            att.label = label
+            token = current_attempt.set(att)
+            clock = self.clock
+            error: Exception | None = None
+            clock.busy += 1
+            if not running:
+                self.step_running_since = now
+            # a step on the loop thread needs no task to cancel: no callback can run until it returns
+            running[att] = None if inline else current_task()
+            started = time.perf_counter()
+            try:
+                if is_async:
+                    value = fn(*args)
+                    if type(value) is CoroutineType or inspect.isawaitable(value):
+                        value = await value
+                elif inline:
+                    value = self.placement.inline(fn, args)
+                    if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
+                        self.control(force=True)
+                    if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):
+                        running[att] = current_task()
+                        value = await value
+                else:
+                    value = await self._invoke(fn, args, False)
+                wire, value = dump_output(value)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
+                    raise
+                raise self.cancel_error from None
+            except Crash:
+                raise
+            except Exception as exc:
+                if exc is self.cancel_error:
+                    raise
+                error = exc
+            finally:
+                ms = (time.perf_counter() - started) * 1000
+                clock.busy -= 1
+                del running[att]
+                if not running:
+                    self.step_running_since = None
+                current_attempt.reset(token)
+            if error is not None:
+                if isinstance(error, SerializationError):
+                    error.add_note(f"returned by step {label!r} at path {path_tuple(path)}")
+                await self._failed(path, label, opts, 1, ms, error, att)
+                return await self._attempts(scope, path, label, fn, args, opts, 2)
+            self.write(records.Ok(path=path, label=label, value=wire, attempt=1, ms=ms, ts=time.time()))
+            now = time.monotonic()
+            self.unsynced += 1  # `step_done()` written out, sharing its clock reading with the yield below
+            if self.unsynced >= self.sync_every or (self.sync_by_time and now - self.last_sync >= DEFAULT_SYNC_SECONDS):
+                self.sync()
+            if ms >= 60_000:
+                self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
+            if self.storm.retries:
+                self.storm.record(failed=False, retry=False)
+            if now >= self.next_yield:
+                self.next_yield = now + YIELD_EVERY
+                await asyncio.sleep(0)
+            return value
         finally:
             scope.pending -= 1
 

@@ -182,6 +182,49 @@ def test_random_nested_values_round_trip() -> None:
         assert through_json(value) == value
 
 
+class Key(str):
+    pass
+
+
+class Count(int):
+    pass
+
+
+DUMP_OUTPUT_CASES = [
+    *ROUND_TRIP_CASES,
+    {"i": 1}, {"a": 1, "b": "x", "c": None, "d": True}, {"f": 1.5}, {"f": float("inf")}, {"big": 10**5000},
+    {Key("k"): 1}, {"n": Count(3)}, {"t": (1, 2)}, {"$dt": 1}, {"$esc": "x"}, {"a": AWARE}, {1: "non-str key"},
+    Count(3), Key("s"), 10**5000, float("nan"), (1, [2]), {"nested": {"x": [1, {"$dt": "y"}]}},
+]
+
+
+def short_id(value: Any) -> str:
+    try:
+        return repr(value)[:40]
+    except ValueError:  # an int too long to print
+        return f"{type(value).__name__} too long to print"
+
+
+@pytest.mark.parametrize("value", DUMP_OUTPUT_CASES, ids=short_id)
+def test_dump_output_is_dump_value_then_load_value(value: Any) -> None:
+    """A live step's (wire, value) pair: the same as the dump/load round trip, refusals included, and neither half
+    is the step's own object (the workflow can mutate what it got without touching the record)."""
+    try:
+        expected_wire = dump_value(value, "output")
+    except SerializationError as exc:
+        with pytest.raises(SerializationError) as raised:
+            codec.dump_output(value)
+        assert str(raised.value) == str(exc)
+        return
+    wire, back = codec.dump_output(value)
+    assert wire == expected_wire and type(wire) is type(expected_wire)
+    assert back == load_value(expected_wire) and type(back) is type(load_value(expected_wire))
+    if isinstance(value, dict):
+        assert wire is not value and back is not value and back is not wire
+        assert [type(k) for k in wire] == [str] * len(wire)
+        assert [type(x) for x in wire.values()] == [type(x) for x in expected_wire.values()]
+
+
 def test_dump_does_not_alias_or_mutate_input() -> None:
     inner = [1, 2]
     value = {"inner": inner, "when": AWARE}

@@ -183,9 +183,12 @@ class _Held:
             raise LeaseLostError(f"the lease on run {self.run_id} was released", run_id=self.run_id)
         st = os.fstat(self.fd)
         if st.st_size != self.size or st.st_nlink == 0:
-            raise LeaseLostError(
-                f"the log of run {self.run_id} was changed by someone else ({self.log})", run_id=self.run_id
-            )
+            raise self.changed()
+
+    def changed(self) -> LeaseLostError:
+        """The error for a log that is not as this lease left it (grown, cut or replaced by someone else)."""
+        return LeaseLostError(f"the log of run {self.run_id} was changed by someone else ({self.log})",
+                              run_id=self.run_id)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -587,7 +590,11 @@ class FileStorage:
         if type(data) is not bytes or not data.endswith(b"\n"):
             validate_lines(data)
         with held.mutex:
-            held.check()
+            if not held.live:
+                held.check()
+            st = os.fstat(held.fd)  # `held.check()` written out: this runs once per step
+            if st.st_size != held.size or st.st_nlink == 0:
+                raise held.changed()
             try:
                 _write_all(held.fd, data)
             except OSError as exc:
