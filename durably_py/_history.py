@@ -74,6 +74,11 @@ class History:
         if ts is not None:
             self.updated = ts
 
+    def add_ok(self, rec: r.Ok) -> None:
+        """`add` of an `Ok` without a signal and with a `ts` (a live step's), written out: once per fresh step."""
+        self.done[rec.path] = rec
+        self.updated = rec.ts
+
     def _done(self, rec: r.Ok | r.Err) -> None:
         self.done[rec.path] = rec
         if isinstance(rec, r.Ok):

@@ -458,6 +458,7 @@ class RunKernel:
         self.full: StorageFullError | None = None  # a write refused for space: nothing more is written
         self.watchdog = Watchdog()
         self.placement = engine.placement
+        self.event_loop: asyncio.AbstractEventLoop | None = None  # the run's event loop, once a step looked it up
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
         self.marked: set[Attempt] = set()  # running attempts whose start the heartbeat recorded
         self.step_running_since: float | None = None
@@ -491,7 +492,10 @@ class RunKernel:
             except StorageFullError as exc:  # a smaller record might still fit: the run stops here all the same
                 self.full = exc
                 raise
-            self.history.add(rec)
+            if type(rec) is records.Ok and rec.signal is None and rec.ts is not None:
+                self.history.add_ok(rec)
+            else:
+                self.history.add(rec)
             self.since_compaction += len(data)
 
     def record_long_steps(self) -> None:
@@ -724,7 +728,13 @@ class RunKernel:
             if not running:
                 self.step_running_since = now
             # a step on the loop thread needs no task to cancel: no callback can run until it returns
-            running[att] = None if inline else current_task()
+            if inline:
+                running[att] = None
+            else:
+                loop = self.event_loop
+                if loop is None:
+                    loop = self.event_loop = asyncio.get_running_loop()
+                running[att] = running_task(loop)
             started = time.perf_counter()
             try:
                 if is_async:
@@ -732,7 +742,7 @@ class RunKernel:
                     if type(value) is CoroutineType or inspect.isawaitable(value):
                         value = await value
                 elif inline:
-                    value = self.placement.inline(fn, args)
+                    value = self.placement.inline(fn, args, started)
                     if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
                         self.control(force=True)
                     if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):

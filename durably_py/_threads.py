@@ -79,6 +79,11 @@ class DaemonPool(Executor):
                 thread.join()
 
 
+_get_running_loop = asyncio_events._get_running_loop
+_set_running_loop = asyncio_events._set_running_loop
+_copy_context = contextvars.copy_context
+_perf_counter = time.perf_counter
+
 QUICK_SECONDS = 0.001
 BLOCKING_SECONDS = 0.01
 PROMOTE_AFTER = 3
@@ -143,18 +148,20 @@ class SyncPlacement:
         finally:
             self.record(fn, time.perf_counter() - started, False)
 
-    def inline(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """Call `fn(*args)` on this (the event loop's) thread in a copy of the current context, and time it.
+    def inline(self, fn: Callable[..., Any], args: tuple[Any, ...], started: float | None = None) -> Any:
+        """Call `fn(*args)` on this (the event loop's) thread in a copy of the current context, and time it
+        (from `started`, a `time.perf_counter()` reading the caller just took, if given).
 
         While it runs, no event loop counts as running on this thread, so the function sees what it would
         on a worker thread (`asyncio.run()` inside it works, `asyncio.get_running_loop()` raises)."""
-        loop = asyncio_events._get_running_loop()
-        asyncio_events._set_running_loop(None)
-        started = time.perf_counter()
+        loop = _get_running_loop()
+        _set_running_loop(None)
+        if started is None:
+            started = _perf_counter()
         try:
-            return contextvars.copy_context().run(fn, *args)
+            return _copy_context().run(fn, *args)
         finally:
-            asyncio_events._set_running_loop(loop)
-            seconds = time.perf_counter() - started
+            _set_running_loop(loop)
+            seconds = _perf_counter() - started
             if seconds >= QUICK_SECONDS:  # a quick call changes nothing: the function is quick already
                 self.record(fn, seconds, True)
