@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ._workflow import Workflow
 
 CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
+FRESH_MAX = 16_384  # children created here and not started yet that are known not to have ended (no look needed)
 ENDING_MAX = 256  # child ends waiting for one group commit at most (each holds its lease: two descriptors on files)
 
 RunChild = Callable[[str, "Workflow | None", bool], Awaitable[Any]]
@@ -292,6 +293,7 @@ class ChildRuns:
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pool = self._new_pool()
+        self.fresh: set[str] = set()  # created by this engine and not started: no need to look whether they ended
 
     def _new_pool(self) -> ChildPool:
         storage = self.engine.storage
@@ -350,6 +352,8 @@ class ChildRuns:
                                          parent=parent, detached=detached)
             batch.append(NewRun(run_id, header, identity, found, queued or detached))
             run_ids.append(run_id)
+            if not queued and not detached and len(self.fresh) < FRESH_MAX:
+                self.fresh.add(run_id)
             if len(batch) >= CREATE_BATCH:
                 self._create_bound(parent, batch)
                 batch = []
@@ -371,6 +375,10 @@ class ChildRuns:
         return self.pool.start(run_id, workflow, rerun_failed)
 
     async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
+        if run_id in self.fresh:  # created here a moment ago: it has not ended
+            self.fresh.discard(run_id)
+            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
+                                         advisories="silent")
         info = self.engine.storage.info(run_id)
         if info is not None and info.last.get("t") == "end" and (
                 info.last.get("status") != "failed" or not rerun_failed):

@@ -672,7 +672,7 @@ def test_file_layout(fs: FileStorage) -> None:
     lease = started(fs, owner="worker-1")
     fs.bind("a/../../b", "r1")
     runs = sorted(p.name for p in (fs.dir / "runs").iterdir())
-    assert runs == ["r1.jsonl", "r1.lock", "r1.owner"]
+    assert runs == ["r1.jsonl", "r1.lock"]
     (index,) = sorted((fs.dir / "index").iterdir())  # a first binding is a hard link: no lock file
     assert len(index.name) == 64 and index.read_text() == "r1"
     assert fs.bind("a/../../b", "r2", expect="r1") is True  # a rebinding is decided under the binding's lock
@@ -683,6 +683,19 @@ def test_file_layout(fs: FileStorage) -> None:
     info = fs.holder_info("r1")
     assert info is not None and info["owner"] == "worker-1" and info["pid"] == os.getpid() and info["epoch"] == 1
     fs.release(lease)
+
+
+def test_claim_reads_the_epoch_an_older_owner_sidecar_kept(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    (fs.dir / "runs" / "r1.owner").write_text('{"owner": "old", "epoch": 5, "pid": 1, "host": "h", "at": "x"}')
+    assert fs.holder_info("r1")["epoch"] == 5  # a state dir from before lock files held the claimant
+    lease = fs.claim("r1", "new", LONG)
+    assert lease is not None and lease.epoch == 6
+    assert fs.holder_info("r1")["owner"] == "new" and fs.info("r1").epoch == 6
+    fs.release(lease)
+    again = fs.claim("r1", "newer", LONG)
+    assert again is not None and again.epoch == 7 and fs.holder_info("r1")["epoch"] == 7
+    fs.release(again)
 
 
 def test_same_process_second_storage_sees_the_lease(fs: FileStorage) -> None:
@@ -809,7 +822,7 @@ def test_rewrite_leaves_no_temp_file_and_keeps_the_epoch(fs: FileStorage) -> Non
     fs.append(lease, line(t="step") * 10)
     fs.rewrite(lease, header("r1"))
     fs.append(lease, line(t="after"))
-    assert sorted(p.name for p in (fs.dir / "runs").iterdir()) == ["r1.jsonl", "r1.lock", "r1.owner"]
+    assert sorted(p.name for p in (fs.dir / "runs").iterdir()) == ["r1.jsonl", "r1.lock"]
     assert kinds(fs.read("r1").records) == ["run", "after"]
     fs.release(lease)
     assert fs.claim("r1", "me", LONG).epoch == 2

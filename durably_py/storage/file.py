@@ -3,8 +3,10 @@
 Layout under ``dir``::
 
     runs/<run_id>.jsonl   the log, one record per line, only ever appended to (or atomically replaced)
-    runs/<run_id>.lock    locked by the process holding the lease; the OS drops the lock if it dies
-    runs/<run_id>.owner   JSON about the last claimant (owner, pid, host, epoch, at) so others can say who holds it
+    runs/<run_id>.lock    locked by the process holding the lease (the OS drops the lock if it dies); holds JSON
+                          about the last claimant (owner, pid, host, epoch, at), padded to 4 KiB and written in
+                          place by one write, so others can say who holds it (older state dirs kept it in
+                          runs/<run_id>.owner, which is still read when the lock file holds none)
     runs/<run_id>.inbox/  signals not yet acknowledged, one file each, <time_ns:020d>-<random hex>.json holding
                           the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
                           may send, lease or not), so a reader sees a whole signal or none
@@ -95,6 +97,7 @@ _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
+_OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 _registry: dict[str, _Held] = {}
 _registry_lock = threading.Lock()
@@ -137,6 +140,14 @@ class _OsLock:
             os.close(fd)
             raise
         self._fd = fd
+        return True
+
+    def write(self, data: bytes) -> bool:
+        """Write `data` over the start of the held lock file in one write; False where the lock has no
+        descriptor of its own (Windows)."""
+        if self._fd is None:
+            return False
+        os.pwrite(self._fd, data, 0)
         return True
 
     def release(self) -> None:
@@ -496,7 +507,7 @@ class FileStorage:
             _write_all(fd, line)
             held.size = good + len(line)
             self._write_sidecar(
-                held.run_id, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
+                held, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
             )
         except OSError as exc:
             try:
@@ -513,9 +524,13 @@ class FileStorage:
         epoch = info.get("epoch") if info else None
         return epoch if isinstance(epoch, int) else 0
 
-    def _write_sidecar(self, run_id: str, info: dict[str, Any]) -> None:
-        """Atomically replace the owner sidecar (only the lock holder writes it)."""
-        path = os.path.join(self._runs_path, f"{run_id}.owner")
+    def _write_sidecar(self, held: _Held, info: dict[str, Any]) -> None:
+        """Record the claimant in the lock file it holds (one write of a padded block: a reader sees the old
+        or the new one); where the lock has no descriptor, atomically replace the ``.owner`` sidecar."""
+        data = msgspec.json.encode(info)
+        if held.lock.write(data.ljust(max(_OWNER_BLOCK, len(data)))):
+            return
+        path = os.path.join(self._runs_path, f"{held.run_id}.owner")  # pragma: no cover - Windows
         fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, msgspec.json.encode(info))
@@ -525,21 +540,12 @@ class FileStorage:
 
     def holder_info(self, run_id: str) -> dict[str, Any] | None:
         """What the last claimant wrote about itself (owner, pid, host, epoch, at); meaningful while `held`."""
-        try:
-            fd = os.open(os.path.join(self._runs_path, f"{validate_run_id(run_id)}.owner"), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            data = b""
-            while chunk := os.read(fd, 65536):
-                data += chunk
-        finally:
-            os.close(fd)
-        try:
-            info = msgspec.json.decode(data)
-        except msgspec.DecodeError:
-            return None
-        return info if isinstance(info, dict) else None
+        validate_run_id(run_id)
+        for suffix in (".lock", ".owner"):  # .owner: written by older versions, and where locks have no descriptor
+            info = _read_owner(os.path.join(self._runs_path, run_id + suffix))
+            if info is not None:
+                return info
+        return None
 
     def _unregister(self, held: _Held) -> None:
         """Forget `held` in the process registry, if it is still the registered lease."""
@@ -702,8 +708,7 @@ class FileStorage:
         call for all its files; without it each binding is fsynced before its rename and the directories once.
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
-        for run in runs:
-            validate_header(validate_run_id(run.run_id), run.header)
+        fields = [header_fields(validate_header(validate_run_id(run.run_id), run.header)) for run in runs]
         grouped = _syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
@@ -720,10 +725,9 @@ class FileStorage:
         with self._queue_lock():
             queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
         rows = []
-        for run, entry in zip(bound, queued, strict=True):
+        for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
-            rows.append((run.run_id, *header_fields(validate_header(run.run_id, run.header)), OPEN, now,
-                         len(run.header)))
+            rows.append((run.run_id, *known, OPEN, now, len(run.header)))
         self._sync_dirs(grouped, self._runs_path, self._queue_path)
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
@@ -1241,6 +1245,27 @@ class FileStorage:
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
+
+
+def _read_owner(path: str) -> dict[str, Any] | None:
+    """The claimant JSON stored in `path` (None: no file, empty, or not a JSON object)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        data = b""
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    finally:
+        os.close(fd)
+    if not data.strip():
+        return None
+    try:
+        info = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
