@@ -459,6 +459,7 @@ class RunKernel:
         self.watchdog = Watchdog()
         self.placement = engine.placement
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the run's event loop, once a step looked it up
+        self.event_thread = 0  # and its thread
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
         self.marked: set[Attempt] = set()  # running attempts whose start the heartbeat recorded
         self.step_running_since: float | None = None
@@ -727,14 +728,18 @@ class RunKernel:
             clock.busy += 1
             if not running:
                 self.step_running_since = now
-            # a step on the loop thread needs no task to cancel: no callback can run until it returns
-            if inline:
-                running[att] = None
+            if running:
+                loop = None
+                running[att] = current_task()
             else:
+                # No step of this run in flight: this is the run's own loop on its own thread (another loop on
+                # it could only run inside a step), so it is looked up once (a `getpid` per lookup on 3.11).
                 loop = self.event_loop
-                if loop is None:
+                if loop is None or self.event_thread != get_ident():
                     loop = self.event_loop = asyncio.get_running_loop()
-                running[att] = running_task(loop)
+                    self.event_thread = get_ident()
+                # a step on the loop thread needs no task to cancel: no callback can run until it returns
+                running[att] = None if inline else running_task(loop)
             started = time.perf_counter()
             try:
                 if is_async:
@@ -742,7 +747,7 @@ class RunKernel:
                     if type(value) is CoroutineType or inspect.isawaitable(value):
                         value = await value
                 elif inline:
-                    value = self.placement.inline(fn, args, started)
+                    value = self.placement.inline(fn, args, started, loop)
                     if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
                         self.control(force=True)
                     if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):

@@ -7,6 +7,7 @@ These workers are daemon threads: abandoned work dies with the process, as a kil
 
 from __future__ import annotations
 
+import asyncio
 import asyncio.events as asyncio_events
 import contextvars
 import queue
@@ -148,13 +149,16 @@ class SyncPlacement:
         finally:
             self.record(fn, time.perf_counter() - started, False)
 
-    def inline(self, fn: Callable[..., Any], args: tuple[Any, ...], started: float | None = None) -> Any:
+    def inline(self, fn: Callable[..., Any], args: tuple[Any, ...], started: float | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Any:
         """Call `fn(*args)` on this (the event loop's) thread in a copy of the current context, and time it
         (from `started`, a `time.perf_counter()` reading the caller just took, if given).
 
         While it runs, no event loop counts as running on this thread, so the function sees what it would
-        on a worker thread (`asyncio.run()` inside it works, `asyncio.get_running_loop()` raises)."""
-        loop = _get_running_loop()
+        on a worker thread (`asyncio.run()` inside it works, `asyncio.get_running_loop()` raises). `loop`: the
+        running loop, when the caller knows it (looking it up costs a system call on 3.11)."""
+        if loop is None:
+            loop = _get_running_loop()
         _set_running_loop(None)
         if started is None:
             started = _perf_counter()
