@@ -715,7 +715,8 @@ class RunKernel:
                 now = time.monotonic()
             if self.budget is not None:
                 self.check_budget()
-            is_async = _is_async(fn)
+            code = getattr(fn, "__code__", None)
+            is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else _is_async(fn)
             running = self.running
             # `alone(scope)` before this step is registered as running
             inline = not is_async and not running and scope.pending == 1 and not self.branches \

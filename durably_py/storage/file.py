@@ -593,7 +593,7 @@ class FileStorage:
         held = lease.state.get("file")
         if held is None:
             raise _lost(lease)
-        if type(data) is not bytes or not data.endswith(b"\n"):
+        if type(data) is not bytes or not data or data[-1] != 10:  # 10: b"\n"
             validate_lines(data)
         with held.mutex:
             if not held.live:
