@@ -590,7 +590,7 @@ else:
 
 
 @pytest.mark.parametrize(("where", "at", "resume"), [
-    ("sync_all", 0, "none"), ("sync_all", 3, "none"), ("unschedule", 5, "none"), ("append", 9, "none"),
+    ("sync_all", 0, "none"), ("sync_all", 1, "none"), ("unschedule", 5, "none"), ("append", 9, "none"),
     ("random", 1, "none"), ("random", 2, "none"), ("random", 3, "none"),
     ("unschedule", 5, "worker"), ("append", 9, "worker"), ("random", 4, "worker")])
 def test_a_wide_spawn_all_killed_while_its_children_end_resumes_with_each_child_step_once(tmp_path, where, at,
