@@ -720,7 +720,7 @@ class RunKernel:
             running = self.running
             # `alone(scope)` before this step is registered as running
             inline = not is_async and not running and scope.pending == 1 and not self.branches \
-                and RunKernel.live == 1 and self.placement.is_quick(fn)
+                and RunKernel.live == 1 and self.placement.is_quick(fn, code)
             att = self.attempt_cls(self, path, 1, None)
             att.label = label
             token = current_attempt.set(att)

@@ -115,11 +115,12 @@ class SyncPlacement:
         self.quick: dict[Any, int] = {}
         self.needed: dict[Any, int] = {}
 
-    def is_quick(self, fn: Callable[..., Any]) -> bool:
-        """True when `fn` has been quick lately (and inline calls are enabled)."""
+    def is_quick(self, fn: Callable[..., Any], code: Any = None) -> bool:
+        """True when `fn` has been quick lately (and inline calls are enabled); `code`: `fn.__code__` if the caller
+        has it at hand."""
         if not self.enabled:
             return False
-        key = _key(fn)
+        key = code if code is not None else _key(fn)
         try:
             streak = self.quick.get(key, 0)
         except TypeError:  # an unhashable callable: never inline
