@@ -109,6 +109,37 @@ def test_a_sync_step_on_the_loop_thread_sees_what_it_would_on_a_worker_thread() 
     assert setting == "unset"  # a context variable set by a step does not leak into the workflow
 
 
+def loop_of_step(i: int) -> dict[str, Any]:
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:
+        running = False
+    return {"i": i, "loop running": running, "thread": threading.current_thread().name}
+
+
+@workflow
+async def loop_kept(ctx: Any) -> list[Any]:
+    """Plain steps, async and def, then the same under parallel branches: the workflow's own loop and task are
+    the same after every one, and a def step never sees a running loop."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    out = []
+    for i in range(WARM + 3):
+        out.append(await ctx.step(loop_of_step, i))
+        out.append(await ctx.step(nested_loop, i))
+        assert asyncio.get_running_loop() is loop and asyncio.current_task() is task
+    both = await ctx.parallel([lambda: ctx.step(loop_of_step, 100), lambda: ctx.step(loop_of_step, 101)])
+    assert asyncio.get_running_loop() is loop and asyncio.current_task() is task
+    return [out, [r.value for r in both]]
+
+
+def test_the_workflow_keeps_its_loop_and_task_across_sync_steps_on_either_thread() -> None:
+    out, both = asyncio.run(create_engine(MemoryStorage()).run(loop_kept))
+    assert not any(o.get("loop running") for o in out + both)
+    assert out[-2]["thread"] == threading.main_thread().name  # quick by then: on the loop thread
+    assert [b["thread"] != threading.main_thread().name for b in both] == [True, True]  # parallel: worker threads
+
+
 def wait_for_cancel(seconds: float, seen: list[bool]) -> str:
     seen.append(attempt().cancelled_event.wait(seconds))
     return "finished"
