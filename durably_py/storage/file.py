@@ -1116,7 +1116,7 @@ class FileStorage:
             created = old.created if old is not None else time.time()
             self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
             self._drop_joins(run_id)
-        self._indexed(lambda catalog: catalog.refresh(run_id))
+        self._indexed(lambda catalog: catalog.refresh(run_id, lazy=True))
 
     def _drop_joins(self, run_id: str) -> None:
         """Forget the children a run waited for in a join (call with the queue lock held)."""

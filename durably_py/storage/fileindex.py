@@ -143,27 +143,34 @@ class FileCatalog:
             db.executemany("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
                            [row for _, row in rows if row is not None])
 
-    def refresh(self, run_id: str) -> None:
+    def refresh(self, run_id: str, *, lazy: bool = False) -> None:
         """Bring one run's row up to date with its log, reading only what was appended since the row was
-        written (the whole log when the row is new or the log shrank); the row goes when the log is gone."""
+        written (the whole log when the row is new or the log shrank); the row goes when the log is gone.
+
+        `lazy` (a run about to run again): a row that says open only learns the log's time; its tail is left
+        to the next query's repair, which re-reads open rows whose log changed size, so a resumed long run
+        does not read its whole log again here."""
         with self._lock:
             old = self._db().execute("SELECT workflow, key, parent, state, size FROM runs WHERE run_id = ?",
                                      (run_id,)).fetchone()
-        row = self._scan(run_id, old)
+        row = self._scan(run_id, old, lazy)
         with self._write() as db:
             if row is None:
                 db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
             else:
                 db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", row)
 
-    def _scan(self, run_id: str, old: Any) -> Row | None:
-        """A run's row from its row `old` (None: none yet) and its log's new lines (None: no log)."""
+    def _scan(self, run_id: str, old: Any, lazy: bool = False) -> Row | None:
+        """A run's row from its row `old` (None: none yet) and its log's new lines (None: no log); `lazy`:
+        an open row's tail is not read (see `refresh`)."""
         try:
             f = open(self.runs_dir / f"{run_id}.jsonl", "rb")
         except FileNotFoundError:
             return None
         with f:
             st = os.fstat(f.fileno())
+            if lazy and old is not None and old[3] == OPEN and 0 < old[4] <= st.st_size:
+                return (run_id, old[0], old[1], old[2], OPEN, st.st_mtime, old[4])
             start = old[4] if old is not None and 0 < old[4] <= st.st_size else 0
             f.seek(start)
             data = f.read(st.st_size - start)
