@@ -173,6 +173,19 @@ def test_file_catalog_follows_logs_changed_behind_its_back(fs: FileStorage, tmp_
     assert fs.count_runs() == 6
 
 
+def test_file_catalog_queues_an_open_run_without_reading_its_log_and_still_lists_its_end(fs: FileStorage) -> None:
+    fs.create("r1", header("r1"))
+    lease = fs.claim("r1", "me", LONG)
+    fs.append(lease, b"".join(line(t="ok", p=str(i), v=i) for i in range(100)))
+    fs.append(lease, line(t="end", status="completed"))  # a process killed before it could say the run ended
+    catalog = fs.catalog()
+    size = catalog._db().execute("SELECT size FROM runs WHERE run_id = 'r1'").fetchone()[0]
+    fs.schedule("r1", None)  # the row says open: only its time is refreshed, the log's tail is not read
+    assert catalog._db().execute("SELECT size FROM runs WHERE run_id = 'r1'").fetchone()[0] == size
+    assert ids(FileStorage(fs.dir).list_runs(state="completed")) == ["r1"]  # a listing's repair reads it
+    assert ids(fs.list_runs(state="completed")) == ["r1"]
+
+
 def test_file_catalog_is_never_written_per_step(fs: FileStorage) -> None:
     fs.create("r1", header("r1"))
     fs.list_runs()
