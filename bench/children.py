@@ -1,10 +1,12 @@
 """Cost of child runs: a parent that spawns N children (`ctx.spawn_all`) and joins them (`ctx.join_all`).
 
-Usage: python bench/children.py [--only NAME ...] [--concurrency C]
+Usage: python bench/children.py [--only NAME ...] [--concurrency C] [--postgres URL]
 
 Rows (each in a fresh subprocess, so peak RSS is that row's alone):
   file 1k, file 10k        FileStorage, 1,000 / 10,000 children
   sqlite 10k, sqlite 100k  SqliteStorage, 10,000 / 100,000 children
+  postgres 1k, postgres 10k  PostgresStorage, 1,000 / 10,000 children (only with --postgres
+           postgresql://USER@HOST/DB; each row in a schema of its own, dropped afterwards)
 Columns:
   wall     the whole run: spawn, every child's one async step, join, end
   spawn    until `spawn_all` returned (every child created and recorded)
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 ROWS = {"file 1k": ("file", 1_000), "file 10k": ("file", 10_000),
-        "sqlite 10k": ("sqlite", 10_000), "sqlite 100k": ("sqlite", 100_000)}
+        "sqlite 10k": ("sqlite", 10_000), "sqlite 100k": ("sqlite", 100_000),
+        "postgres 1k": ("postgres", 1_000), "postgres 10k": ("postgres", 10_000)}
 
 
 def rss_mib() -> float:
@@ -39,9 +42,10 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def one(kind: str, n: int, concurrency: int) -> dict[str, Any]:
+def one(kind: str, n: int, concurrency: int, postgres: str | None) -> dict[str, Any]:
     """Run one row in this process and return its figures."""
     from durably_py import Engine, FileStorage, SqliteStorage, workflow
+    from durably_py.storage.url import open_storage
 
     marks: dict[str, float] = {}
 
@@ -60,7 +64,13 @@ def one(kind: str, n: int, concurrency: int) -> dict[str, Any]:
         return sum(r.value for r in results)
 
     with tempfile.TemporaryDirectory() as tmp:
+        schemas: list[str] = []
+
         def storage(sub: str) -> Any:
+            if kind == "postgres":
+                assert postgres is not None
+                schemas.append(f"bench_children_{os.getpid()}_{sub}")
+                return open_storage(f"{postgres}{'&' if '?' in postgres else '?'}schema={schemas[-1]}")
             return FileStorage(Path(tmp) / sub) if kind == "file" else SqliteStorage(Path(tmp) / f"{sub}.db")
 
         floor_store = storage("floor")
@@ -82,6 +92,13 @@ def one(kind: str, n: int, concurrency: int) -> dict[str, Any]:
         wall = time.perf_counter() - started
         assert total == n * (n - 1) // 2, total
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if schemas:
+            import psycopg
+
+            assert postgres is not None
+            with psycopg.connect(postgres, autocommit=True) as conn:
+                for schema in schemas:
+                    conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     spawn = marks["spawned"] - started
     return {"wall": wall, "spawn": spawn, "floor": floor, "peak": peak, "growth": (peak - before) / n * 1000}
 
@@ -90,16 +107,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", choices=list(ROWS), help="run only these rows")
     parser.add_argument("--concurrency", type=int, default=4, help="the engine's concurrency (default 4)")
+    parser.add_argument("--postgres", default=os.environ.get("DURABLY_BENCH_POSTGRES"),
+                        help="postgresql://USER@HOST/DB: adds the PostgreSQL rows")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
         kind, n = ROWS[args.row]
-        print(json.dumps(one(kind, n, args.concurrency)))
+        print(json.dumps(one(kind, n, args.concurrency, args.postgres)))
         return
     print(f"{'row':<12} {'wall s':>8} {'spawn s':>8} {'floor s':>8} {'spawn/floor':>11} {'peak RSS MiB':>13} "
           f"{'MiB/1k':>7}")
-    for name in args.only or list(ROWS):
-        out = subprocess.run([sys.executable, __file__, "--row", name, "--concurrency", str(args.concurrency)],
+    for name in args.only or [row for row in ROWS if args.postgres or ROWS[row][0] != "postgres"]:
+        if ROWS[name][0] == "postgres" and not args.postgres:
+            print(f"{name:<12} skipped (pass --postgres postgresql://USER@HOST/DB)")
+            continue
+        out = subprocess.run([sys.executable, __file__, "--row", name, "--concurrency", str(args.concurrency),
+                              *(["--postgres", args.postgres] if args.postgres else [])],
                              capture_output=True, text=True, check=False)
         if out.returncode != 0:
             print(f"{name:<12} failed: {out.stderr.strip().splitlines()[-1:]}")

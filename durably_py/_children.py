@@ -181,12 +181,11 @@ class ChildPool:
     def start(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> asyncio.Future[Any]:
         """The future of the child's outcome; the child is queued unless it is queued or running already."""
         outcome = self.outcomes.get(run_id)
-        if outcome is not None and not (rerun_failed and outcome.done() and not outcome.cancelled()
-                                        and outcome.exception() is not None):
+        if outcome is not None and not outcome.cancelled() and not (
+                rerun_failed and outcome.done() and outcome.exception() is not None):
             return outcome
         outcome = asyncio.get_running_loop().create_future()
         self.outcomes[run_id] = outcome
-        outcome.add_done_callback(functools.partial(self._settled, run_id))
         self.pending.append((run_id, workflow, rerun_failed, outcome))
         self.pump()
         return outcome
@@ -211,12 +210,15 @@ class ChildPool:
                     turn.set_result(None)
                 continue
             run_id, workflow, rerun_failed, outcome = self.pending.popleft()
-            if outcome.done():
+            if outcome.done():  # cancelled while it waited
+                if self.outcomes.get(run_id) is outcome:
+                    del self.outcomes[run_id]
                 continue
             self.free -= 1
             task = asyncio.get_running_loop().create_task(self._child(run_id, workflow, rerun_failed, outcome),
                                                           context=contextvars.Context())
             self.running[outcome] = task
+            outcome.add_done_callback(functools.partial(self._settled, run_id))  # once running: not per queued child
 
     async def _child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool,
                      outcome: asyncio.Future[Any]) -> None:

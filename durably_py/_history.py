@@ -53,6 +53,8 @@ class History:
         self.budget: dict[str, float] | None = self.header.budget
         self.fingerprint: str | None = self.header.fingerprint
         self.updated: float | None = None
+        self.elided = False  # records were written to the log but not kept here (`forget`)
+        self.forgotten: dict[str, None] = {}  # one path per batch of forgotten records, for `recorded_from`
         fold = _FOLD
         done = self.done
         ok = r.Ok
@@ -78,6 +80,25 @@ class History:
         """`add` of an `Ok` without a signal and with a `ts` (a live step's), written out: once per fresh step."""
         self.done[rec.path] = rec
         self.updated = rec.ts
+
+    def forget(self, path: str, batch: str) -> None:
+        """Drop the record at `path` from memory; the log keeps it. A run forgets the spawn and join records
+        of a `spawn_all` / `join_all` once replayed, and never folds those it writes (`kept_out`): nothing asks
+        for them again in this process,
+        so a parent of 100,000 children does not hold 200,000 records. `batch`, one path of the batch the
+        record belongs to, stands for all of them in `recorded_from`; `elided` tells a loop compaction, which
+        rewrites the log from a history, to read the whole log back first."""
+        if self.done.pop(path, None) is not None:
+            self.errs.discard(path)
+            self.elided = True
+            self.forgotten[batch] = None
+
+    def kept_out(self, batch: str, ts: float | None) -> None:
+        """Records of the batch at `batch` were written to the log without being folded here (see `forget`)."""
+        self.elided = True
+        self.forgotten[batch] = None
+        if ts is not None:
+            self.updated = ts
 
     def _done(self, rec: r.Ok | r.Err) -> None:
         self.done[rec.path] = rec
@@ -195,7 +216,7 @@ class History:
         every ``i >= first``. `ctx.patched` asks this to tell a run recorded before a change (it has work
         recorded at or after the point it asks from) from one at its live frontier. Patch answers do not count."""
         tables: tuple[dict[str, Any], ...] = (self.done, self.fails, self.starts, self.stashes, self.waits,
-                                              self.wakes, self.graphs, self.snaps, self.charges)
+                                              self.wakes, self.graphs, self.snaps, self.charges, self.forgotten)
         for table in tables:
             for path in table:
                 path = path.lstrip("$").partition("@")[0]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import inspect
 import random
 import sys
@@ -79,6 +78,8 @@ NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceede
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
+SPAWN_BATCH = 1024  # a spawn_all creates and records its children this many at a time
+CHILDREN_PRUNE = 64  # settled child outcomes are dropped from `RunKernel.children` once it holds this many
 PARK_LISTS = 100  # a join's park record names at most this many of the children it waits for (and counts all)
 YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 LOOP_COMPACT_BYTES = 64 * 1024
@@ -304,7 +305,7 @@ async def replayed(scope: Scope, wire: Any) -> Any:
     return wire if t in SCALARS else load_value(wire)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunHandle:
     """A child run: its id, and the workflow that runs it (so a resumed parent can restart it)."""
 
@@ -445,7 +446,8 @@ class RunKernel:
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
-        self.children: set[asyncio.Future[Any]] = set()
+        self.children: set[asyncio.Future[Any]] = set()  # attached children's outcomes (`attach`)
+        self.children_limit = CHILDREN_PRUNE
         self.retrying = False
         self.joining = 0
         self.join_watch: asyncio.Task[None] | None = None
@@ -499,6 +501,29 @@ class RunKernel:
                 self.history.add(rec)
             self.since_compaction += len(data)
 
+    def write_unkept(self, recs: list[records.Record], batch: str) -> None:
+        """Append `recs` in one storage append (one write or transaction for all) without folding them into
+        the in-memory history (`History.kept_out`): the spawn and join records of a wide fan-out, which
+        nothing in this process reads again."""
+        if self.dead:
+            raise Crash()
+        if self.lost is not None:
+            raise self.lost
+        if self.full is not None:
+            raise self.full
+        data = b"".join([records.encode(rec) for rec in recs])
+        with self.lock:
+            try:
+                self.storage.append(self.lease, data)
+            except LeaseLostError as exc:
+                self.lost = exc
+                raise
+            except StorageFullError as exc:
+                self.full = exc
+                raise
+            self.history.kept_out(batch, getattr(recs[-1], "ts", None))
+            self.since_compaction += len(data)
+
     def record_long_steps(self) -> None:
         """Record a `start` for every attempt still running since the heartbeat's last look (called from the
         heartbeat thread while a step has run for a while), so a process killed inside a long step leaves
@@ -537,7 +562,7 @@ class RunKernel:
             covered = [p for p in history.done if history.snapshotted(p)]
             if not covered:
                 return
-            kept = history.compacted()
+            kept = self.logged().compacted() if history.elided else history.compacted()
             self.storage.rewrite(self.lease, b"".join(records.encode(r) for r in kept))
             for table in (history.fails, history.starts, history.stashes, history.waits, history.wakes):
                 for p in [p for p in table if p in history.done]:
@@ -546,6 +571,12 @@ class RunKernel:
                 if p in self.compensations:
                     self.trimmed[p] = None
                 del history.done[p]
+
+    def logged(self) -> History:
+        """The run's whole history read back from its log (for when the in-memory one forgot records)."""
+        log = self.storage.read(self.run_id)
+        assert log is not None
+        return History(log.records, log.where)
 
     def step_done(self) -> None:
         """Count a completed step and fsync when the checkpoint policy says so."""
@@ -1211,23 +1242,42 @@ class RunKernel:
         return self._spawn_all(prefix, pairs, detached)
 
     async def _spawn_all(self, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> list[RunHandle]:
-        """Create the children not recorded yet as one batch (one durable write for all of them), then record
-        their spawns and make the records durable once: a crash leaves the children created before the
-        records, and a resumed parent finds each one created but not recorded through its identity."""
-        paths = [f"{prefix}.{i}" for i in range(len(pairs))]
-        run_ids = [self.spawned_id(path) if path in self.done else "" for path in paths]
-        missing = [(path, wf, value) for path, (wf, value) in zip(paths, pairs, strict=True) if path not in self.done]
-        if missing:
+        """Create the children not recorded yet in batches of `SPAWN_BATCH` (one durable write for each), record
+        each batch's spawns as soon as it is created (one append for the batch), and make the records durable
+        once: a crash leaves the children created before the records, and a resumed parent finds each one
+        created but not recorded through its identity. Nothing per child is kept but its run id (in its
+        handle): spawn records are not kept in memory, and only one batch's paths and inputs are in hand at a time."""
+        run_ids: list[str] = []
+        written = 0
+        forget = self.history.forget
+        for first in range(0, len(pairs), SPAWN_BATCH):
+            missing: list[tuple[str, Workflow, Any]] = []
+            for i in range(first, min(first + SPAWN_BATCH, len(pairs))):
+                path = f"{prefix}.{i}"
+                if path in self.done:
+                    run_ids.append(self.spawned_id(path))
+                    forget(path, prefix)
+                else:
+                    wf, value = pairs[i]
+                    missing.append((path, wf, value))
+                    run_ids.append("")
+            if not missing:
+                continue
             if self.observer is not None:
                 for path, _, _ in missing:
                     self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
             created = iter(self.engine.create_children(self.run_id, missing, detached, queued=self.parks))
-            for i, path in enumerate(paths):
+            spawns: list[records.Record] = []
+            ts = time.time()
+            for i in range(first, len(run_ids)):
                 if not run_ids[i]:
                     run_ids[i] = next(created)
-                    self.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
-                                          value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=time.time()))
-            self.steps_done(len(missing))
+                    spawns.append(records.Ok(attempt=1, path=f"{prefix}.{i}", label="ctx.spawn",
+                                             value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=ts))
+            self.write_unkept(spawns, prefix)
+            written += len(missing)
+        if written:
+            self.steps_done(written)
         return [self._spawned(run_id, wf, detached) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)]
 
     async def _spawn(self, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
@@ -1262,9 +1312,21 @@ class RunKernel:
         else:
             outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
             if not detached and not outcome.done():
-                self.children.add(outcome)
-                outcome.add_done_callback(self.children.discard)
+                self.attach(outcome)
         return RunHandle(run_id, workflow)
+
+    def attach(self, outcome: asyncio.Future[Any]) -> None:
+        """Keep an attached child's outcome (cancelled with this run, awaited before it ends). Outcomes that
+        settled are dropped whenever the set doubles, not by a callback on each (a callback and a context copy
+        per child were most of what a queued child cost)."""
+        if len(self.children) >= self.children_limit:
+            self.drop_settled()
+        self.children.add(outcome)
+
+    def drop_settled(self) -> None:
+        """Forget the outcomes of attached children that ended (and the results they hold)."""
+        self.children = {c for c in self.children if not c.done()}  # a new set: a set's table never shrinks
+        self.children_limit = max(CHILDREN_PRUNE, 2 * len(self.children))
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
         """Allocate the join's path now; it returns the child's result (or raises its error) once it ends."""
@@ -1370,8 +1432,7 @@ class RunKernel:
         for child in running:
             outcome = self.engine.start_child(child, None, rerun_failed=False)
             if not outcome.done():
-                self.children.add(outcome)
-                outcome.add_done_callback(self.children.discard)
+                self.attach(outcome)
 
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order (join ``i`` at ``<path>.i.0``)."""
@@ -1384,10 +1445,13 @@ class RunKernel:
         return self._join_all(self.scope().alloc(), handles)
 
     async def _join_all(self, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
-        """One waiter for all the children (no task, coroutine or context per child): each child's join is
-        recorded as it ends, and nothing of it is kept but its result."""
+        """One waiter for all the children (no task, coroutine, context or callback per child): the children's
+        joins are recorded in order as they end, and nothing of a child is kept but its result (its join record
+        is forgotten once written or replayed)."""
         results: list[Any] = [None] * len(handles)
-        unended: list[tuple[int, str, RunHandle]] = []
+        unended: list[int] = []
+        forget = self.history.forget
+        batch = f"{prefix}.0.0"
         for i, handle in enumerate(handles):
             path = f"{prefix}.{i}.0"
             rec = self.done.get(path)
@@ -1397,6 +1461,7 @@ class RunKernel:
                 if self.on_step is not None:
                     self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
                 results[i] = Err(load_error(rec.error)) if isinstance(rec, records.Err) else Ok(load_value(rec.value))
+                forget(path, batch)
                 continue
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
@@ -1404,45 +1469,77 @@ class RunKernel:
                 outcome = self.engine.ended_child(handle.run_id, handle.workflow)
                 if outcome is not None:
                     self.attached.pop(handle.run_id, None)
-                    results[i] = self._record_join(path, outcome)
+                    results[i] = self._record_join(path, outcome, batch)
                     continue
-            unended.append((i, path, handle))
+            unended.append(i)
         if self.parks and unended and self.can_park():
-            self.park_join(prefix, [handle.run_id for _, _, handle in unended])
-        live = [(i, path, self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying))
-                for i, path, handle in unended]
-        del unended
+            self.park_join(prefix, [handles[i].run_id for i in unended])
+        live: list[asyncio.Future[Any] | None] = [
+            self.engine.start_child(handles[i].run_id, handles[i].workflow, rerun_failed=self.retrying)
+            for i in unended]
         if not live:
             return results
         all_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        remaining = len(live)
 
-        def ended(i: int, path: str, outcome: asyncio.Future[Any]) -> None:
-            nonlocal remaining
-            if all_ended.done() or outcome.cancelled() or self.cancel_error is not None:
-                return
+        async def record_in_order() -> None:
+            joins: list[records.Record] = []
+
+            def flush() -> None:
+                if joins:
+                    self.write_unkept(joins, batch)
+                    self.steps_done(len(joins))
+                    joins.clear()
+
             try:
-                results[i] = self._record_join(path, outcome)
+                for k, i in enumerate(unended):
+                    outcome = live[k]
+                    assert outcome is not None
+                    if not outcome.done():
+                        flush()
+                        await asyncio.wait((outcome,))
+                    live[k] = None
+                    if outcome.cancelled() or self.cancel_error is not None:
+                        flush()
+                        return  # the run is being cancelled: the join never ends on its own
+                    try:
+                        rec, results[i] = self._join_record(f"{prefix}.{i}.0", outcome)
+                    except BaseException:
+                        flush()
+                        raise
+                    joins.append(rec)
+                    if len(joins) >= SPAWN_BATCH:
+                        flush()
+                flush()
+            except asyncio.CancelledError:
+                raise
             except BaseException as exc:  # noqa: BLE001 - a crash or lost lease stops the whole join
-                all_ended.set_exception(exc)
+                if not all_ended.done():
+                    all_ended.set_exception(exc)
                 return
-            remaining -= 1
-            if remaining == 0:
+            if not all_ended.done():
                 all_ended.set_result(None)
 
-        for i, path, outcome in live:
-            outcome.add_done_callback(functools.partial(ended, i, path))
-        del live
+        recorder = asyncio.ensure_future(record_in_order())
         try:
             await self.parked_on(all_ended)
             all_ended.result()
         finally:
             if not all_ended.done():
                 all_ended.cancel()
+            recorder.cancel()
+        self.drop_settled()
         return results
 
-    def _record_join(self, path: str, outcome: asyncio.Future[Any]) -> Ok[Any] | Err:
-        """Record how a joined child ended (as `ctx.join` at `path` does) and return it as an `Ok` / `Err`."""
+    def _record_join(self, path: str, outcome: asyncio.Future[Any], batch: str) -> Ok[Any] | Err:
+        """Record how a joined child ended (as `ctx.join` at `path` does) and return it as an `Ok` / `Err`;
+        the record is not kept in memory (`write_unkept`, `batch` standing for the join_all's)."""
+        rec, result = self._join_record(path, outcome)
+        self.write_unkept([rec], batch)
+        self.step_done()
+        return result
+
+    def _join_record(self, path: str, outcome: asyncio.Future[Any]) -> tuple[records.Record, Ok[Any] | Err]:
+        """The `ctx.join` record at `path` of how a joined child ended, and the child's `Ok` / `Err`."""
         exc = outcome.exception()
         if exc is not None and not isinstance(exc, Exception):
             raise exc
@@ -1452,12 +1549,9 @@ class RunKernel:
             except Exception as error:  # noqa: BLE001 - an unserialisable result fails this join only
                 exc = error
         if exc is not None:
-            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()))
-            self.step_done()
-            return Err(exc)
-        self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
-        self.step_done()
-        return Ok(load_value(wire))
+            return records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()), Err(exc)
+        return (records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()),
+                Ok(load_value(wire)))
 
     # ---- task graphs --------------------------------------------------------------------------
     def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
@@ -1743,7 +1837,8 @@ class RunKernel:
             if self.attached and self.cancel_error is None:
                 await self.wait_attached()
             if self.children and self.cancel_error is None:
-                await self.parked_on(asyncio.gather(*list(self.children), return_exceptions=True))
+                await self.parked_on(asyncio.gather(*[c for c in self.children if not c.done()],
+                                                    return_exceptions=True))
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)

@@ -476,9 +476,9 @@ print(asyncio.run(create_engine(storage).run(mom, 12, key="mom")))
 
 
 @pytest.mark.parametrize(("kind", "where", "at"), [("file", "bind", 5), ("file", "create", 5),
-                                                    ("file", "append", 7), ("sqlite", "append", 7)])
+                                                    ("file", "append", 0), ("sqlite", "append", 0)])
 def test_a_parent_killed_in_a_spawn_all_batch_resumes_with_each_child_once(tmp_path, kind, where, at) -> None:
-    """SIGKILL inside the batch that creates the children, or among the spawn records written after it: the
+    """SIGKILL inside the batch that creates the children, or at the spawn records written after it: the
     resumed parent finds every child created before the kill (recorded or not), creates the others, and each
     child runs once; no child is left over that the parent does not name."""
     import json
@@ -590,9 +590,9 @@ else:
 
 
 @pytest.mark.parametrize(("where", "at", "resume"), [
-    ("sync_all", 0, "none"), ("sync_all", 1, "none"), ("unschedule", 5, "none"), ("append", 9, "none"),
+    ("sync_all", 0, "none"), ("sync_all", 1, "none"), ("unschedule", 5, "none"), ("append", 1, "none"),
     ("random", 1, "none"), ("random", 2, "none"), ("random", 3, "none"),
-    ("unschedule", 5, "worker"), ("append", 9, "worker"), ("random", 4, "worker")])
+    ("unschedule", 5, "worker"), ("append", 1, "worker"), ("random", 4, "worker")])
 def test_a_wide_spawn_all_killed_while_its_children_end_resumes_with_each_child_step_once(tmp_path, where, at,
                                                                                          resume) -> None:
     """SIGKILL while children's ends wait for their group commit, between a group commit and the children's
@@ -647,9 +647,8 @@ def test_a_parent_records_a_join_only_after_the_child_end_is_durable(tmp_path) -
         sync_all(leases)
         events.extend(("durable", lease.run_id) for lease in leases)
 
-    def appended(lease, data):
-        if b'"ctx.join"' in data:
-            events.append(("join", lease.run_id))
+    def appended(lease, data):  # one append may carry the join records of several children, in order
+        events.extend(("join", lease.run_id) for _ in range(data.count(b'"ctx.join"')))
         append(lease, data)
 
     storage.sync_all = grouped  # type: ignore[method-assign]

@@ -253,3 +253,36 @@ def test_a_signal_from_one_machine_reaches_a_wait_on_another(postgres_storage: M
     run_id = operator.resolve("invoice-7")
     assert operator.storage.inbox(run_id) == []
     assert asyncio.run(operator.inspect("invoice-7")).status == "completed"
+
+
+def test_create_bound_binds_and_creates_a_batch_in_one_transaction(postgres_storage: Machines,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawn_all's batch of children is one transaction (one durable commit), not a commit per bind and per
+    create; a batch naming a run that exists already is made one bind and create at a time, which says which."""
+    from contextlib import contextmanager
+
+    from durably_py.storage.base import NewRun
+
+    store = postgres_storage()
+    store.create("warm", header("warm"))  # the schema exists before counting
+    opened: list[bool] = []
+    cursor = store._cursor
+
+    @contextmanager
+    def counted(transaction: bool = False) -> Any:
+        opened.append(transaction)
+        with cursor(transaction) as cur:
+            yield cur
+
+    monkeypatch.setattr(store, "_cursor", counted)
+    runs = [NewRun(f"k{i}", header(f"k{i}"), f"child:p:{i}") for i in range(50)]
+    fsyncs = store.fsyncs
+    assert store.create_bound(runs) is None
+    assert opened == [True] and store.fsyncs == fsyncs + 1
+    monkeypatch.undo()
+    assert [store.lookup(f"child:p:{i}") for i in range(50)] == [f"k{i}" for i in range(50)]
+    assert all(store.read(f"k{i}").records[0]["run_id"] == f"k{i}" for i in range(50))
+    assert {f"k{i}" for i in range(50)} <= set(store.due(100))
+    with pytest.raises(ValidationError, match="already exists"):
+        store.create_bound([NewRun("k50", header("k50"), "child:p:50"), NewRun("warm", header("warm"), "child:p:51")])
+    assert store.lookup("child:p:50") == "k50" and store.read("k50") is not None

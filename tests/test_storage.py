@@ -380,6 +380,18 @@ def test_create_bound_binds_then_creates_in_order_and_stops_at_a_lost_binding(st
     assert store.create_bound([]) is None
 
 
+def test_create_bound_of_one_identity_twice_in_a_batch_acts_as_binds_in_order(store: Any) -> None:
+    """The second bind of an identity in one batch sees the first: it needs it as its `expect`."""
+    from durably_py.storage.base import NewRun
+
+    twice = [NewRun("d0", header("d0"), "dup"), NewRun("d1", header("d1"), "dup"), NewRun("d2", header("d2"), "x")]
+    assert store.create_bound(twice) == "dup"
+    assert store.lookup("dup") == "d0" and store.read("d1") is None and store.read("d2") is None
+    chained = [NewRun("e0", header("e0"), "chain"), NewRun("e1", header("e1"), "chain", expect="e0")]
+    assert store.create_bound(chained) is None
+    assert store.lookup("chain") == "e1" and store.read("e0") is not None and store.read("e1") is not None
+
+
 def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
     store.create("old", header("old", workflow="a"))
     time.sleep(0.02)

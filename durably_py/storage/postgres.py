@@ -195,6 +195,10 @@ def storage_full(exc: BaseException, schema: str) -> StorageFullError | None:
     return error
 
 
+class _Raced(Exception):
+    """A batched `create_bound` that another process raced (or that names an existing run): rolled back."""
+
+
 def _digest(identity: str) -> str:
     """The key an identity is stored under: fixed-size, so any identity fits a btree index."""
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
@@ -576,8 +580,76 @@ class PostgresStorage:
         return rows[0][0] if rows else None
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
-        """Bind and create each run in order, each bind and create its own commit."""
-        return bind_and_create(self, runs)
+        """Bind and create the runs in one transaction: one durable commit and a handful of statements for the
+        whole batch (each one row per run, from arrays), not a commit per bind and per create. The identities
+        are locked first (``FOR UPDATE``), so the batch stops at the first one not bound as its run expects,
+        as a bind would. A batch that names one identity twice, or that another process races (a binding or a
+        run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
+        fields = []
+        for run in runs:
+            validate_identity(run.identity)
+            validate_run_id(run.run_id)
+            if run.expect is not None:
+                validate_run_id(run.expect)
+            fields.append(header_fields(validate_header(run.run_id, run.header)))
+        digests = [_digest(run.identity) for run in runs]
+        if not runs:
+            return None
+        if len(set(digests)) != len(digests):
+            return bind_and_create(self, runs)
+        try:
+            lost = self._create_batch(runs, digests, fields)
+        except _Raced:
+            return bind_and_create(self, runs)
+        self.fsyncs += 1
+        return lost
+
+    def _create_batch(self, runs: list[NewRun], digests: list[str],
+                      fields: list[tuple[str | None, str | None, str | None]]) -> str | None:
+        """`create_bound` of distinct identities as one transaction; `_Raced` (rolled back) if it cannot stand."""
+        with self._cursor(transaction=True) as cur:
+            cur.execute(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s) FOR UPDATE",
+                        (digests,))
+            bound = dict(cur.fetchall())
+            take, lost = len(runs), None
+            for i, run in enumerate(runs):
+                if bound.get(digests[i]) != run.expect:
+                    take, lost = i, run.identity
+                    break
+            if take == 0:
+                return lost
+            fresh = [i for i in range(take) if runs[i].expect is None]
+            moved = [i for i in range(take) if runs[i].expect is not None]
+            if fresh:
+                cur.execute(f"INSERT INTO {self._identities} (digest, identity, run_id)"
+                            " SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]) ON CONFLICT (digest) DO NOTHING",
+                            ([digests[i] for i in fresh], [runs[i].identity for i in fresh],
+                             [runs[i].run_id for i in fresh]))
+                if cur.rowcount != len(fresh):
+                    raise _Raced()
+            if moved:
+                cur.execute(f"UPDATE {self._identities} AS i SET run_id = u.run_id"
+                            " FROM unnest(%s::text[], %s::text[], %s::text[]) AS u(digest, run_id, expect)"
+                            " WHERE i.digest = u.digest AND i.run_id = u.expect",
+                            ([digests[i] for i in moved], [runs[i].run_id for i in moved],
+                             [runs[i].expect for i in moved]))
+                if cur.rowcount != len(moved):
+                    raise _Raced()
+            now = time.time()
+            cur.execute(
+                f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
+                " SELECT r, h, h, length(h), w, k, p, 'open'"
+                " FROM unnest(%s::text[], %s::bytea[], %s::text[], %s::text[], %s::text[]) AS u(r, h, w, k, p)"
+                " ON CONFLICT (run_id) DO NOTHING RETURNING run_id, header),"
+                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
+                " SELECT run_id, %s, 0, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
+                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, header FROM created",
+                ([run.run_id for run in runs[:take]], [bytes(run.header) for run in runs[:take]],
+                 *([f[j] for f in fields[:take]] for j in range(3)), now, now),
+            )
+            if cur.rowcount != take:
+                raise _Raced()  # a run id that exists: one at a time, `create` says which
+        return lost
 
     # ---- listing ------------------------------------------------------------------------------
     def info(self, run_id: str) -> RunInfo | None:
