@@ -11,7 +11,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from helpers import durably
+from helpers import durably, wait_until
 
 from durably_py import FileStorage, create_engine, records
 
@@ -64,8 +64,15 @@ def workers(tmp_path: Path, n: int = 3, concurrency: int = 2, leaf_seconds: floa
     env.pop("DURABLY_DIR", None)
     env.pop("DURABLY_STORAGE", None)
     args = [sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(tmp_path / "state"),
-            "--import", str(tmp_path / "jobs.py"), "-c", str(concurrency), "--poll", "0.05", "-q"]
-    return [subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(n)]
+            "--import", str(tmp_path / "jobs.py"), "-c", str(concurrency), "--poll", "0.05"]
+    logs = [tmp_path / f"worker-{os.urandom(4).hex()}.log" for _ in range(n)]
+    procs = []
+    for log in logs:
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=f))
+    # a worker stops gracefully (exit 0) once it serves; a SIGTERM while it still imports exits 143
+    wait_until(lambda: all("serving" in log.read_text() for log in logs), seconds=60)
+    return procs
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> list[int]:
