@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import contextlib
 import importlib
@@ -85,32 +86,46 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+_sources: dict[Any, str | None] = {}  # workflow function -> the file defining it (a spawn_all asks once per child)
+
+
 def script_of(workflow: Workflow) -> str | None:
     """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
     script = os.environ.get("DURABLY_SCRIPT")
     if script:
         return script
+    fn: Any = workflow.fn
+    try:
+        return _sources[fn]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable: looked up every time
+        fn = None
     try:
         source = pyinspect.getsourcefile(workflow.fn)
     except TypeError:
         return None
-    return os.path.abspath(source) if source else None
+    found = os.path.abspath(source) if source else None
+    if fn is not None and len(_sources) < 4096:
+        _sources[fn] = found
+    return found
 
 
 _ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: no i, l, o, u
+_TO_ID_ALPHABET = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ID_ALPHABET.encode())  # from RFC 4648's
+_slugs: dict[str, str] = {}  # workflow name -> the slug its run ids start with
 
 
 def new_run_id(workflow: str) -> str:
     """A readable id that cannot collide: the workflow's name, then 80 random bits as 16 base-32 digits
     (lowercase, so ids differ on case-insensitive file systems too; the old 32 bits per workflow per day
     collided among 10,000 children)."""
-    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
-    number = int.from_bytes(secrets.token_bytes(10), "big")
-    digits = []
-    for _ in range(16):
-        number, digit = divmod(number, 32)
-        digits.append(_ID_ALPHABET[digit])
-    return f"{slug}-{''.join(digits)}"
+    slug = _slugs.get(workflow)
+    if slug is None:
+        slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
+        if len(_slugs) < 4096:
+            _slugs[workflow] = slug
+    return f"{slug}-{base64.b32encode(secrets.token_bytes(10)).translate(_TO_ID_ALPHABET).decode()}"
 
 
 class Engine:
