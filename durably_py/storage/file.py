@@ -142,6 +142,12 @@ class _OsLock:
         self._fd = fd
         return True
 
+    def read(self) -> bytes | None:
+        """The start of the held lock file's content (None where the lock has no descriptor of its own)."""
+        if self._fd is None:
+            return None
+        return os.pread(self._fd, 65536, 0)
+
     def write(self, data: bytes) -> bool:
         """Write `data` over the start of the held lock file in one write; False where the lock has no
         descriptor of its own (Windows)."""
@@ -274,6 +280,7 @@ class FileStorage:
         self.joins_dir = self.dir / "joins"
         self._runs_path = str(self.runs_dir)
         self._queue_path = str(self.queue_dir)
+        self._joins_path = str(self.joins_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
         self._dir_durable: set[str] = set()
@@ -501,7 +508,7 @@ class FileStorage:
         records = checked(records, str(held.log), check)
         if good < len(data):
             os.ftruncate(fd, good)
-        epoch = max(max_epoch(records), self._sidecar_epoch(held.run_id)) + 1
+        epoch = max(max_epoch(records), self._held_epoch(held)) + 1
         line = claimed(records, epoch, owner)
         try:
             _write_all(fd, line)
@@ -517,6 +524,15 @@ class FileStorage:
             raise storage_full(exc, "claim", str(held.log)) from exc
         held.live = True
         return epoch, records, torn
+
+    def _held_epoch(self, held: _Held) -> int:
+        """`_sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
+        data = held.lock.read()
+        info = _owner_of(data) if data is not None else None
+        if info is None:
+            return self._sidecar_epoch(held.run_id)
+        epoch = info.get("epoch")
+        return epoch if isinstance(epoch, int) else 0
 
     def _sidecar_epoch(self, run_id: str) -> int:
         """The epoch of the last claim per the owner sidecar (survives compactions that drop claim records)."""
@@ -1155,10 +1171,11 @@ class FileStorage:
         """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
         join, remove its file there and make the parent due if it was the last. A run without an entry (a
         child its parent ran in place) is waited for in no join: only its catalog row changes."""
-        path = self._entry_path(validate_run_id(run_id))
-        if not os.path.exists(path) and not os.path.exists(os.path.join(self.joins_dir, run_id)):
+        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")) \
+                and not os.path.exists(os.path.join(self._joins_path, run_id)):
             self._refresh_later(run_id)
             return
+        path = self._entry_path(run_id)
         parent = None
         try:
             with open(self._log(run_id), "rb") as f:
@@ -1259,6 +1276,11 @@ def _read_owner(path: str) -> dict[str, Any] | None:
             data += chunk
     finally:
         os.close(fd)
+    return _owner_of(data)
+
+
+def _owner_of(data: bytes) -> dict[str, Any] | None:
+    """The claimant JSON object in `data` (None: empty, or not a JSON object)."""
     if not data.strip():
         return None
     try:
