@@ -386,6 +386,18 @@ class NewRun:
     queued: bool = True
 
 
+def validate_new_runs(runs: list[NewRun]) -> list[dict[str, Any]]:
+    """Check every run of a `create_bound` batch before any is written; the validated header of each."""
+    headers = []
+    for run in runs:
+        validate_identity(run.identity)
+        validate_run_id(run.run_id)
+        if run.expect is not None:
+            validate_run_id(run.expect)
+        headers.append(validate_header(run.run_id, run.header))
+    return headers
+
+
 def sync_each(storage: Any, leases: list[Lease]) -> None:
     """`Storage.sync_all` as one `sync` per lease, for adapters whose commits cost the same grouped or not."""
     for lease in leases:

@@ -51,6 +51,7 @@ from .base import (
     validate_identity,
     validate_limit,
     validate_lines,
+    validate_new_runs,
     validate_owner,
     validate_priority,
     validate_rewrite,
@@ -585,13 +586,7 @@ class PostgresStorage:
         are locked first (``FOR UPDATE``), so the batch stops at the first one not bound as its run expects,
         as a bind would. A batch that names one identity twice, or that another process races (a binding or a
         run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
-        fields = []
-        for run in runs:
-            validate_identity(run.identity)
-            validate_run_id(run.run_id)
-            if run.expect is not None:
-                validate_run_id(run.expect)
-            fields.append(header_fields(validate_header(run.run_id, run.header)))
+        fields = [header_fields(header) for header in validate_new_runs(runs)]
         digests = [_digest(run.identity) for run in runs]
         if not runs:
             return None

@@ -51,6 +51,7 @@ from .base import (
     validate_identity,
     validate_limit,
     validate_lines,
+    validate_new_runs,
     validate_owner,
     validate_priority,
     validate_rewrite,
@@ -371,13 +372,7 @@ class SqliteStorage:
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind and create each run in order in one transaction, committed durably (one fsync for the batch);
         at an identity bound to another run, the runs before it are committed and that identity returned."""
-        fields = []
-        for run in runs:
-            validate_identity(run.identity)
-            validate_run_id(run.run_id)
-            if run.expect is not None:
-                validate_run_id(run.expect)
-            fields.append(header_fields(validate_header(run.run_id, run.header)))
+        fields = [header_fields(header) for header in validate_new_runs(runs)]
         lost = None
         with self._lock, _durable(self, self._db()) as db:
             for run, found in zip(runs, fields, strict=True):
