@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overlo
 
 from ._codec import dump_value, load_value
 from ._history import BUDGET_KINDS
-from ._kernel import PLAIN, Complete, LoopDone, RunHandle, StepOptions, current_attempt, label_of
+from ._kernel import Complete, LoopDone, RunHandle, current_attempt
 from ._policies import check_timeout
 from ._result import Err, Ok
-from .errors import ArgumentError, ValidationError
+from .errors import ValidationError
 from .records import Stash
 
 if TYPE_CHECKING:
@@ -39,8 +39,7 @@ class Kernel(Protocol):
     spent: dict[str, float]
 
     def write(self, rec: Record) -> None: ...
-    def step(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None,
-             opts: StepOptions) -> Awaitable[Any]: ...
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]: ...
     def now(self) -> Any: ...
     def random(self) -> float: ...
     def uuid(self) -> str: ...
@@ -60,7 +59,6 @@ class Kernel(Protocol):
     def annotate(self, values: dict[str, Any]) -> None: ...
 
 _EVENT_LOCK = threading.Lock()
-_OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
 
 
 class AttemptContext:
@@ -174,7 +172,7 @@ class WorkflowContext:
 
     def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
-        self._step = kernel.step  # bound once: every ctx.step call goes through it
+        self.step = kernel.step  # type: ignore[method-assign]  # ctx.step calls the kernel directly: one frame
         self.budget = BudgetView(kernel)
 
     @property
@@ -206,38 +204,11 @@ class WorkflowContext:
              schema: Any, replay: str = "safe") -> Awaitable[Any]: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
-        """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns."""
-        if options:
-            return self._configured(fn, args, **options)
-        return self._step(fn, args, None, PLAIN)
+        """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.
 
-    def _configured(self, fn: Callable[..., Any], args: tuple[Any, ...], /, name: str | None = None,
-                    retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
-                    concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-                    schema: Any = None, replay: str = "safe", **unknown: Any) -> Awaitable[Any]:
-        """`ctx.step` with options: validated once per call shape (`_OPTIONS`), then handed to the kernel."""
-        if unknown:
-            raise ArgumentError(
-                f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
-                hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
-                     "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
-        if (retry is None and timeout is None and compensate is None and concurrency_key is None
-                and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
-            return self._step(fn, args, name, PLAIN)
-        label = name or label_of(fn)
-        key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
-        try:
-            opts = _OPTIONS.get(key)
-        except TypeError:
-            key, opts = None, None  # type: ignore[assignment]
-        if opts is None:
-            opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
-                               replay)
-            if key is not None and compensate is None:
-                if len(_OPTIONS) >= 4096:
-                    _OPTIONS.clear()
-                _OPTIONS[key] = opts
-        return self._step(fn, args, name, opts)
+        (Each context binds the kernel's `step` over this method in `__init__`; this body serves a call
+        through the class.)"""
+        return self._kernel.step(fn, *args, **options)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

@@ -48,6 +48,7 @@ from ._result import Err, Ok
 from ._schema import compile_schema
 from ._workflow import Workflow, as_workflow
 from .errors import (
+    ArgumentError,
     BudgetExceededError,
     DependencyFailedError,
     LeaseLostError,
@@ -270,13 +271,21 @@ def label_of(fn: Callable[..., Any]) -> str:
     target = getattr(fn, "func", fn)
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
     label: str = name.rpartition("<locals>.")[2]
-    try:
-        if len(_LABELS) >= 4096:
-            _LABELS.clear()
-        _LABELS[fn] = label
-    except TypeError:  # an unhashable callable: computed every time
-        pass
+    if callable(fn):  # `RunKernel.step` takes a label found here as proof that `fn` is callable
+        try:
+            if len(_LABELS) >= 4096:
+                _LABELS.clear()
+            _LABELS[fn] = label
+        except TypeError:  # an unhashable callable: computed every time
+            pass
     return label
+
+
+def not_callable(fn: Any) -> ValidationError:
+    """`ctx.step` of something that is not a function."""
+    return ValidationError(f"ctx.step needs a callable, got {fn!r}",
+                           hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
+                           docs="docs/authoring.md#steps")
 
 
 
@@ -360,6 +369,36 @@ class StepOptions:
 
 
 PLAIN = StepOptions("", None, None, None, None, None, None, None, "safe")
+_OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
+
+
+def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any = None, timeout: float | None = None,
+                 compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
+                 concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
+                 replay: str = "safe", **unknown: Any) -> tuple[str | None, StepOptions]:
+    """The step name and validated options of a `ctx.step` call with keywords (validated once per call shape)."""
+    if unknown:
+        raise ArgumentError(
+            f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
+            hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
+                 "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
+    if (retry is None and timeout is None and compensate is None and concurrency_key is None
+            and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
+        return name, PLAIN
+    label = name or label_of(fn)
+    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
+    try:
+        opts = _OPTIONS.get(key)
+    except TypeError:
+        key, opts = None, None  # type: ignore[assignment]
+    if opts is None:
+        opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
+                           replay)
+        if key is not None and compensate is None:
+            if len(_OPTIONS) >= 4096:
+                _OPTIONS.clear()
+            _OPTIONS[key] = opts
+    return name, opts
 
 
 class Watchdog:
@@ -659,13 +698,24 @@ class RunKernel:
             self.replay_error = error
         return error
 
-    def step(self, fn: Callable[..., Any], args: tuple[Any, ...], name: str | None,
-             opts: StepOptions) -> Awaitable[Any]:
-        """Allocate the step's path now; return an awaitable that replays or runs it."""
-        if not callable(fn):
-            raise ValidationError(f"ctx.step needs a callable, got {fn!r}",
-                                  hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
-                                  docs="docs/authoring.md#steps")
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
+        """`ctx.step` itself (the context binds it as its own `step`, so a call is one Python frame): allocate
+        the step's path now; return an awaitable that replays or runs it."""
+        if options:
+            name, opts = step_options(fn, **options)
+        else:
+            name, opts = None, PLAIN
+        if name:
+            if not callable(fn):
+                raise not_callable(fn)
+            label = name
+        else:
+            try:
+                label = _LABELS[fn]  # holds callables only
+            except (KeyError, TypeError):
+                if not callable(fn):
+                    raise not_callable(fn) from None
+                label = label_of(fn)
         scope = current_scope.get(None)
         if scope is None or (scope.owner is not None and (
                 scope.thread != get_ident() or scope.owner is not running_task(scope.loop))):
@@ -676,13 +726,6 @@ class RunKernel:
             path = scope.prefix + _NUMBERS[n]
         except IndexError:
             path = scope.prefix + number(n)
-        if name:
-            label = name
-        else:
-            try:
-                label = _LABELS[fn]
-            except (KeyError, TypeError):
-                label = label_of(fn)
         pending = scope.pending
         if not pending:
             labels = scope.labels
