@@ -163,6 +163,21 @@ class EndGroup:
             settle(own)
 
 
+class Outcome(asyncio.Future[Any]):
+    """The outcome of one child run in the pool, carrying what starting it needs: a queued child is this
+    future alone in the queue (no tuple beside it), its run id shared with its handle and its workflow with
+    its siblings'."""
+
+    __slots__ = ("run_id", "workflow", "rerun_failed")
+
+    def __init__(self, run_id: str, workflow: Workflow | None, rerun_failed: bool,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.run_id = run_id
+        self.workflow = workflow
+        self.rerun_failed = rerun_failed
+
+
 class ChildPool:
     """Runs child runs of one event loop, `size` at a time; running children that want their slot back (after
     a join) go before children not started yet, so a deep fan-out finishes branches before widening."""
@@ -174,7 +189,7 @@ class ChildPool:
         self.ending = ending
         self.handed: dict[str, Any] = {}  # run id -> the lease of a child whose end `ending` makes durable
         self.outcomes: dict[str, asyncio.Future[Any]] = {}
-        self.pending: deque[tuple[str, Workflow | None, bool, asyncio.Future[Any]]] = deque()
+        self.pending: deque[Outcome] = deque()
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.running: dict[asyncio.Future[Any], asyncio.Task[None]] = {}
 
@@ -184,9 +199,9 @@ class ChildPool:
         if outcome is not None and not outcome.cancelled() and not (
                 rerun_failed and outcome.done() and outcome.exception() is not None):
             return outcome
-        outcome = asyncio.get_running_loop().create_future()
+        outcome = Outcome(run_id, workflow, rerun_failed, asyncio.get_running_loop())
         self.outcomes[run_id] = outcome
-        self.pending.append((run_id, workflow, rerun_failed, outcome))
+        self.pending.append(outcome)
         self.pump()
         return outcome
 
@@ -209,13 +224,15 @@ class ChildPool:
                     self.free -= 1
                     turn.set_result(None)
                 continue
-            run_id, workflow, rerun_failed, outcome = self.pending.popleft()
+            outcome = self.pending.popleft()
+            run_id = outcome.run_id
             if outcome.done():  # cancelled while it waited
                 if self.outcomes.get(run_id) is outcome:
                     del self.outcomes[run_id]
                 continue
             self.free -= 1
-            task = asyncio.get_running_loop().create_task(self._child(run_id, workflow, rerun_failed, outcome),
+            task = asyncio.get_running_loop().create_task(self._child(run_id, outcome.workflow, outcome.rerun_failed,
+                                                                      outcome),
                                                           context=contextvars.Context())
             self.running[outcome] = task
             outcome.add_done_callback(functools.partial(self._settled, run_id))  # once running: not per queued child
