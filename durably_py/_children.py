@@ -1,8 +1,9 @@
 """Child runs of one engine: created once under their parent's path, executed in this process at most
 `concurrency` at once (a child waiting in a join frees its slot), and their outcomes read back.
 
-A child that waits for a slot costs one small future (an attached child of a parent running here has no
-queue entry: the parent's stands for it); only running children have a Task, and nothing of a child (task,
+A child that waits for a slot costs one small future, which is also its place in the pool's queue (an
+attached child of a parent running here has no queue entry in storage: the parent's stands for it); only
+running children have a Task, and nothing of a child (task,
 coroutine, context) is kept once it ended: the future that carried its outcome is dropped as soon as it is
 settled, so a parent that spawned 100,000 children holds memory for the children running now, not for
 those that finished. A child's end is made durable in a group commit with its siblings' (`EndGroup`) before
