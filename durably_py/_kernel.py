@@ -1528,6 +1528,7 @@ class RunKernel:
 
         async def record_in_order() -> None:
             joins: list[records.Record] = []
+            joined = 0
 
             def flush() -> None:
                 if joins:
@@ -1554,6 +1555,10 @@ class RunKernel:
                     joins.append(rec)
                     if len(joins) >= SPAWN_BATCH:
                         flush()
+                    joined += 1
+                    if joined >= CHILDREN_PRUNE and 2 * joined >= len(self.children):
+                        self.drop_settled()  # the joined children's futures (and results) go as the join goes
+                        joined = 0
                 flush()
             except asyncio.CancelledError:
                 raise
