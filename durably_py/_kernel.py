@@ -832,10 +832,7 @@ class RunKernel:
                     value = await self._invoke(fn, args, False)
                 wire, value = dump_output(value)
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
-                    raise
-                raise self.cancel_error from None
+                self.step_cancelled(att)
             except Crash:
                 raise
             except Exception as exc:
@@ -894,6 +891,14 @@ class RunKernel:
                 self.emit(path, label, "failed", number, error=error)
                 raise error
         return await self._attempts(scope, path, label, fn, args, opts, number)
+
+    def step_cancelled(self, att: Any) -> NoReturn:
+        """Call while a running step's `CancelledError` is handled: the run's cancel error when a cancel request
+        for this run cut the step off (and nothing else cancelled its task), else the `CancelledError` itself."""
+        task = asyncio.current_task()
+        if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
+            raise  # the CancelledError the caller is handling
+        raise self.cancel_error from None
 
     def alone(self, scope: Scope) -> bool:
         """True when the calling step is the only work of any run in this process that could want the loop now:
@@ -970,10 +975,7 @@ class RunKernel:
                 if opts.schema is not None:
                     value = opts.schema.convert(value, "output")
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
-                    raise
-                raise self.cancel_error from None
+                self.step_cancelled(att)
             except Crash:
                 raise
             except Exception as exc:

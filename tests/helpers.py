@@ -119,3 +119,31 @@ def read_until(fd: int, needle: bytes, seconds: float) -> bytes:
             except OSError:
                 break
     return seen
+
+
+FAN_OUT = """
+def mark(n):
+    with open(effects, "a") as f:
+        f.write(f"{n}\\n")
+    return n
+
+
+@workflow
+async def kid(ctx, n):
+    return await ctx.step(mark, n)
+
+
+@workflow
+async def mom(ctx, count):
+    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
+    return sum(r.value * (i + 1) for i, r in enumerate(await ctx.join_all(handles)))
+"""
+"""Script text for fan-out kill tests (the script defines `effects`, a path): `mom(count)` spawns `kid(n)` for
+each n < count, each appending n to `effects` in its one step, and returns sum(n * (n + 1)), which only
+results joined in order give."""
+
+
+def fan_out_sum(count: int) -> str:
+    """What `FAN_OUT`'s `mom(count)` prints."""
+    return str(sum(n * (n + 1) for n in range(count)))
+

@@ -4,7 +4,7 @@ import asyncio
 import time
 
 import pytest
-from helpers import Stop
+from helpers import FAN_OUT, Stop, fan_out_sum
 
 from durably_py import (
     FileStorage,
@@ -453,23 +453,7 @@ if kind == "file":  # inside FileStorage.create_bound: each binding, then each l
     storage._new_log = counted("create", storage._new_log)
 storage.append = counted("append", storage.append)
 
-
-def mark(n):
-    with open(effects, "a") as f:
-        f.write(f"{n}\\n")
-    return n
-
-
-@workflow
-async def kid(ctx, n):
-    return await ctx.step(mark, n)
-
-
-@workflow
-async def mom(ctx, count):
-    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
-    return sum(r.value for r in await ctx.join_all(handles))
-
+""" + FAN_OUT + """
 
 print(asyncio.run(create_engine(storage).run(mom, 12, key="mom")))
 """
@@ -497,7 +481,7 @@ def test_a_parent_killed_in_a_spawn_all_batch_resumes_with_each_child_once(tmp_p
     done = subprocess.run([sys.executable, str(script), kind, str(state), str(effects), "none", "0"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(sum(range(12)))
+    assert done.stdout.strip() == fan_out_sum(12)
     assert sorted(int(n) for n in effects.read_text().split()) == list(range(12))
     storage = FileStorage(state) if kind == "file" else SqliteStorage(state / "runs.db")
     engine = create_engine(storage)
@@ -559,23 +543,7 @@ if where == "random":
     timer.daemon = True
     timer.start()
 
-
-async def mark(n):
-    with open(effects, "a") as f:
-        f.write(f"{n}\\n")
-    return n
-
-
-@workflow
-async def kid(ctx, n):
-    return await ctx.step(mark, n)
-
-
-@workflow
-async def mom(ctx, count):
-    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
-    return sum(r.value for r in await ctx.join_all(handles))
-
+""" + FAN_OUT.replace("def mark", "async def mark") + """
 
 async def served():
     engine = create_engine(storage, concurrency=4)
@@ -619,9 +587,9 @@ def test_a_wide_spawn_all_killed_while_its_children_end_resumes_with_each_child_
         done = subprocess.run([sys.executable, str(script), str(state), str(effects), resume, "0", "0"],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == str(sum(range(40)))
+        assert done.stdout.strip() == fan_out_sum(40)
     else:  # a random kill may come once the run completed (a run started again then is a new run): no resume
-        assert where == "random" and killed.stdout.strip() in ("", str(sum(range(40))))
+        assert where == "random" and killed.stdout.strip() in ("", fan_out_sum(40))
     ran = [int(n) for n in effects.read_text().split()]
     assert sorted(set(ran)) == list(range(40))
     again = len(ran) - 40

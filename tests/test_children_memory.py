@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import Stop
+from helpers import FAN_OUT, Stop, fan_out_sum
 
 from durably_py import FileStorage, SqliteStorage, create_engine, workflow
 
@@ -132,23 +132,7 @@ def appended(lease, data):
 
 storage.create_bound, storage.append = created, appended
 
-
-def mark(n):
-    with open(effects, "a") as f:
-        f.write(f"{n}\\n")
-    return n
-
-
-@workflow
-async def kid(ctx, n):
-    return await ctx.step(mark, n)
-
-
-@workflow
-async def mom(ctx, count):
-    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
-    return sum(r.value * (i + 1) for i, r in enumerate(await ctx.join_all(handles)))
-
+""" + FAN_OUT + """
 
 print(asyncio.run(create_engine(storage, lease=2).run(mom, 23, key="mom")))
 """
@@ -171,7 +155,7 @@ def test_a_parent_killed_in_a_wide_spawn_all_or_join_all_resumes_with_each_child
     resumed = subprocess.run([sys.executable, str(script), str(state), str(effects), "none", "0"],
                              capture_output=True, text=True, timeout=60)
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.strip() == str(sum(n * (n + 1) for n in range(23)))
+    assert resumed.stdout.strip() == fan_out_sum(23)
     ran = [int(n) for n in effects.read_text().split()]
     if where == "create_bound":  # no child had started: each ran exactly once
         assert sorted(ran) == list(range(23))
