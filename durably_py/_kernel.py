@@ -288,8 +288,6 @@ def not_callable(fn: Any) -> ValidationError:
                            docs="docs/authoring.md#steps")
 
 
-
-
 def _is_async(fn: Callable[..., Any]) -> bool:
     code = getattr(fn, "__code__", None)
     if code is not None:
