@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -286,6 +286,42 @@ def not_callable(fn: Any) -> ValidationError:
     return ValidationError(f"ctx.step needs a callable, got {fn!r}",
                            hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
                            docs="docs/authoring.md#steps")
+
+
+def check_wake_time(when: Any) -> None:
+    """`ctx.sleep_until`'s argument: a timezone-aware datetime."""
+    if not isinstance(when, datetime) or when.tzinfo is None:
+        raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
+                              hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
+                              docs="docs/authoring.md#parking")
+
+
+def check_signal_name(name: Any) -> None:
+    """`ctx.wait_for`'s signal name: 1-200 characters, not starting with '$'."""
+    if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
+        raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
+                              hint="Name what you wait for, e.g. ctx.wait_for('approval').",
+                              docs="docs/authoring.md#parking")
+
+
+def check_handle(handle: Any) -> None:
+    """`ctx.join`'s argument: the `RunHandle` that `ctx.spawn` returned."""
+    if not isinstance(handle, RunHandle):
+        raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
+                              hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
+                              docs="docs/authoring.md#child-runs")
+
+
+def spawn_pairs(definitions: Iterable[Any]) -> list[tuple[Workflow, Any]]:
+    """`ctx.spawn_all`'s argument as `(workflow, input)` pairs."""
+    pairs = []
+    for i, item in enumerate(definitions):
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
+                                  hint="ctx.spawn_all([(summarize, url) for url in urls])",
+                                  docs="docs/authoring.md#child-runs")
+        pairs.append((as_workflow(item[0]), item[1]))
+    return pairs
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -740,6 +776,19 @@ class RunKernel:
             return replayed(scope, rec.value)
         return self.replay(scope, path, rec, opts)
 
+    def replay_next(self, label: str, opts: StepOptions | _Schema = PLAIN,
+                    where: str = "output") -> tuple[str, Awaitable[Any] | None]:
+        """Allocate the calling strand's next path for `label` (a sleep, wait, join or loop), and the replay of
+        the record at it when there is one (its label checked), else None: the caller then runs it live."""
+        scope = self.scope()
+        path = scope.alloc()
+        rec = self.done.get(path)
+        if rec is None:
+            return path, None
+        self.check_label(path, rec, label)
+        scope.pending += 1
+        return path, self.replay(scope, path, rec, opts, where)
+
     async def replay(self, scope: Scope, path: str, rec: records.Ok | records.Err, opts: StepOptions | _Schema,
                      where: str = "output") -> Any:
         try:
@@ -1171,18 +1220,9 @@ class RunKernel:
     # ---- parking: durable sleeps and waits for signals -----------------------------------------
     def sleep_until(self, when: datetime) -> Awaitable[None]:
         """Allocate the sleep's path now; its wake time is recorded the first time it runs."""
-        if not isinstance(when, datetime) or when.tzinfo is None:
-            raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
-                                  hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
-                                  docs="docs/authoring.md#parking")
-        scope = self.scope()
-        path = scope.alloc()
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, "ctx.sleep")
-            scope.pending += 1
-            return self.replay(scope, path, rec, PLAIN)
-        return self._sleep(path, when)
+        check_wake_time(when)
+        path, replayed = self.replay_next("ctx.sleep")
+        return replayed or self._sleep(path, when)
 
     async def _sleep(self, path: str, when: datetime) -> None:
         if self.observer is not None:
@@ -1202,20 +1242,12 @@ class RunKernel:
 
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]:
         """Allocate the wait's path now; it returns the payload of the next signal `name` sent to the run."""
-        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
-            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
-                                  hint="Name what you wait for, e.g. ctx.wait_for('approval').",
-                                  docs="docs/authoring.md#parking")
+        check_signal_name(name)
         timeout = check_timeout(timeout, "wait_for timeout=")
         compiled = compile_schema(schema, f"schema of wait_for({name!r})")
-        scope = self.scope()
-        path = scope.alloc()
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, "ctx.wait_for")
-            scope.pending += 1
-            return self.replay(scope, path, rec, PLAIN if compiled is None else _Schema(compiled), f"signal {name!r}")
-        return self._wait(path, name, compiled, timeout)
+        path, replayed = self.replay_next("ctx.wait_for", PLAIN if compiled is None else _Schema(compiled),
+                                          f"signal {name!r}")
+        return replayed or self._wait(path, name, compiled, timeout)
 
     async def _wait(self, path: str, name: str, schema: Any, timeout: float | None) -> Any:
         if self.observer is not None:
@@ -1270,13 +1302,7 @@ class RunKernel:
 
     def spawn_all(self, definitions: list[Any], detached: bool) -> Awaitable[list[RunHandle]]:
         """Spawn one child per `(workflow, input)` pair, under one path."""
-        pairs = []
-        for i, item in enumerate(definitions):
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
-                                      hint="ctx.spawn_all([(summarize, url) for url in urls])",
-                                      docs="docs/authoring.md#child-runs")
-            pairs.append((as_workflow(item[0]), item[1]))
+        pairs = spawn_pairs(definitions)
         prefix = self.scope().alloc()
         if len(pairs) > self.engine.concurrency:
             self.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
@@ -1375,18 +1401,11 @@ class RunKernel:
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
         """Allocate the join's path now; it returns the child's result (or raises its error) once it ends."""
-        if not isinstance(handle, RunHandle):
-            raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
-                                  hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
-                                  docs="docs/authoring.md#child-runs")
-        scope = self.scope()
-        path = scope.alloc()
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, "ctx.join")
+        check_handle(handle)
+        path, replayed = self.replay_next("ctx.join")
+        if replayed is not None:
             self.attached.pop(handle.run_id, None)
-            scope.pending += 1
-            return self.replay(scope, path, rec, PLAIN)
+            return replayed
         return self._join(path, handle)
 
     async def _join(self, path: str, handle: RunHandle) -> Any:
@@ -1764,14 +1783,8 @@ class RunKernel:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValidationError(f"ctx.loop {name}= must be an int >= 1, got {value!r}",
                                       hint=f"Omit {name}= for the default.", docs="docs/authoring.md#loops")
-        scope = self.scope()
-        path = scope.alloc()
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, "ctx.loop")
-            scope.pending += 1
-            return self.replay(scope, path, rec, PLAIN)
-        return self._loop(path, initial, reducer, snapshot_every or 1, max_iterations)
+        path, replayed = self.replay_next("ctx.loop")
+        return replayed or self._loop(path, initial, reducer, snapshot_every or 1, max_iterations)
 
     async def _loop(self, path: str, initial: Any, reducer: Callable[..., Any], every: int,
                     max_iterations: int | None) -> Any:

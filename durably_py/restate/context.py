@@ -11,7 +11,18 @@ from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 from .._branches import checked_branches, foreign_strand, outside_workflow, run_branches
-from .._kernel import Complete, RunHandle, StepOptions, _is_async, label_of
+from .._kernel import (
+    Complete,
+    RunHandle,
+    StepOptions,
+    _is_async,
+    check_handle,
+    check_signal_name,
+    check_wake_time,
+    label_of,
+    not_callable,
+    spawn_pairs,
+)
 from .._policies import check_timeout
 from .._result import Err, Ok
 from .._schema import compile_schema
@@ -88,9 +99,7 @@ class RestateWorkflowContext:
              schema: Any = None, replay: str = "safe") -> Awaitable[Any]:
         """Run `fn(*args)` once, durably, as a Restate `run` entry named `label@path`."""
         if not callable(fn):
-            raise ValidationError(f"ctx.step needs a callable, got {fn!r}",
-                                  hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
-                                  docs="docs/authoring.md#steps")
+            raise not_callable(fn)
         label = name or label_of(fn)
         opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
         if concurrency_key is not None:
@@ -154,13 +163,7 @@ class RestateWorkflowContext:
 
     def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Awaitable[list[RunHandle]]:
         """Start one child run per `(workflow, input)` pair."""
-        pairs = []
-        for i, item in enumerate(definitions):
-            if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
-                                      hint="ctx.spawn_all([(summarize, url) for url in urls])",
-                                      docs="docs/authoring.md#child-runs")
-            pairs.append((as_workflow(item[0]), item[1]))
+        pairs = spawn_pairs(definitions)
         prefix = self._scope().alloc()
         ops = [(SpawnOp(self._pump, f"{prefix}.{i}", wf, value, detached), wf) for i, (wf, value) in enumerate(pairs)]
         return self._handles(ops)
@@ -170,10 +173,7 @@ class RestateWorkflowContext:
 
     def join(self, handle: RunHandle) -> Awaitable[Any]:
         """Wait for a child run to end; return its result or raise its error."""
-        if not isinstance(handle, RunHandle):
-            raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
-                                  hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
-                                  docs="docs/authoring.md#child-runs")
+        check_handle(handle)
         return JoinOp(self._pump, self._scope().alloc(), handle.run_id)
 
     def join_all(self, handles: Iterable[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
@@ -194,19 +194,13 @@ class RestateWorkflowContext:
 
     def sleep_until(self, when: datetime) -> Awaitable[None]:
         """Wait durably until `when` (timezone-aware), measured from the journaled `ctx.now()`."""
-        if not isinstance(when, datetime) or when.tzinfo is None:
-            raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
-                                  hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
-                                  docs="docs/authoring.md#parking")
+        check_wake_time(when)
         seconds = (when - self.now()).total_seconds()
         return SleepOp(self._pump, self._scope().alloc(), max(seconds, 0.0))
 
     def wait_for(self, name: str, schema: Any = None, *, timeout: float | None = None) -> Awaitable[Any]:
         """Park until signal `name` arrives and return its payload; `WaitTimeoutError` after `timeout` seconds."""
-        if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
-            raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
-                                  hint="Name what you wait for, e.g. ctx.wait_for('approval').",
-                                  docs="docs/authoring.md#parking")
+        check_signal_name(name)
         timeout = check_timeout(timeout, "wait_for timeout=")
         compiled = compile_schema(schema, f"schema of wait_for({name!r})")
         path = self._scope().alloc()
