@@ -108,12 +108,7 @@ class RunQueue:
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
-        """Record the run as `pending` in the storage's queue and return its handle; nothing runs yet.
-
-        A worker runs it once due (`delay` seconds from now), highest `priority` first, then oldest: this
-        engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
-        same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
-        this engine has no worker); `drain` works the queue off."""
+        """The body of `Engine.enqueue`, whose docstring says what it does."""
         from ._engine import check_budget, check_checkpoint
         from ._kernel import RunHandle
 
@@ -131,8 +126,7 @@ class RunQueue:
         return RunHandle(run_id, workflow)
 
     async def start(self, *, poll: float = 0.2) -> None:
-        """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
-        and release them, and repeat, until `stop()`. Returns at once; idempotent."""
+        """The body of `Engine.start`, whose docstring says what it does."""
         from ._worker import Worker
 
         if self.worker is None or self.worker.finished:
@@ -140,8 +134,7 @@ class RunQueue:
         self.worker.start()
 
     async def join(self, handle: RunHandle) -> Any:
-        """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
-        in this engine the run is run here and now."""
+        """The body of `Engine.join`, whose docstring says what it does."""
         if self.worker is None or self.worker.finished:
             workflow = handle.workflow or self.engine.workflow_for(handle.run_id)
             return await self.engine.run(workflow, run_id=handle.run_id)
@@ -152,9 +145,7 @@ class RunQueue:
             await self.worker.settled(JOIN_POLL * 4)
 
     async def drain(self) -> None:
-        """Wait until the queue holds no run that is due now or running here, and every run this engine
-        enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
-        for the duration when it is not running."""
+        """The body of `Engine.drain`, whose docstring says what it does."""
         started = self.worker is None or self.worker.finished
         if started:
             await self.start()
@@ -179,9 +170,7 @@ class RunQueue:
         return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
 
     async def stop(self) -> list[str]:
-        """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
-        finish and are recorded; leases are released, so the runs are due again at once for any worker.
-        Returns the ids of the runs it stopped part-way."""
+        """The body of `Engine.stop`, whose docstring says what it does."""
         worker, self.worker = self.worker, None
         if worker is None:
             return []
