@@ -5,6 +5,8 @@ Usage: python bench/children.py [--only NAME ...] [--concurrency C] [--postgres 
 Rows (each in a fresh subprocess, so peak RSS is that row's alone):
   file 1k, file 10k        FileStorage, 1,000 / 10,000 children
   sqlite 10k, sqlite 100k  SqliteStorage, 10,000 / 100,000 children
+  sqlite 100k in 1k        SqliteStorage, 100,000 children spawned and joined 1,000 at a time by one parent
+                           (what the workflow holds stays at 1,000 children: durably's memory must stay flat too)
   postgres 1k, postgres 10k  PostgresStorage, 1,000 / 10,000 children (only with --postgres
            postgresql://USER@HOST/DB; each row in a schema of its own, dropped afterwards)
 Columns:
@@ -15,6 +17,10 @@ Columns:
   spawn/floor  the ratio
   peak RSS the process's maximum resident memory (ru_maxrss) after the run
   RSS/1k   peak RSS growth per 1,000 children over the process's RSS before the run
+  data/1k  the workflow's own data per 1,000 children at its largest, measured in the same process
+           (tracemalloc of the same objects: the (workflow, input) pairs, the handles with their run ids, the
+           results): what any library returning handles and results holds, the floor RSS/1k cannot go below
+  ours/1k  RSS/1k less data/1k: what durably keeps per child beyond the workflow's own data
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROWS = {"file 1k": ("file", 1_000), "file 10k": ("file", 10_000),
-        "sqlite 10k": ("sqlite", 10_000), "sqlite 100k": ("sqlite", 100_000),
-        "postgres 1k": ("postgres", 1_000), "postgres 10k": ("postgres", 10_000)}
+ROWS = {"file 1k": ("file", 1_000, None), "file 10k": ("file", 10_000, None),
+        "sqlite 10k": ("sqlite", 10_000, None), "sqlite 100k": ("sqlite", 100_000, None),
+        "sqlite 100k in 1k": ("sqlite", 100_000, 1_000),
+        "postgres 1k": ("postgres", 1_000, None), "postgres 10k": ("postgres", 10_000, None)}
 
 
 def rss_mib() -> float:
@@ -42,7 +49,31 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def one(kind: str, n: int, concurrency: int, postgres: str | None) -> dict[str, Any]:
+def own_data(n: int) -> float:
+    """Bytes the workflow itself holds for `n` children at its largest: the pairs it spawns, the handles
+    `spawn_all` returns (each with a run id of the engine's form) and the results `join_all` returns."""
+    import tracemalloc
+
+    from durably_py import Ok, RunHandle, workflow
+    from durably_py._engine import new_run_id
+
+    @workflow(name="bench_child")
+    async def child(ctx: Any, i: int) -> int:
+        return i
+
+    tracemalloc.start()
+    try:
+        pairs = [(child, i) for i in range(n)]
+        handles = [RunHandle(new_run_id("bench_child"), child) for _ in pairs]
+        results = [Ok(i) for i in range(n)]
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del pairs, handles, results
+    return size
+
+
+def one(kind: str, n: int, rounds_of: int | None, concurrency: int, postgres: str | None) -> dict[str, Any]:
     """Run one row in this process and return its figures."""
     from durably_py import Engine, FileStorage, SqliteStorage, workflow
     from durably_py.storage.url import open_storage
@@ -58,10 +89,15 @@ def one(kind: str, n: int, concurrency: int, postgres: str | None) -> dict[str, 
 
     @workflow(name="bench_parent")
     async def parent(ctx: Any, count: int) -> int:
-        handles = await ctx.spawn_all([(child, i) for i in range(count)])
-        marks["spawned"] = time.perf_counter()
-        results = await ctx.join_all(handles)
-        return sum(r.value for r in results)
+        total = 0
+        step = rounds_of or count
+        for first in range(0, count, step):
+            handles = await ctx.spawn_all([(child, i) for i in range(first, min(first + step, count))])
+            marks.setdefault("spawned", time.perf_counter())
+            results = await ctx.join_all(handles)
+            total += sum(r.value for r in results)
+            del handles, results
+        return total
 
     with tempfile.TemporaryDirectory() as tmp:
         schemas: list[str] = []
@@ -100,7 +136,9 @@ def one(kind: str, n: int, concurrency: int, postgres: str | None) -> dict[str, 
                 for schema in schemas:
                     conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     spawn = marks["spawned"] - started
-    return {"wall": wall, "spawn": spawn, "floor": floor, "peak": peak, "growth": (peak - before) / n * 1000}
+    data = own_data(rounds_of or n) / 2**20
+    return {"wall": wall, "spawn": spawn, "floor": floor, "peak": peak, "growth": (peak - before) / n * 1000,
+            "data": data / n * 1000}
 
 
 def main() -> None:
@@ -112,24 +150,24 @@ def main() -> None:
     parser.add_argument("--row", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
-        kind, n = ROWS[args.row]
-        print(json.dumps(one(kind, n, args.concurrency, args.postgres)))
+        kind, n, rounds_of = ROWS[args.row]
+        print(json.dumps(one(kind, n, rounds_of, args.concurrency, args.postgres)))
         return
-    print(f"{'row':<12} {'wall s':>8} {'spawn s':>8} {'floor s':>8} {'spawn/floor':>11} {'peak RSS MiB':>13} "
-          f"{'MiB/1k':>7}")
+    print(f"{'row':<18} {'wall s':>8} {'spawn s':>8} {'floor s':>8} {'spawn/floor':>11} {'peak RSS MiB':>13} "
+          f"{'RSS/1k':>7} {'data/1k':>7} {'ours/1k':>7}")
     for name in args.only or [row for row in ROWS if args.postgres or ROWS[row][0] != "postgres"]:
         if ROWS[name][0] == "postgres" and not args.postgres:
-            print(f"{name:<12} skipped (pass --postgres postgresql://USER@HOST/DB)")
+            print(f"{name:<18} skipped (pass --postgres postgresql://USER@HOST/DB)")
             continue
         out = subprocess.run([sys.executable, __file__, "--row", name, "--concurrency", str(args.concurrency),
                               *(["--postgres", args.postgres] if args.postgres else [])],
                              capture_output=True, text=True, check=False)
         if out.returncode != 0:
-            print(f"{name:<12} failed: {out.stderr.strip().splitlines()[-1:]}")
+            print(f"{name:<18} failed: {out.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:<12} {r['wall']:>8.2f} {r['spawn']:>8.2f} {r['floor']:>8.2f} {r['spawn'] / r['floor']:>11.1f} "
-              f"{r['peak']:>13.0f} {r['growth']:>7.2f}", flush=True)
+        print(f"{name:<18} {r['wall']:>8.2f} {r['spawn']:>8.2f} {r['floor']:>8.2f} {r['spawn'] / r['floor']:>11.1f} "
+              f"{r['peak']:>13.0f} {r['growth']:>7.2f} {r['data']:>7.2f} {r['growth'] - r['data']:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

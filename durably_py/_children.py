@@ -1,13 +1,13 @@
 """Child runs of one engine: created once under their parent's path, executed in this process at most
 `concurrency` at once (a child waiting in a join frees its slot), and their outcomes read back.
 
-A child that waits for a slot costs one small future, which is also its place in the pool's queue (an
-attached child of a parent running here has no queue entry in storage: the parent's stands for it); only
-running children have a Task, and nothing of a child (task,
-coroutine, context) is kept once it ended: the future that carried its outcome is dropped as soon as it is
-settled, so a parent that spawned 100,000 children holds memory for the children running now, not for
-those that finished. A child's end is made durable in a group commit with its siblings' (`EndGroup`) before
-its outcome reaches its parent.
+The children a spawn hands the pool wait in it in spawn order, each a slot in its spawn's list of handles
+(`Queued`), with no future until it starts or a join asks for it (an attached child of a parent running here has
+no queue entry in storage either: the parent's stands for it). Only running children have a Task, and nothing
+of a child (task, coroutine, context) is kept once it ended: the future that carried its outcome is dropped as
+soon as it is settled and taken, so a parent that spawned 100,000 children holds memory for the children
+running now, not for those waiting or finished. A child's end is made durable in a group commit with its
+siblings' (`EndGroup`) before its outcome reaches its parent.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import contextvars
 import functools
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 FRESH_MAX = 16_384  # children created here and not started yet that are known not to have ended (no look needed)
+SPAWNS_LOOKED_AT = 8  # waiting spawns whose next child a child asked for by id is compared with
 ENDING_MAX = 256  # child ends waiting for one group commit at most (each holds its lease: two descriptors on files)
 
 RunChild = Callable[[str, "Workflow | None", bool], Awaitable[Any]]
@@ -165,11 +167,11 @@ class EndGroup:
 
 
 class Outcome(asyncio.Future[Any]):
-    """The outcome of one child run in the pool, carrying what starting it needs: a queued child is this
-    future alone in the queue (no tuple beside it), its run id shared with its handle and its workflow with
-    its siblings'."""
+    """The outcome of one child run in the pool, carrying what starting it needs: a child a join asked for
+    waits in `ChildPool.asked` as this future alone (no tuple beside it), its run id shared with its handle
+    and its workflow with its siblings'; `started` once it runs."""
 
-    __slots__ = ("run_id", "workflow", "rerun_failed")
+    __slots__ = ("run_id", "workflow", "rerun_failed", "started")
 
     def __init__(self, run_id: str, workflow: Workflow | None, rerun_failed: bool,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -177,11 +179,52 @@ class Outcome(asyncio.Future[Any]):
         self.run_id = run_id
         self.workflow = workflow
         self.rerun_failed = rerun_failed
+        self.started = False
+
+
+class Queued:
+    """The children one spawn hands the pool, waiting in spawn order: a child not started yet is its handle's
+    slot in `handles` (no future, no entry of its own), and gets its outcome future when the pool starts it
+    (handed to `on_start`, its parent's, to cancel or await) or when a join asks for it first (`ChildPool.start`).
+    `done()` once every child started or the spawn was cancelled, as its parent's attached outcomes are."""
+
+    __slots__ = ("handles", "next", "rerun_failed", "on_start", "drained")
+
+    def __init__(self, handles: builtins.list[Any], rerun_failed: bool,
+                 on_start: Callable[[asyncio.Future[Any]], None]) -> None:
+        self.handles = handles
+        self.next = 0
+        self.rerun_failed = rerun_failed
+        self.on_start = on_start
+        self.drained: asyncio.Future[None] | None = None
+
+    def done(self) -> bool:
+        """True once every child started (or was taken out by a join that asked for it), or after `cancel`."""
+        return self.next >= len(self.handles)
+
+    def cancel(self) -> None:
+        """No child not started yet will start (those running are cancelled through their outcomes)."""
+        self.next = len(self.handles)
+        self.settle()
+
+    def settle(self) -> None:
+        """Wake whoever waits in `wait` (called once `done()`)."""
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    def wait(self) -> asyncio.Future[None]:
+        """Settled once every child started (their outcomes are then all with `on_start`'s owner)."""
+        if self.drained is None:
+            self.drained = asyncio.get_running_loop().create_future()
+            if self.done():
+                self.drained.set_result(None)
+        return self.drained
 
 
 class ChildPool:
     """Runs child runs of one event loop, `size` at a time; running children that want their slot back (after
-    a join) go before children not started yet, so a deep fan-out finishes branches before widening."""
+    a join) go first, then children a join asked for by id (`asked`), then those spawned (`queued`, in spawn
+    order), so a deep fan-out finishes branches before widening."""
 
     def __init__(self, size: int, run: RunChild, ending: EndGroup | None = None) -> None:
         self.size = size
@@ -189,22 +232,51 @@ class ChildPool:
         self.run = run
         self.ending = ending
         self.handed: dict[str, Any] = {}  # run id -> the lease of a child whose end `ending` makes durable
-        self.outcomes: dict[str, asyncio.Future[Any]] = {}
-        self.pending: deque[Outcome] = deque()
+        self.outcomes: dict[str, Outcome] = {}  # children running, or asked for and not started
+        self.asked: deque[Outcome] = deque()
+        self.queued: deque[Queued] = deque()
+        self.early: set[str] = set()  # asked for out of spawn order while spawns wait: their turn passes over them
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.running: dict[asyncio.Future[Any], asyncio.Task[None]] = {}
 
-    def start(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> asyncio.Future[Any]:
-        """The future of the child's outcome; the child is queued unless it is queued or running already."""
+    def current(self, run_id: str, rerun_failed: bool) -> Outcome | None:
+        """The outcome of the child running (or asked for) now, unless a failed one is to run again."""
         outcome = self.outcomes.get(run_id)
-        if outcome is not None and not outcome.cancelled() and not (
+        if outcome is None or outcome.cancelled() or (
                 rerun_failed and outcome.done() and outcome.exception() is not None):
+            return None
+        return outcome
+
+    def start(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> asyncio.Future[Any]:
+        """The future of the child's outcome; the child starts before the spawned ones still waiting, unless it
+        runs already. One still waiting in its spawn's `Queued` leaves it: the next in spawn order is taken
+        out (a join_all in spawn order), any other is noted in `early` so that its turn passes over it."""
+        outcome = self.current(run_id, rerun_failed)
+        if outcome is not None:
             return outcome
+        if self.queued:
+            for queued in itertools.islice(self.queued, SPAWNS_LOOKED_AT):
+                if not queued.done() and queued.handles[queued.next].run_id == run_id:
+                    queued.next += 1
+                    if queued.done():
+                        queued.settle()
+                    break
+            else:
+                self.early.add(run_id)
         outcome = Outcome(run_id, workflow, rerun_failed, asyncio.get_running_loop())
         self.outcomes[run_id] = outcome
-        self.pending.append(outcome)
+        self.asked.append(outcome)
         self.pump()
         return outcome
+
+    def start_all(self, handles: builtins.list[Any], rerun_failed: bool,
+                  on_start: Callable[[asyncio.Future[Any]], None]) -> Queued:
+        """Queue spawned children (`RunHandle`s) behind those waiting already; each starts in turn."""
+        queued = Queued(handles, rerun_failed, on_start)
+        if handles:
+            self.queued.append(queued)
+            self.pump()
+        return queued
 
     def _settled(self, run_id: str, outcome: asyncio.Future[Any]) -> None:
         if self.outcomes.get(run_id) is outcome:
@@ -216,27 +288,58 @@ class ChildPool:
         else:
             outcome.exception()
 
+    def _next_asked(self) -> Outcome | None:
+        while self.asked:
+            outcome = self.asked.popleft()
+            if outcome.done():  # cancelled while it waited
+                if self.outcomes.get(outcome.run_id) is outcome:
+                    del self.outcomes[outcome.run_id]
+            elif not outcome.started:
+                return outcome
+        return None
+
+    def _next_queued(self) -> Outcome | None:
+        while self.queued:
+            queued = self.queued[0]
+            if queued.done():
+                self.queued.popleft()
+                queued.settle()
+                if not self.queued:
+                    self.early.clear()
+                continue
+            handle = queued.handles[queued.next]
+            queued.next += 1
+            if handle.run_id in self.early:  # started when a join asked for it
+                self.early.discard(handle.run_id)
+                continue
+            outcome = self.current(handle.run_id, queued.rerun_failed)
+            if outcome is None:
+                outcome = Outcome(handle.run_id, handle.workflow, queued.rerun_failed, asyncio.get_running_loop())
+                self.outcomes[handle.run_id] = outcome
+                queued.on_start(outcome)
+            if not outcome.started and not outcome.done():
+                return outcome
+        return None
+
     def pump(self) -> None:
-        """Hand free slots to running children waiting for theirs, then to queued children."""
-        while self.free > 0 and (self.waiters or self.pending):
+        """Hand free slots to running children waiting for theirs, then to asked-for, then to spawned children."""
+        while self.free > 0:
             if self.waiters:
                 turn = self.waiters.popleft()
                 if not turn.done():
                     self.free -= 1
                     turn.set_result(None)
                 continue
-            outcome = self.pending.popleft()
-            run_id = outcome.run_id
-            if outcome.done():  # cancelled while it waited
-                if self.outcomes.get(run_id) is outcome:
-                    del self.outcomes[run_id]
-                continue
+            outcome = self._next_asked() or self._next_queued()
+            if outcome is None:
+                return
             self.free -= 1
-            task = asyncio.get_running_loop().create_task(self._child(run_id, outcome.workflow, outcome.rerun_failed,
-                                                                      outcome),
+            outcome.started = True
+            task = asyncio.get_running_loop().create_task(self._child(outcome.run_id, outcome.workflow,
+                                                                      outcome.rerun_failed, outcome),
                                                           context=contextvars.Context())
             self.running[outcome] = task
-            outcome.add_done_callback(functools.partial(self._settled, run_id))  # once running: not per queued child
+            outcome.add_done_callback(functools.partial(self._settled, outcome.run_id))  # once running only
 
     async def _child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool,
                      outcome: asyncio.Future[Any]) -> None:
@@ -347,36 +450,40 @@ class ChildRuns:
 
     def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
                         detached: bool, *, queued: bool = True) -> builtins.list[str]:
-        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; those not created
-        yet are created in batches of `CREATE_BATCH` (`Storage.create_bound`: one fsync or commit for each). Each child
+        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order; they are looked up and
+        those not created yet created in batches of `CREATE_BATCH` (`Storage.lookup_many`: one query for each;
+        `Storage.create_bound`: one fsync or commit for each). Each child
         is bound to its identity `child:<parent>:<path>` before its log exists, so a parent resumed after a
         crash finds the children it created whether or not it recorded them. `queued` False (the parent runs
         its attached children in its own process): they get no queue entry, the parent's entry brings them
         back (`ended_child` queues one it finds unended and out of the queue)."""
         from ._engine import new_run_id
 
+        storage = self.engine.storage
         run_ids: builtins.list[str] = []
         batch: builtins.list[NewRun] = []
-        for path, workflow, input in children:
-            identity = f"child:{parent}:{path}"
-            found = self.engine.storage.lookup(identity)
-            if found is not None and self.engine.storage.info(found) is not None:
-                run_ids.append(found)
-                continue
-            schema = workflow.input_schema
-            wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
-            if schema is not None:
-                wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
-            run_id = new_run_id(workflow.name)
-            header = self.engine._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
-                                         parent=parent, detached=detached)
-            batch.append(NewRun(run_id, header, identity, found, queued or detached))
-            run_ids.append(run_id)
-            if not queued and not detached and len(self.fresh) < FRESH_MAX:
-                self.fresh.add(run_id)
-            if len(batch) >= CREATE_BATCH:
-                self._create_bound(parent, batch)
-                batch = []
+        for first in range(0, len(children), CREATE_BATCH):
+            part = children[first:first + CREATE_BATCH]
+            identities = [f"child:{parent}:{path}" for path, _, _ in part]
+            for identity, found, (_, workflow, input) in zip(identities, storage.lookup_many(identities), part,
+                                                             strict=True):
+                if found is not None and storage.info(found) is not None:
+                    run_ids.append(found)
+                    continue
+                schema = workflow.input_schema
+                wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
+                if schema is not None:
+                    wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
+                run_id = new_run_id(workflow.name)
+                header = self.engine._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
+                                             parent=parent, detached=detached)
+                batch.append(NewRun(run_id, header, identity, found, queued or detached))
+                run_ids.append(run_id)
+                if not queued and not detached and len(self.fresh) < FRESH_MAX:
+                    self.fresh.add(run_id)
+                if len(batch) >= CREATE_BATCH:
+                    self._create_bound(parent, batch)
+                    batch = []
         self._create_bound(parent, batch)
         return run_ids
 
@@ -393,6 +500,13 @@ class ChildRuns:
         parent being retried joins it again) resumes a failed child at its failed step."""
         self.bind_loop()
         return self.pool.start(run_id, workflow, rerun_failed)
+
+    def start_children(self, handles: builtins.list[Any], *, rerun_failed: bool,
+                       on_start: Callable[[asyncio.Future[Any]], None]) -> Queued:
+        """Queue spawned children (`RunHandle`s) to run in this process in order, with no future each until one
+        starts (`on_start` is given its outcome then) or a join asks for it (`start_child`)."""
+        self.bind_loop()
+        return self.pool.start_all(handles, rerun_failed, on_start)
 
     async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
         if run_id in self.fresh:  # created here a moment ago: it has not ended

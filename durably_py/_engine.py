@@ -29,7 +29,7 @@ from ._events import StepEvent
 from ._graphs import GraphState
 from ._heartbeat import Heartbeat
 from ._history import BUDGET_KINDS, History, RunState
-from ._kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector
+from ._kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector, Spawned
 from ._operations import BulkResult, Operations
 from ._queue import RunQueue, park_entry
 from ._resources import Gates, Resource
@@ -510,6 +510,11 @@ class Engine:
     def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
         """The outcome of a child run in this process (at most `concurrency` children run at once)."""
         return self.children.start_child(run_id, workflow, rerun_failed=rerun_failed)
+
+    def start_children(self, handles: builtins.list[RunHandle], *, rerun_failed: bool,
+                       on_start: Callable[[asyncio.Future[Any]], None]) -> Spawned:
+        """Queue spawned children to run in this process in spawn order, with no future each until one starts."""
+        return self.children.start_children(handles, rerun_failed=rerun_failed, on_start=on_start)
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""

@@ -8,6 +8,7 @@ other path runs live and appends its result before returning it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import inspect
 import random
@@ -81,6 +82,7 @@ DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
 SPAWN_BATCH = 1024  # a spawn_all creates and records its children this many at a time
 CHILDREN_PRUNE = 64  # settled child outcomes are dropped from `RunKernel.children` once it holds this many
+JOIN_AHEAD = 1024  # a join_all asks for the outcomes of this many children ahead of the one it records next
 PARK_LISTS = 100  # a join's park record names at most this many of the children it waits for (and counts all)
 YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 LOOP_COMPACT_BYTES = 64 * 1024
@@ -155,6 +157,10 @@ def number(n: int) -> str:
         return _NUMBERS[n]
 
 
+def _detached(outcome: asyncio.Future[Any]) -> None:
+    """A detached child's outcome is nobody's to keep."""
+
+
 current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
 class Attempt(Protocol):
     """What the kernel needs of the object `attempt()` returns inside a step (`context.AttemptContext`)."""
@@ -187,11 +193,28 @@ class EngineServices(Protocol):
     def start_child(self, run_id: str, workflow: Workflow | None, *,
                     rerun_failed: bool = False) -> asyncio.Future[Any]: ...
 
+    def start_children(self, handles: list[RunHandle], *, rerun_failed: bool,
+                       on_start: Callable[[asyncio.Future[Any]], None]) -> Spawned | None: ...
+
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
     def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None: ...
 
     def queued_child(self, run_id: str) -> None: ...
+
+
+class Spawned(Protocol):
+    """Spawned children waiting in the engine to start, in spawn order (`EngineServices.start_children`): no
+    future each until one starts, when its outcome is handed to the spawning run (`on_start`)."""
+
+    def done(self) -> bool:
+        """True once every child started, or the wait was cancelled."""
+
+    def cancel(self) -> None:
+        """Start none of those still waiting."""
+
+    def wait(self) -> asyncio.Future[None]:
+        """Done once `done()` is."""
 
 
 class LoopDone:
@@ -519,7 +542,7 @@ class RunKernel:
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.storm = RetryStormWindow()
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
-        self.children: list[asyncio.Future[Any]] = []  # attached children's outcomes (`attach`), pruned as they settle
+        self.children: list[asyncio.Future[Any] | Spawned] = []  # attached children (`attach`), pruned as they settle
         self.children_limit = CHILDREN_PRUNE
         self.retrying = False
         self.joining = 0
@@ -1347,7 +1370,7 @@ class RunKernel:
             written += len(missing)
         if written:
             self.steps_done(written)
-        return [self._spawned(run_id, wf, detached) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)]
+        return self._spawned([RunHandle(run_id, wf) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)], detached)
 
     async def _spawn(self, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
         if path in self.done:
@@ -1359,7 +1382,7 @@ class RunKernel:
             self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
                                   ms=0, ts=time.time()))
             self.step_done()
-        return self._spawned(run_id, workflow, detached)
+        return self._spawned([RunHandle(run_id, workflow)], detached)[0]
 
     def spawned_id(self, path: str) -> str:
         """The child run the spawn recorded at `path` names."""
@@ -1372,24 +1395,27 @@ class RunKernel:
                 hint="The log was edited; start over with fresh=True.", run_id=self.run_id))
         return run_id
 
-    def _spawned(self, run_id: str, workflow: Workflow, detached: bool) -> RunHandle:
-        """Hand a spawned child to whoever runs it (a worker when this run parks, else this process)."""
+    def _spawned(self, handles: list[RunHandle], detached: bool) -> list[RunHandle]:
+        """Hand spawned children to whoever runs them (a worker when this run parks, else this process, where
+        they wait in spawn order with nothing of their own: the attached ones' outcomes come to `attach` as
+        they start)."""
         if self.parks:
-            if not detached:
-                self.attached[run_id] = None
-            self.engine.queued_child(run_id)
+            for handle in handles:
+                if not detached:
+                    self.attached[handle.run_id] = None
+                self.engine.queued_child(handle.run_id)
         else:
-            outcome = self.engine.start_child(run_id, workflow, rerun_failed=self.retrying)
-            if not detached and not outcome.done():
-                self.attach(outcome)
-        return RunHandle(run_id, workflow)
+            waiting = self.engine.start_children(list(handles), rerun_failed=self.retrying,
+                                                  on_start=_detached if detached else self.attach)
+            if waiting is not None and not detached and not waiting.done():
+                self.attach(waiting)
+        return handles
 
-    def attach(self, outcome: asyncio.Future[Any]) -> None:
-        """Keep an attached child's outcome (cancelled with this run, awaited before it ends). Outcomes that
-        settled are dropped whenever the list doubles, not by a callback on each (a callback and a context copy
-        per child were most of what a queued child cost). A list, not a set: 8 bytes a child where a set's
-        table took about 100 at 20,000 children; an outcome attached twice is cancelled or awaited twice, which
-        does nothing more."""
+    def attach(self, outcome: asyncio.Future[Any] | Spawned) -> None:
+        """Keep an attached child's outcome, or spawned children waiting to start (cancelled with this run,
+        awaited before it ends). Outcomes that settled are dropped whenever the list doubles, not by a callback
+        on each. A list, not a set: 8 bytes a child where a set's table took about 100 at 20,000 children; an
+        outcome attached twice is cancelled or awaited twice, which does nothing more."""
         if len(self.children) >= self.children_limit:
             self.drop_settled()
         self.children.append(outcome)
@@ -1498,6 +1524,14 @@ class RunKernel:
             if not outcome.done():
                 self.attach(outcome)
 
+    async def attached_ended(self) -> None:
+        """Wait until every attached child ended: those still waiting to start start first (their outcomes
+        come to `children` as they do)."""
+        while waiting := [c.wait() for c in self.children if not isinstance(c, asyncio.Future) and not c.done()]:
+            await asyncio.wait(waiting)
+        await asyncio.gather(*[c for c in self.children if isinstance(c, asyncio.Future) and not c.done()],
+                             return_exceptions=True)
+
     def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order (join ``i`` at ``<path>.i.0``)."""
         handles = list(handles)
@@ -1538,11 +1572,23 @@ class RunKernel:
             unended.append(i)
         if self.parks and unended and self.can_park():
             self.park_join(prefix, [handles[i].run_id for i in unended])
-        live: list[asyncio.Future[Any] | None] = [
-            self.engine.start_child(handles[i].run_id, handles[i].workflow, rerun_failed=self.retrying)
-            for i in unended]
-        if not live:
+        if not unended:
             return results
+        ahead: collections.deque[asyncio.Future[Any]] = collections.deque()
+        asked = 0
+
+        def ask() -> None:
+            """Hold the outcomes of the next `JOIN_AHEAD` children (a child waiting to start gets its future now)."""
+            nonlocal asked
+            while asked < len(unended) and len(ahead) < JOIN_AHEAD:
+                handle = handles[unended[asked]]
+                outcome = self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying)
+                if not outcome.done():
+                    self.attach(outcome)
+                ahead.append(outcome)
+                asked += 1
+
+        ask()
         all_ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def record_in_order() -> None:
@@ -1556,16 +1602,15 @@ class RunKernel:
                     joins.clear()
 
             try:
-                for k, i in enumerate(unended):
-                    outcome = live[k]
-                    assert outcome is not None
+                for i in unended:
+                    outcome = ahead.popleft()
                     if not outcome.done():
                         flush()
                         await asyncio.wait((outcome,))
-                    live[k] = None
                     if outcome.cancelled() or self.cancel_error is not None:
                         flush()
                         return  # the run is being cancelled: the join never ends on its own
+                    ask()
                     try:
                         rec, results[i] = self._join_record(f"{prefix}.{i}.0", outcome)
                     except BaseException:
@@ -1900,8 +1945,11 @@ class RunKernel:
             if self.attached and self.cancel_error is None:
                 await self.wait_attached()
             if self.children and self.cancel_error is None:
-                await self.parked_on(asyncio.gather(*[c for c in self.children if not c.done()],
-                                                    return_exceptions=True))
+                ended = asyncio.ensure_future(self.attached_ended())
+                try:
+                    await self.parked_on(ended)
+                finally:
+                    ended.cancel()
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)

@@ -36,7 +36,7 @@ from ._context import AttemptContext, WorkflowContext
 from ._engine import Engine
 from ._events import StepEvent
 from ._history import History, RunState, path_tuple
-from ._kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
+from ._kernel import Crash, Observer, Parked, RunHandle, RunKernel, Selector, observing, selects
 from ._workflow import Workflow, as_workflow
 from .errors import (
     CorruptLogError,
@@ -266,6 +266,10 @@ class _ReplayServices:
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         done.set_result(None)  # a parent reads its children's results from its own join records
         return done
+
+    def start_children(self, handles: list[RunHandle], *, rerun_failed: bool,
+                       on_start: Callable[[asyncio.Future[Any]], None]) -> None:
+        return None  # a parent reads its children's results from its own join records
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self._engine.parked_in_join()

@@ -425,7 +425,8 @@ def test_only_running_children_hold_tasks(tmp_path) -> None:
     assert asyncio.run(engine.run(wide, 300, advisories="silent")) == sum(range(300))
     assert len(seen) == 300
     assert max(seen) <= 12, max(seen)       # the parent, its heartbeat and join watcher, 4 running children, ...
-    assert not engine.children.pool.outcomes and not engine.children.pool.running and not engine.children.pool.pending
+    assert not engine.children.pool.outcomes and not engine.children.pool.running and not engine.children.pool.asked \
+        and not engine.children.pool.queued
 
 
 BATCH_SCRIPT = """

@@ -2,13 +2,14 @@
 those), whatever its storage; and the log, compacted or killed mid-way, still holds every one of them."""
 
 import asyncio
+import random
 import subprocess
 import sys
 
 import pytest
 from helpers import FAN_OUT, Stop, fan_out_sum
 
-from durably_py import FileStorage, SqliteStorage, create_engine, workflow
+from durably_py import FileStorage, MemoryStorage, RunCancelledError, SqliteStorage, _kernel, create_engine, workflow
 
 done: list[int] = []
 
@@ -168,3 +169,216 @@ def test_a_parent_killed_in_a_wide_spawn_all_or_join_all_resumes_with_each_child
     assert [r.get("l") for r in log].count("ctx.join") == 23
     kids = [r.run_id for r in asyncio.run(engine.list()) if r.workflow == "kid"]
     assert sorted(kids) == sorted(named)
+
+
+def test_spawned_children_wait_with_no_future_each(tmp_path) -> None:
+    """A child waiting for its turn is a slot in its spawn's list of handles: right after a spawn_all of 2,000
+    only the children started hold an outcome future, and a join_all holds those of `JOIN_AHEAD` at most."""
+    done.clear()
+    engine = create_engine(MemoryStorage(), concurrency=2)
+    held: list[int] = []
+
+    def note(n: int) -> int:
+        held.append(len(engine.children.pool.outcomes))
+        return mark(n)
+
+    @workflow
+    async def noted(ctx, n):
+        return await ctx.step(note, n)
+
+    @workflow
+    async def wide_spawn(ctx, count):
+        handles = await ctx.spawn_all([(noted, n) for n in range(count)])
+        pool = engine.children.pool  # the pool of this run's event loop
+        after_spawn = [len(pool.outcomes), len(pool.running), len(ctx._kernel.children)]
+        results = await ctx.join_all(handles)
+        return [sum(r.value for r in results), after_spawn]
+
+    total, after_spawn = asyncio.run(engine.run(wide_spawn, 2_000, advisories="silent"))
+    assert total == sum(range(2_000))
+    assert sorted(done) == list(range(2_000))
+    assert after_spawn[0] <= 2 and after_spawn[1] <= 2 and after_spawn[2] <= 3, after_spawn
+    assert max(held) <= _kernel.JOIN_AHEAD + 2, max(held)
+    pool = engine.children.pool
+    assert not pool.outcomes and not pool.running and not pool.asked and not pool.queued
+
+
+def test_a_child_joined_before_its_turn_starts_first_and_runs_once() -> None:
+    """`ctx.join` of a child still waiting in its spawn's queue starts it next, ahead of its siblings; the
+    spawn's queue passes over it when its turn comes."""
+    done.clear()
+    engine = create_engine(MemoryStorage(), concurrency=1)
+
+    @workflow
+    async def backwards(ctx, count):
+        handles = await ctx.spawn_all([(kid, n) for n in range(count)])
+        return [await ctx.join(h) for h in reversed(handles)]
+
+    assert asyncio.run(engine.run(backwards, 30, advisories="silent")) == list(reversed(range(30)))
+    assert done[:2] == [0, 29], done  # the first child was started by the spawn; the joined one went next
+    assert sorted(done) == list(range(30))
+
+
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_a_join_all_in_another_order_than_spawned_joins_each_child_once(tmp_path, monkeypatch, order) -> None:
+    """A join_all asks for `JOIN_AHEAD` children at a time in its own order; the spawn's queue runs the rest in
+    spawn order meanwhile, and those that ended before the join came to them are read back from the store."""
+    done.clear()
+    monkeypatch.setattr(_kernel, "JOIN_AHEAD", 3)
+    engine = create_engine(SqliteStorage(tmp_path / "runs.db"), concurrency=2)
+
+    @workflow
+    async def reordered(ctx, count):
+        handles = await ctx.spawn_all([(kid, n) for n in range(count)])
+        picked = list(reversed(handles)) if order == "reversed" else random.Random(7).sample(handles, len(handles))
+        results = await ctx.join_all(picked)
+        return [[h.run_id for h in picked], [r.value for r in results]]
+
+    run_ids, values = asyncio.run(engine.run(reordered, 40, key="reordered", advisories="silent"))
+    assert sorted(done) == list(range(40))
+    by_id = {r.run_id: r.input for r in asyncio.run(engine.list()) if r.workflow.endswith("kid")}
+    assert values == [by_id[run_id] for run_id in run_ids]
+
+
+def test_a_parent_waits_at_its_end_for_spawned_children_it_never_joined(tmp_path) -> None:
+    """Children still waiting for their turn when the workflow returns run before the parent ends."""
+    done.clear()
+    engine = create_engine(SqliteStorage(tmp_path / "runs.db"), concurrency=2)
+
+    @workflow
+    async def fire_and_forget(ctx, count):
+        await ctx.spawn_all([(kid, n) for n in range(count)])
+        await ctx.spawn(kid, count)
+        return "parent done"
+
+    assert asyncio.run(engine.run(fire_and_forget, 300, advisories="silent")) == "parent done"
+    assert sorted(done) == list(range(301))
+    assert {r.status for r in asyncio.run(engine.list())} == {"completed"}
+
+
+def test_cancelling_a_parent_starts_none_of_its_waiting_children(tmp_path) -> None:
+    """A cancelled parent's children that were still waiting for their turn never start in its process."""
+    started: list[str] = []
+
+    def begin(name: str) -> str:
+        started.append(name)
+        return name
+
+    @workflow
+    async def held(ctx, name):
+        await ctx.step(begin, name)
+        return await ctx.wait_for(f"go-{name}", timeout=3600)
+
+    @workflow
+    async def many(ctx):
+        return await ctx.join_all(await ctx.spawn_all([(held, str(n)) for n in range(6)]))
+
+    runner = create_engine(FileStorage(tmp_path), concurrency=2)
+    operator = create_engine(FileStorage(tmp_path))
+
+    async def scenario():
+        parent = asyncio.ensure_future(runner.run(many))
+        while len(started) < 2:
+            await asyncio.sleep(0.02)
+        parent_id = next(r.run_id for r in await operator.list() if r.workflow.endswith("many"))
+        await operator.cancel(parent_id, timeout=10)
+        with pytest.raises(RunCancelledError):
+            await asyncio.wait_for(parent, 10)
+        await asyncio.sleep(0.3)
+
+    asyncio.run(scenario())
+    assert sorted(started) == ["0", "1"]
+    after = {r.input: r.status for r in asyncio.run(operator.list()) if r.workflow.endswith("held")}
+    assert after == {str(n): "cancelled" for n in range(6)}, after
+
+
+def test_rounds_of_spawn_all_and_join_all_leave_nothing_behind(tmp_path) -> None:
+    """A parent that spawns and joins its children a round at a time holds nothing of a finished round: its
+    spawn's place in the pool's queue, the outcomes and the children attached to it all go with the round; a
+    join_all in spawn order takes each child out of its spawn's queue in turn (nothing noted per child), and
+    no child is started twice."""
+    engine = create_engine(SqliteStorage(tmp_path / "runs.db"), concurrency=3)
+    left: list[tuple[int, int, int, int]] = []
+    early: list[int] = []
+
+    def noted(n: int) -> int:
+        early.append(len(engine.children.pool.early))
+        return n
+
+    @workflow
+    async def counted(ctx, n):
+        return await ctx.step(noted, n)
+
+    @workflow
+    async def rounds(ctx, count):
+        total = 0
+        for first in range(0, count, 100):
+            results = await ctx.join_all(await ctx.spawn_all([(counted, n) for n in range(first, first + 100)]))
+            total += sum(r.value for r in results)
+            pool = engine.children.pool
+            left.append((len(pool.queued), len(pool.early), len(pool.outcomes), len(ctx._kernel.children)))
+        return total
+
+    assert asyncio.run(engine.run(rounds, 1_500, advisories="silent")) == sum(range(1_500))
+    assert len(early) == 1_500 and max(early) == 0
+    assert set(left) == {(0, 0, 0, 0)}, left
+    kids = [r.run_id for r in asyncio.run(engine.list()) if r.workflow.endswith("counted")]
+    claims = [sum(1 for rec in asyncio.run(engine.records(k)) if rec["t"] == "claim") for k in kids]
+    assert len(kids) == 1_500 and set(claims) == {1}
+
+
+OUT_OF_ORDER_SCRIPT = """
+import asyncio, os, random, signal, sys, threading
+from durably_py import SqliteStorage, create_engine, workflow
+from durably_py import _kernel
+
+_kernel.JOIN_AHEAD = 3
+state, effects, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if seed:
+    timer = threading.Timer(random.Random(seed).uniform(0.05, 0.4), lambda: os.kill(os.getpid(), signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+
+""" + FAN_OUT.replace("def mark", "async def mark").replace("    return n\n", "    await asyncio.sleep(0.01)\n    return n\n") + """
+
+@workflow
+async def picky(ctx, count):
+    handles = await ctx.spawn_all([(kid, n) for n in range(count)])
+    first = await ctx.join(handles[count // 2])
+    rest = await ctx.join_all(list(reversed(handles)))
+    return first + sum(r.value * (i + 1) for i, r in enumerate(rest))
+
+
+print(asyncio.run(create_engine(SqliteStorage(os.path.join(state, "runs.db")), concurrency=3, lease=2).run(
+    picky, 60, key="picky", advisories="silent")))
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 5, 7])
+def test_a_parent_joining_out_of_spawn_order_killed_at_random_resumes_with_each_child_once(tmp_path, seed) -> None:
+    """A real parent process joins one child ahead of its turn, then all of them backwards, three at a time
+    ahead of the one it records; SIGKILL at a random moment and a resume: every child is created once, its
+    step runs once (or twice when the kill cut it off: at most the three running), and the result is right."""
+    script = tmp_path / "picky.py"
+    script.write_text(OUT_OF_ORDER_SCRIPT)
+    state, effects = tmp_path / "state", tmp_path / "effects.txt"
+    state.mkdir()
+    effects.touch()
+    expected = str(30 + sum(n * (60 - n) for n in range(60)))
+    killed = subprocess.run([sys.executable, str(script), str(state), str(effects), str(seed)],
+                            capture_output=True, text=True, timeout=60)
+    assert killed.returncode in (-9, 0), killed.stderr
+    if killed.returncode == -9:
+        resumed = subprocess.run([sys.executable, str(script), str(state), str(effects), "0"],
+                                 capture_output=True, text=True, timeout=60)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.strip() == expected
+    else:
+        assert killed.stdout.strip() == expected
+    ran = [int(n) for n in effects.read_text().split()]
+    assert set(ran) == set(range(60)) and len(ran) - 60 <= 3, sorted(ran)
+    engine = create_engine(SqliteStorage(state / "runs.db"))
+    named = [r["v"]["run_id"] for r in asyncio.run(engine.records("picky")) if r.get("l") == "ctx.spawn"]
+    kids = [r for r in asyncio.run(engine.list()) if r.workflow == "kid"]
+    assert len(set(named)) == 60 and sorted(k.run_id for k in kids) == sorted(named)
+    assert {k.status for k in kids} == {"completed"}

@@ -286,3 +286,39 @@ def test_create_bound_binds_and_creates_a_batch_in_one_transaction(postgres_stor
     with pytest.raises(ValidationError, match="already exists"):
         store.create_bound([NewRun("k50", header("k50"), "child:p:50"), NewRun("warm", header("warm"), "child:p:51")])
     assert store.lookup("child:p:50") == "k50" and store.read("k50") is not None
+
+
+def test_lookup_many_is_one_round_trip_and_none_for_no_identities(postgres_storage: Machines,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of a parent's children is looked up in one query, not one per child (each a network round trip)."""
+    from contextlib import contextmanager
+
+    store = postgres_storage()
+    assert store.bind("child:p:3", "c3") is True
+    statements: list[str] = []
+    cursor = store._cursor
+
+    class Counted:
+        """A cursor that notes each statement it sends."""
+
+        def __init__(self, cur: Any) -> None:
+            self.cur = cur
+
+        def execute(self, query: str, *args: Any) -> Any:
+            statements.append(query)
+            return self.cur.execute(query, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.cur, name)
+
+    @contextmanager
+    def counted(transaction: bool = False) -> Any:
+        with cursor(transaction) as cur:
+            yield Counted(cur)
+
+    monkeypatch.setattr(store, "_cursor", counted)
+    asked = [f"child:p:{i}" for i in range(1024)]
+    assert store.lookup_many(asked) == [None] * 3 + ["c3"] + [None] * 1020
+    assert len(statements) == 1
+    assert store.lookup_many([]) == [] and len(statements) == 1
+    assert PostgresStorage("host=/nonexistent dbname=none").lookup_many([]) == []  # never connects

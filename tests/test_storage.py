@@ -360,6 +360,57 @@ def test_bind_is_a_compare_and_swap(store: Any) -> None:
     assert store.lookup("job") == "r2"
 
 
+def test_lookup_many_answers_each_identity_in_order(store: Any) -> None:
+    """One answer per identity, in the order asked, duplicates included: what `lookup` of each says."""
+    identities = ["nightly", "a/b/c", "../../etc/passwd", "..", "/", "wf\x01" + "x" * 600, "ключ ✓"]
+    for number, identity in enumerate(identities):
+        assert store.bind(identity, f"r{number}") is True
+    assert store.bind("a/b/c", "moved", expect="r1") is True
+    asked = ["unbound", *identities, "a/b", "nightly", "ключ ✓", "unbound", "nightly"]
+    expected = [None, "r0", "moved", "r2", "r3", "r4", "r5", "r6", None, "r0", "r6", None, "r0"]
+    assert store.lookup_many(asked) == expected
+    assert store.lookup_many(asked) == [store.lookup(identity) for identity in asked]
+    assert store.lookup_many(["unbound"]) == [None] and store.lookup_many(["ключ ✓"]) == ["r6"]
+    assert store.lookup_many([]) == []
+
+
+def test_lookup_many_answers_more_identities_than_one_statement_binds(store: Any) -> None:
+    """1,200 identities (more than one SQLite statement takes), bound ones at every chunk's edges, each asked twice."""
+    bound = {0, 1, 250, 499, 500, 501, 998, 999, 1000, 1001, 1198, 1199}
+    for number in bound:
+        assert store.bind(f"child:p:{number}", f"c{number}") is True
+    asked = [f"child:p:{number}" for number in range(1200)]
+    expected = [f"c{number}" if number in bound else None for number in range(1200)]
+    assert store.lookup_many(asked) == expected
+    assert store.lookup_many(asked[::-1] + asked) == expected[::-1] + expected
+
+
+@pytest.mark.parametrize("bad", ["", "x\x00", None, 3, b"key"])
+def test_lookup_many_rejects_what_lookup_rejects(store: Any, bad: Any) -> None:
+    assert store.bind("fine", "r1") is True
+    with pytest.raises(ValidationError) as one:
+        store.lookup(bad)
+    for batch in ([bad], ["fine", bad], ["fine", "unbound", bad, "fine"]):
+        with pytest.raises(ValidationError) as many:
+            store.lookup_many(batch)
+        assert type(many.value) is type(one.value)
+        assert (many.value.message, many.value.hint, many.value.docs) == (one.value.message, one.value.hint,
+                                                                          one.value.docs)
+    assert store.lookup_many(["fine"]) == ["r1"]
+
+
+def test_sqlite_lookup_many_is_one_select_per_500_identities(tmp_path: Path) -> None:
+    store = SqliteStorage(tmp_path / "d.db")
+    assert store.lookup_many([]) == [] and store._conn is None  # nothing asked: the database is not opened
+    assert store.bind("child:p:7", "c7") is True
+    selects: list[str] = []
+    store._db().set_trace_callback(lambda sql: selects.append(sql) if sql.startswith("SELECT") else None)
+    asked = [f"child:p:{number}" for number in range(1001)] + ["child:p:7"]
+    assert store.lookup_many(asked) == [None] * 7 + ["c7"] + [None] * 993 + ["c7"]
+    assert len(selects) == 3
+    store.close()
+
+
 def test_create_bound_binds_then_creates_in_order_and_stops_at_a_lost_binding(store: Any) -> None:
     from durably_py.storage.base import NewRun
 

@@ -413,6 +413,11 @@ def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
     return None
 
 
+def lookup_each(storage: Any, identities: list[str]) -> list[str | None]:
+    """`Storage.lookup_many` as one `lookup` per identity, for adapters where a lookup costs no round trip."""
+    return [storage.lookup(identity) for identity in identities]
+
+
 @runtime_checkable
 class Storage(Protocol):
     """Where runs live. Appends are atomic and ordered per run; only a lease holder appends."""
@@ -473,6 +478,10 @@ class Storage(Protocol):
 
     def lookup(self, identity: str) -> str | None:
         """The run an identity points at, if any."""
+
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity points at (None where none), in order: `lookup` of a batch in one query (a
+        parent's children are looked up a batch at a time)."""
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind each run's identity (as `bind` with its `expect`) then create it (as `create`, due now), in

@@ -66,6 +66,7 @@ from .base import (
     decode_signal,
     due_order,
     iso_now,
+    lookup_each,
     max_epoch,
     parse_log,
     storage_full,
@@ -821,6 +822,11 @@ class FileStorage:
             return validate_run_id(run_id)
         except ValidationError:
             return None
+
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity is bound to (None where none), in order: one `lookup` each, since every
+        binding is a small file of its own and a batch has no cheaper way to read them."""
+        return lookup_each(self, identities)
 
     def _index_path(self, identity: str) -> str:
         """Where an identity's binding lives: its SHA-256, never the identity itself."""

@@ -250,6 +250,13 @@ class MemoryStorage:
         with self._lock:
             return self._index.get(identity)
 
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity is bound to (None where none), in order, read under one hold of the lock."""
+        for identity in identities:
+            validate_identity(identity)
+        with self._lock:
+            return [self._index.get(identity) for identity in identities]
+
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind and create each run in order (memory has nothing to make durable)."""
         return bind_and_create(self, runs)

@@ -580,6 +580,16 @@ class PostgresStorage:
         rows = self._fetch(f"SELECT run_id FROM {self._identities} WHERE digest = %s", (_digest(identity),))
         return rows[0][0] if rows else None
 
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity is bound to (None where none), in order, in one query (``= ANY`` of their
+        digests): one round trip for the whole batch, none for an empty one."""
+        digests = [_digest(validate_identity(identity)) for identity in identities]
+        if not digests:
+            return []
+        rows = self._fetch(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s)", (digests,))
+        found = {digest: run_id for digest, run_id in rows}
+        return [found.get(digest) for digest in digests]
+
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind and create the runs in one transaction: one durable commit and a handful of statements for the
         whole batch (each one row per run, from arrays), not a commit per bind and per create. The identities

@@ -110,6 +110,7 @@ CREATE TABLE IF NOT EXISTS joins (
 CREATE INDEX IF NOT EXISTS joins_by_child ON joins (child);
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
+_LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
 
 class SqliteStorage:
@@ -368,6 +369,20 @@ class SqliteStorage:
         with self._lock:
             row = self._db().execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
         return None if row is None else row[0]
+
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity is bound to (None where none), in order: one SELECT per `_LOOKUP_CHUNK`
+        identities (a statement binds a bounded number of variables)."""
+        for identity in identities:
+            validate_identity(identity)
+        found: dict[str, str] = {}
+        with self._lock:
+            for start in range(0, len(identities), _LOOKUP_CHUNK):
+                chunk = identities[start : start + _LOOKUP_CHUNK]
+                marks = ", ".join("?" * len(chunk))
+                found.update(self._db().execute(
+                    f"SELECT identity, run_id FROM identities WHERE identity IN ({marks})", chunk).fetchall())
+        return [found.get(identity) for identity in identities]
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind and create each run in order in one transaction, committed durably (one fsync for the batch);
