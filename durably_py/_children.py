@@ -191,7 +191,7 @@ class Queued:
     __slots__ = ("handles", "next", "rerun_failed", "on_start", "drained")
 
     def __init__(self, handles: builtins.list[Any], rerun_failed: bool,
-                 on_start: Callable[[asyncio.Future[Any]], None]) -> None:
+                 on_start: Callable[[str, asyncio.Future[Any]], None]) -> None:
         self.handles = handles
         self.next = 0
         self.rerun_failed = rerun_failed
@@ -270,7 +270,7 @@ class ChildPool:
         return outcome
 
     def start_all(self, handles: builtins.list[Any], rerun_failed: bool,
-                  on_start: Callable[[asyncio.Future[Any]], None]) -> Queued:
+                  on_start: Callable[[str, asyncio.Future[Any]], None]) -> Queued:
         """Queue spawned children (`RunHandle`s) behind those waiting already; each starts in turn."""
         queued = Queued(handles, rerun_failed, on_start)
         if handles:
@@ -316,7 +316,7 @@ class ChildPool:
             if outcome is None:
                 outcome = Outcome(handle.run_id, handle.workflow, queued.rerun_failed, asyncio.get_running_loop())
                 self.outcomes[handle.run_id] = outcome
-                queued.on_start(outcome)
+                queued.on_start(handle.run_id, outcome)
             if not outcome.started and not outcome.done():
                 return outcome
         return None
@@ -502,9 +502,9 @@ class ChildRuns:
         return self.pool.start(run_id, workflow, rerun_failed)
 
     def start_children(self, handles: builtins.list[Any], *, rerun_failed: bool,
-                       on_start: Callable[[asyncio.Future[Any]], None]) -> Queued:
+                       on_start: Callable[[str, asyncio.Future[Any]], None]) -> Queued:
         """Queue spawned children (`RunHandle`s) to run in this process in order, with no future each until one
-        starts (`on_start` is given its outcome then) or a join asks for it (`start_child`)."""
+        starts (`on_start` is given its run id and outcome then) or a join asks for it (`start_child`)."""
         self.bind_loop()
         return self.pool.start_all(handles, rerun_failed, on_start)
 

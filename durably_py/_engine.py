@@ -512,7 +512,7 @@ class Engine:
         return self.children.start_child(run_id, workflow, rerun_failed=rerun_failed)
 
     def start_children(self, handles: builtins.list[RunHandle], *, rerun_failed: bool,
-                       on_start: Callable[[asyncio.Future[Any]], None]) -> Spawned:
+                       on_start: Callable[[str, asyncio.Future[Any]], None]) -> Spawned:
         """Queue spawned children to run in this process in spawn order, with no future each until one starts."""
         return self.children.start_children(handles, rerun_failed=rerun_failed, on_start=on_start)
 

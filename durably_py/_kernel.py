@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import functools
 import inspect
 import random
 import sys
@@ -157,10 +158,6 @@ def number(n: int) -> str:
         return _NUMBERS[n]
 
 
-def _detached(outcome: asyncio.Future[Any]) -> None:
-    """A detached child's outcome is nobody's to keep."""
-
-
 current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
 class Attempt(Protocol):
     """What the kernel needs of the object `attempt()` returns inside a step (`context.AttemptContext`)."""
@@ -194,7 +191,7 @@ class EngineServices(Protocol):
                     rerun_failed: bool = False) -> asyncio.Future[Any]: ...
 
     def start_children(self, handles: list[RunHandle], *, rerun_failed: bool,
-                       on_start: Callable[[asyncio.Future[Any]], None]) -> Spawned | None: ...
+                       on_start: Callable[[str, asyncio.Future[Any]], None]) -> Spawned | None: ...
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]: ...
 
@@ -205,7 +202,7 @@ class EngineServices(Protocol):
 
 class Spawned(Protocol):
     """Spawned children waiting in the engine to start, in spawn order (`EngineServices.start_children`): no
-    future each until one starts, when its outcome is handed to the spawning run (`on_start`)."""
+    future each until one starts, when its run id and outcome are handed to the spawning run (`on_start`)."""
 
     def done(self) -> bool:
         """True once every child started, or the wait was cancelled."""
@@ -545,6 +542,7 @@ class RunKernel:
         self.children: list[asyncio.Future[Any] | Spawned] = []  # attached children (`attach`), pruned as they settle
         self.children_limit = CHILDREN_PRUNE
         self.retrying = False
+        self.resumed: set[str] = set()  # failed children this retry has resumed already (never twice in one retry)
         self.joining = 0
         self.join_watch: asyncio.Task[None] | None = None
         self.interrupted: asyncio.Future[None] | None = None
@@ -1406,10 +1404,26 @@ class RunKernel:
                 self.engine.queued_child(handle.run_id)
         else:
             waiting = self.engine.start_children(list(handles), rerun_failed=self.retrying,
-                                                  on_start=_detached if detached else self.attach)
+                                                  on_start=functools.partial(self.child_started, detached))
             if waiting is not None and not detached and not waiting.done():
                 self.attach(waiting)
         return handles
+
+    def child_started(self, detached: bool, run_id: str, outcome: asyncio.Future[Any]) -> None:
+        """A spawned child started: an attached one's outcome is kept (`attach`), and in a retry the child is
+        not resumed again by a join that comes after it ended."""
+        if self.retrying:
+            self.resumed.add(run_id)
+        if not detached:
+            self.attach(outcome)
+
+    def start_child(self, handle: RunHandle) -> asyncio.Future[Any]:
+        """The outcome of a child this run waits for (a retry resumes a failed child once, however often
+        its joins ask for it)."""
+        rerun = self.retrying and handle.run_id not in self.resumed
+        if rerun:
+            self.resumed.add(handle.run_id)
+        return self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=rerun)
 
     def attach(self, outcome: asyncio.Future[Any] | Spawned) -> None:
         """Keep an attached child's outcome, or spawned children waiting to start (cancelled with this run,
@@ -1474,7 +1488,7 @@ class RunKernel:
                 return ended.result()
             if self.can_park():
                 self.park_join(path, [handle.run_id])
-        child = self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying)
+        child = self.start_child(handle)
         await self.parked_on(child)
         return await asyncio.shield(child)
 
@@ -1582,7 +1596,7 @@ class RunKernel:
             nonlocal asked
             while asked < len(unended) and len(ahead) < JOIN_AHEAD:
                 handle = handles[unended[asked]]
-                outcome = self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=self.retrying)
+                outcome = self.start_child(handle)
                 if not outcome.done():
                     self.attach(outcome)
                 ahead.append(outcome)

@@ -268,7 +268,7 @@ class _ReplayServices:
         return done
 
     def start_children(self, handles: list[RunHandle], *, rerun_failed: bool,
-                       on_start: Callable[[asyncio.Future[Any]], None]) -> None:
+                       on_start: Callable[[str, asyncio.Future[Any]], None]) -> None:
         return None  # a parent reads its children's results from its own join records
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:

@@ -456,7 +456,7 @@ storage.append = counted("append", storage.append)
 
 """ + FAN_OUT + """
 
-print(asyncio.run(create_engine(storage).run(mom, 12, key="mom")))
+print(asyncio.run(create_engine(storage, lease=2).run(mom, 12, key="mom")))  # a killed holder lapses in 2 s
 """
 
 

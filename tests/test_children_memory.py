@@ -9,7 +9,16 @@ import sys
 import pytest
 from helpers import FAN_OUT, Stop, fan_out_sum
 
-from durably_py import FileStorage, MemoryStorage, RunCancelledError, SqliteStorage, _kernel, create_engine, workflow
+from durably_py import (
+    FileStorage,
+    MemoryStorage,
+    RunCancelledError,
+    SqliteStorage,
+    _kernel,
+    create_engine,
+    is_ok,
+    workflow,
+)
 
 done: list[int] = []
 
@@ -382,3 +391,38 @@ def test_a_parent_joining_out_of_spawn_order_killed_at_random_resumes_with_each_
     kids = [r for r in asyncio.run(engine.list()) if r.workflow == "kid"]
     assert len(set(named)) == 60 and sorted(k.run_id for k in kids) == sorted(named)
     assert {k.status for k in kids} == {"completed"}
+
+
+def test_a_retry_resumes_each_failed_child_once_even_when_it_ended_before_its_join(tmp_path) -> None:
+    """Retrying a failed parent resumes its failed children at their failed step once: a child that failed
+    again while the parent was busy before its join is not resumed a second time by that join."""
+    attempts: list[int] = []
+    state = {"parent fails": True}
+
+    def flaky(n: int) -> int:
+        attempts.append(n)
+        raise ValueError(f"child {n} fails")
+
+    async def busy() -> str:
+        await asyncio.sleep(0.3)  # the children run, and fail, meanwhile
+        if state["parent fails"]:
+            raise RuntimeError("the parent fails before its join")
+        return "busy"
+
+    @workflow
+    async def failing_kid(ctx, n):
+        return await ctx.step(flaky, n)
+
+    @workflow
+    async def busy_parent(ctx, count):
+        handles = await ctx.spawn_all([(failing_kid, n) for n in range(count)])
+        await ctx.step(busy)
+        return [is_ok(r) for r in await ctx.join_all(handles)]
+
+    engine = create_engine(SqliteStorage(tmp_path / "runs.db"), concurrency=2)
+    with pytest.raises(RuntimeError, match="before its join"):
+        asyncio.run(engine.run(busy_parent, 3, key="busy", advisories="silent"))
+    assert sorted(attempts) == [0, 1, 2]
+    state["parent fails"] = False
+    assert asyncio.run(engine.run(busy_parent, 3, key="busy", advisories="silent")) == [False, False, False]
+    assert sorted(attempts) == [0, 0, 1, 1, 2, 2]  # one resume of each failed child in the retry

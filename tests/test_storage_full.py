@@ -149,7 +149,7 @@ def test_a_full_sqlite_database_is_a_storage_full_error_and_the_run_resumes(tmp_
     from durably_py import SqliteStorage
 
     store = SqliteStorage(tmp_path / "runs.db")
-    engine = create_engine(store)
+    engine = create_engine(store, lease=2)  # the full database kept the release: the resume waits the lease out
     assert asyncio.run(engine.run(three, 5)) == [0, 1, 2]
     with store._lock:
         db = store._db()
