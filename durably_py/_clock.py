@@ -10,6 +10,7 @@ date) ends no wait early or late.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import time
@@ -93,7 +94,8 @@ class FakeClock(Clock):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (self._mono + seconds, next(self._seq), fut))
         if self.auto and (self._driver is None or self._driver.done()):
-            self._driver = asyncio.get_running_loop().create_task(self._drive())
+            # in a context of its own: it is the clock's, not one of the tasks of the run whose wait started it
+            self._driver = asyncio.get_running_loop().create_task(self._drive(), context=contextvars.Context())
         await fut
 
     async def sleep_until(self, when: datetime) -> None:

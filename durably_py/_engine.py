@@ -31,7 +31,7 @@ from ._heartbeat import Heartbeat
 from ._history import BUDGET_KINDS, History, RunState
 from ._kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector, Spawned
 from ._operations import BulkResult, Operations
-from ._queue import RunQueue, park_entry
+from ._queue import RunQueue
 from ._resources import Gates, Resource
 from ._runs import PruneReport, Runs, check_retention
 from ._schedules import Schedule
@@ -328,8 +328,7 @@ class Engine:
             if parked.children:
                 self.storage.join_wait(run_id, parked.children)
                 raise
-            at, parked_on = park_entry(history, parked.status)
-            self.storage.schedule(run_id, at, wait=parked_on)
+            self.storage.schedule(run_id, parked.at, wait=parked.names)
             raise
         except StaleRunError as exc:
             try:

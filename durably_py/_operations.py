@@ -409,7 +409,7 @@ class Operations:
                                   hint="Signal a run that is still waiting (`durably list --status waiting`).",
                                   docs="docs/authoring.md#parking", run_id=run_id)
         self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
-                                                                      payload=wire, at=to_iso(datetime.now(UTC)))))
+                                                                      payload=wire, at=to_iso(self.engine.clock.now()))))
 
     # ---- retry and restart ----------------------------------------------------------------------
     async def retry(self, run: str, *, from_step: Selector | None = None,

@@ -342,8 +342,9 @@ async def _replay_history(engine: Engine, history: History, paused: bool, where:
                             path=tuple(where_at) if where_at is not None else None, recorded=getattr(exc, "recorded", None),
                             called=getattr(exc, "called", None), message=str(exc))
     except Parked as parked:
-        return ReplayReport(**base, ok=True, recorded_steps=recorded_done, frontier=None, frontier_label=parked.status,
-                            message=f"the replay parked: {parked.detail}")
+        return ReplayReport(**base, ok=True, recorded_steps=recorded_done,
+                            frontier=path_tuple(parked.path) if parked.path is not None else None,
+                            frontier_label=parked.label or parked.status, message=f"the replay parked: {parked.detail}")
     except Exception as exc:  # noqa: BLE001 - the replayed workflow's own error is compared with the record
         now = exc.type_name if isinstance(exc, StepFailedError) else f"{type(exc).__module__}:{type(exc).__qualname__}"
         if recorded_end is not None and recorded_end.status in ("failed", "cancelled") and recorded_end.error \
