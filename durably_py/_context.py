@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
+from ._branches import First, first_of
 from ._codec import dump_value, load_value
 from ._history import BUDGET_KINDS
 from ._kernel import Complete, LoopDone, RunHandle, current_attempt
@@ -151,13 +151,6 @@ class BudgetView:
         return float("inf") if limit is None else limit - self._kernel.spent[kind]
 
 
-class First(NamedTuple):
-    """What `ctx.first` returns: the `name` (keyword, or position) of the operation that won, and its value."""
-
-    name: str | int
-    value: Any
-
-
 class LoopIteration:
     """`it` in a loop reducer: the iteration number, its steps, and `done()`."""
 
@@ -280,34 +273,7 @@ class WorkflowContext:
 
             which, value = await ctx.first(approval=ctx.wait_for("approval"), timeout=ctx.sleep(3600))
         """
-        keys: list[str | int] = [*range(len(operations)), *named]
-        items = [*operations, *named.values()]
-        if not items:
-            raise ValidationError("ctx.first needs at least one operation to wait for",
-                                  hint="which, value = await ctx.first(signal=ctx.wait_for('go'), timer=ctx.sleep(60))",
-                                  docs="docs/authoring.md#races")
-        futures: dict[asyncio.Future[Any], str | int] = {}
-        future: asyncio.Future[Any]
-        for key, item in zip(keys, items, strict=True):
-            if not isinstance(item, Awaitable):
-                raise ValidationError(f"ctx.first's operation {key!r} is {item!r}, not an awaitable",
-                                      hint="Pass ctx.step(...), ctx.sleep(...), ctx.wait_for(...) or ctx.join(...).",
-                                      docs="docs/authoring.md#races")
-            future = asyncio.ensure_future(item)  # a handle is its own future; a coroutine runs in a task of the run
-            if future in futures:
-                raise ValidationError(f"ctx.first got the same operation twice ({futures[future]!r} and {key!r})",
-                                      hint="Race different operations.", docs="docs/authoring.md#races")
-            futures[future] = key
-        try:
-            done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            for future in futures:
-                future.cancel()
-            raise
-        for future in pending:
-            future.cancel()
-        winner = next(f for f in futures if f in done)  # in argument order when several were done already
-        return First(futures[winner], winner.result())
+        return await first_of(operations, named, cancel_losers=True)
 
     def now(self) -> datetime:
         """The current time, recorded (replay returns the same instant)."""
