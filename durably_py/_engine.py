@@ -617,9 +617,12 @@ class Engine:
                  "restore the script at the recorded path.",
             docs="docs/operations.md#which-code-runs-an-old-run", run_id=run_id, workflow=name, script=script)
 
-    async def cancel(self, run: str, *, timeout: float = 30.0) -> RunState:
-        """Cancel a run (by id or key): end it as cancelled, asking the process running it to stop first."""
-        return await self.operations.cancel(run, timeout=timeout)
+    async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
+                     cleanup: float | None = None) -> RunState:
+        """Cancel a run (by id or key): its workflow gets `RunCancelledError` where it waits, may clean up (for
+        `cleanup` seconds, default the engine's `cleanup=`), and ends cancelled; `compensate=True` also runs the
+        compensations of its completed steps. See docs/operations.md#cancel."""
+        return await self.operations.cancel(run, timeout=timeout, compensate=compensate, cleanup=cleanup)
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""

@@ -50,7 +50,7 @@ from ._history import BUDGET_KINDS, History, path_tuple
 from ._policies import Retry, check_timeout
 from ._result import Err, Ok
 from ._schema import compile_schema
-from ._turns import Turns, current_turns, deadline_over, discard, install_factory, raw_timers
+from ._turns import Turns, current_turns, deadline_over, discard, guarded, install_factory, raw_timers
 from ._workflow import Workflow, as_workflow
 from .errors import (
     ArgumentError,
@@ -182,10 +182,12 @@ def make_task(loop: asyncio.AbstractEventLoop, coro: Any, previous: Callable[...
         return coro
     context = kwargs.get("context")
     turns = context.get(current_turns) if context is not None else current_turns.get()
-    task = previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
-    if turns is not None and not turns.closed and \
-            (context.get(current_attempt, None) if context is not None else current_attempt.get(None)) is None:
-        turns.adopt(task)
+    if turns is None or turns.closed or type(coro) is not CoroutineType or \
+            (context.get(current_attempt, None) if context is not None else current_attempt.get(None)) is not None:
+        return previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
+    guard = guarded(coro, turns)
+    task = previous(loop, guard, **kwargs) if previous is not None else asyncio.Task(guard, loop=loop, **kwargs)
+    turns.adopt(task, coro)
     return task
 
 
@@ -664,6 +666,7 @@ class RunKernel:
         self.rests: dict[object, Rest] = {}  # the durable waits strands are in now
         self.halted: asyncio.Future[tuple[str, Any]] | None = None  # how this execution of the run stops
         self.root: asyncio.Task[Any] | None = None  # the task running the workflow body
+        self.driver: asyncio.Task[Any] | None = None  # the task that runs this execution (`run`)
         self.canceller: asyncio.Task[Any] | None = None  # delivers a cancel request in its turn
         self.cancel_rec: records.Cancel | None = None  # the cancel delivered, once it is
         self.cancel_pending: records.Cancel | None = None  # a cancel requested in this process, not delivered yet
@@ -975,9 +978,7 @@ class RunKernel:
         if self.turns.closed:
             op.close()
             return
-        task = asyncio.get_running_loop().create_task(op, context=contextvars.copy_context())
-        h.driver = task
-        self.turns.adopt(task)
+        h.driver = self.turns.start(op, contextvars.copy_context())
 
     def cancel_handle(self, h: Handle, msg: Any) -> bool:
         """The workflow cancelled `h` before its outcome reached it: the cancellation is recorded in the
@@ -1172,10 +1173,16 @@ class RunKernel:
         if h.cancelled():  # the workflow's own cancel of the handle: it wrote the record, and takes its cancel back
             if task is not None and task is h.driver:
                 task.uncancel()
-        else:
+        elif not self.stopped_from_outside():
             self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(CUT_OFF),
                                    ts=time.time()))
         raise  # the CancelledError the caller is handling
+
+    def stopped_from_outside(self) -> bool:
+        """Whether what runs this execution is being cancelled (Ctrl-C, a worker stopping, the event loop
+        closing): a step cut off then is cut as by a kill, and recorded as nothing."""
+        driver = self.driver
+        return driver is not None and driver.cancelling() > 0
 
     def cut_inline(self, att: Any) -> None:
         """A quick sync step on the loop thread saw a cancel request while it ran (the heartbeat flagged it).
@@ -2409,10 +2416,10 @@ class RunKernel:
         turns.idle = self.at_rest
         install_factory(loop, make_task)
         halted = self.halted = loop.create_future()
+        self.driver = asyncio.current_task()
         RunKernel.live += 1
         try:
-            self.root = root = loop.create_task(self._body(ctx), context=contextvars.copy_context())
-            turns.adopt(root)
+            self.root = turns.start(self._body(ctx), contextvars.copy_context())
             if self.history.cancel is not None:
                 self.cancel_in_turn(self.history.cancel, recorded=True)
             try:
@@ -2548,7 +2555,6 @@ class RunKernel:
     def cancel_in_turn(self, rec: records.Cancel, recorded: bool) -> None:
         """Deliver the cancel `rec` in its turn: a recorded one where the log has it, a new one when the run is
         next quiet."""
-        loop = asyncio.get_running_loop()
 
         async def deliver() -> None:
             if recorded:
@@ -2558,8 +2564,7 @@ class RunKernel:
             if self.cancel_rec is None:
                 self.deliver_cancel(rec, recorded)
 
-        self.canceller = loop.create_task(deliver(), context=contextvars.copy_context())
-        self.turns.adopt(self.canceller)
+        self.canceller = self.turns.start(deliver(), contextvars.copy_context())
         self.next_control = float("-inf")  # the next step boundary waits for it
 
     def deliver_cancel(self, rec: records.Cancel, recorded: bool, here: asyncio.Task[Any] | None = None) -> None:

@@ -33,7 +33,7 @@ import asyncio
 import contextvars
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 current_turns: contextvars.ContextVar[Turns | None] = contextvars.ContextVar("durably_turns", default=None)
@@ -49,12 +49,14 @@ class Turns:
     __slots__ = ("order", "head", "early", "passed", "tasks", "inflight", "solo", "asked", "ready", "count",
                  "scheduled", "loop", "idle", "resting", "closed", "attempt")
 
+    tasks: dict[asyncio.Task[Any], Coroutine[Any, Any, Any]]
+
     def __init__(self, order: list[str], attempt: contextvars.ContextVar[Any]) -> None:
         self.order = order  # the paths of the outcomes recorded by earlier processes, in log order
         self.head = 0  # the next of them to deliver
         self.early: set[str] = set()  # recorded outcomes taken ahead of their turn (values read synchronously)
         self.passed: set[str] = set()  # recorded outcomes whose turn passed with nobody asking
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = {}  # the run's tasks, each with the coroutine it guards (`guarded`)
         self.inflight = 0  # done callbacks of the run's tasks and deliveries not run yet
         self.solo = True  # at most one task and nothing in flight: every outcome is delivered at once
         self.asked: dict[str, asyncio.Future[None]] = {}  # recorded outcomes awaited before their turn
@@ -68,19 +70,25 @@ class Turns:
         self.attempt = attempt  # `current_attempt`: tasks created inside a step are the step's, not the run's
 
     # ---- the run's tasks ------------------------------------------------------------------------------
-    def adopt(self, task: asyncio.Task[Any]) -> None:
-        """Count `task` as one of the run's (its end is a delivery like any other: see `quiet`)."""
-        if self.closed:
+    def start(self, coro: Coroutine[Any, Any, Any], context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        """A task of the run running `coro` (guarded: a tear-down ends it quietly)."""
+        assert self.loop is not None
+        task = self.loop.create_task(guarded(coro, self), context=context)
+        self.adopt(task, coro)
+        return task
+
+    def adopt(self, task: asyncio.Task[Any], coro: Coroutine[Any, Any, Any]) -> None:
+        """Count `task`, running `guarded(coro)`, as one of the run's (its end is a delivery like any other:
+        see `quiet`)."""
+        if self.closed or task in self.tasks:
             return
-        if task in self.tasks:
-            return
-        self.tasks.add(task)
+        self.tasks[task] = coro
         self.solo = len(self.tasks) <= 1 and not self.inflight
         task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         # The first of the task's done callbacks: the others were scheduled with it and run before `_settled`.
-        self.tasks.discard(task)
+        self.tasks.pop(task, None)
         if not task.cancelled():
             task.exception()  # an internal stop never logs "exception was never retrieved"
         self.hop()
@@ -226,7 +234,7 @@ class Turns:
         if self.idle is not None and self.resting:
             self.idle()
 
-    def close(self) -> list[asyncio.Task[Any]]:
+    def close(self) -> list[tuple[asyncio.Task[Any], Coroutine[Any, Any, Any]]]:
         """The run stops here: nothing more is delivered; its tasks are returned for `discard`."""
         self.closed = True
         for turn in self.asked.values():
@@ -235,20 +243,30 @@ class Turns:
             turn.cancel()
         self.asked.clear()
         self.ready.clear()
-        return list(self.tasks)
+        return list(self.tasks.items())
 
 
-def discard(tasks: list[asyncio.Task[Any]]) -> None:
+async def guarded(coro: Coroutine[Any, Any, Any], turns: Turns) -> Any:
+    """A task of the run: `coro`, ended quietly (no result, no exception) once the run is torn down."""
+    try:
+        return await coro
+    except BaseException:
+        if turns.closed:
+            return None
+        raise
+
+
+def discard(tasks: list[tuple[asyncio.Task[Any], Coroutine[Any, Any, Any]]]) -> None:
     """Stop tasks of a run that parked or stopped, running none of their code as if it went on: each coroutine
-    is closed (`GeneratorExit` through its frames: `finally:` blocks run, nothing is awaited), then the task is
-    cancelled so that it ends without resuming the closed coroutine. No internal exception completes them."""
-    for task in tasks:
+    is closed (`GeneratorExit` through its frames: `finally:` blocks run, nothing is awaited), then its task is
+    cancelled, which its guard (`guarded`) turns into a quiet end. No internal exception completes them."""
+    for task, coro in tasks:
         if task.done():
             if not task.cancelled():
                 task.exception()
             continue
         try:
-            task.get_coro().close()
+            coro.close()
         except BaseException:  # noqa: BLE001 - a `finally:` that awaited or raised: the run is gone all the same
             pass
         task.cancel()
@@ -325,7 +343,7 @@ def _awaits(task: asyncio.Task[Any], waiter: Any) -> bool:
 def raw_timers(turns: Turns, resting: set[Any]) -> bool:
     """Whether a plain asyncio timer will wake one of the run's tasks that is not resting on a durable wait
     (`asyncio.sleep` or a deadline in workflow code): parking now would lose it."""
-    waiting = {id(getattr(t, _WAITER, None)): t for t in turns.tasks if t not in resting}
+    waiting = {id(getattr(t, _WAITER, None)): t for t in list(turns.tasks) if t not in resting}
     for timer in _timers(turns.loop) if turns.loop is not None else ():
         kind, target = _target(timer)
         if kind == "task" and target in turns.tasks and target not in resting:
