@@ -280,7 +280,9 @@ class Operations:
                 if operation.after_amend():
                     self.drop_requests(run_id, operation.after_amend())
                 if isinstance(operation, Cancel):
-                    await self.clean_up(run_id)
+                    cancelled = self.history(run_id)
+                    if cancelled.cancel is not None and cancelled.end is None:
+                        await self.clean_up(run_id)
         if operation.after_done():
             self.drop_requests(run_id, operation.after_done())
         state = await self.engine.inspect(run_id)
@@ -312,15 +314,21 @@ class Operations:
         try:
             workflow = self.engine.code_for(history.header)
         except ValidationError as exc:
-            error = RunCancelledError(f"run {run_id} was cancelled; its clean-up did not run: {exc.message}",
-                                      run_id=run_id)
-            self.amend(run_id, lambda h: log_format.End(status="cancelled", error=dump_error(error),
-                                                        ts=time.time()) if h.end is None else None)
-            return
+            return self.end_cancelled(run_id, f"its code was not found: {exc.message}")
         try:
             await self.engine.run(workflow, run_id=run_id)
         except RunCancelledError:
-            pass
+            return
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the clean-up broke off: the run is cancelled all the same
+            self.end_cancelled(run_id, f"it stopped with {type(exc).__name__}: {exc}")
+
+    def end_cancelled(self, run_id: str, why: str) -> None:
+        """End a cancelled run whose clean-up could not run here (saying why in its error)."""
+        error = RunCancelledError(f"run {run_id} was cancelled; its clean-up did not finish: {why}", run_id=run_id)
+        self.amend(run_id, lambda h: log_format.End(status="cancelled", error=dump_error(error), ts=time.time())
+                   if h.end is None else None)
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
