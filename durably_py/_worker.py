@@ -22,27 +22,41 @@ from typing import TYPE_CHECKING, Any
 from ._history import History
 from ._kernel import Parked
 from ._schedules import fire_due
-from .errors import DurablyError, RunCancelledError
+from .errors import DurablyError, RunCancelledError, ValidationError
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
+SETTINGS_DOCS = "docs/deploying.md#settings"
+
+
+def check_concurrency(concurrency: Any) -> int:
+    """Validate `concurrency=` (runs, and child runs, at once: an int >= 1)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
+                              hint="concurrency=4 runs up to four runs at once.", docs=SETTINGS_DOCS)
+    return concurrency
+
+
+def check_poll(poll: Any) -> float:
+    """Validate a worker's `poll=` (seconds between looks at the queue when idle: 0.01 to 60)."""
+    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0.01 <= poll <= 60:
+        raise ValidationError(f"poll must be 0.01 to 60 seconds, got {poll!r}",
+                              hint="poll=0.2 (the default) looks for due runs five times a second when idle.",
+                              docs=SETTINGS_DOCS)
+    return float(poll)
 
 
 class Worker:
-    """One worker loop over an engine's storage, running at most `concurrency` runs at once."""
+    """One worker loop over an engine's storage, running at most `concurrency` runs at once, of the workflows
+    its engine's `code` claims (`CodeSource.claims`)."""
 
     def __init__(self, engine: Engine, *, concurrency: int = 4, poll: float = 0.2,
                  log: Callable[[str], Any] | None = None) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            from .errors import ValidationError
-
-            raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
-                                  hint="concurrency=4 runs up to four runs at once.", docs="docs/deploying.md")
         self.engine = engine
-        self.concurrency = concurrency
-        self.poll = poll
+        self.concurrency = check_concurrency(concurrency)
+        self.poll = check_poll(poll)
         self._schedules_at = 0.0
         self._prune_at = 0.0
         self.pruned = 0
@@ -120,7 +134,8 @@ class Worker:
                 claimed = 0
                 if free > 0:
                     try:
-                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped())
+                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped(),
+                                                          workflows=engine.code.claims())
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
                         leases = []

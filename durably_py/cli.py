@@ -29,6 +29,7 @@ from typer.core import TyperCommand
 
 from . import _config as config
 from . import _launcher as launcher
+from ._code import CodeSource
 from ._engine import Engine
 from ._history import RunState, StepState, path_tuple
 from ._run_command import (
@@ -66,7 +67,6 @@ from ._run_command import (
     to_json,
     user_frame,
 )
-from ._runs import check_retention
 from ._worker import Worker
 from ._workflow import REGISTRY
 from .errors import DurablyError, ValidationError
@@ -150,16 +150,7 @@ def engine_at(dir: str | None, storage: str | None) -> Engine:
 # ---- small helpers ------------------------------------------------------------------------------
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from a duration such as `30s`, `5m`, `2h`, `1d`, `1h30m` or a bare number of seconds."""
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-    spec = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", spec):
-        return float(spec)
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", spec)
-    if not parts or "".join(n + u for n, u in parts) != spec:
-        raise ValidationError(f"invalid duration {text!r}", hint="Write durations like 30s, 5m, 2h or 1h30m.")
-    return sum(float(n) * units[u] for n, u in parts)
+parse_duration = config.parse_duration
 
 
 def _print_json(value: Any) -> None:
@@ -1461,6 +1452,10 @@ def config_command(
         rows += [(name.replace("_", "-"), value, settings.sources.get(name))
                  for name, value in (("restate", settings.restate), ("restate_admin", settings.restate_admin))
                  if value is not None]
+        rows += [(name.replace("_", "-"), f"{getattr(settings, name)}".lower() if name == "import_recorded"
+                  else f"{getattr(settings, name):g}" if isinstance(getattr(settings, name), float)
+                  else getattr(settings, name), settings.sources[name])
+                 for name in config.ENGINE_KEYS if name in settings.sources]
         out = Text()
         for name, value, source in rows:
             out.append(f"{name:<7} ", "bold")
@@ -1577,17 +1572,30 @@ def _import_code(target: str) -> None:
 
 @app.command()
 def worker(
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, metavar="N",
-                                             help="Runs at once in this worker.")] = 4,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", metavar="N", show_default=False,
+                                                    help="Runs (and child runs) at once in this worker "
+                                                         "[default: 4, or $DURABLY_CONCURRENCY / config].")] = None,
     imports: Annotated[list[str] | None, typer.Option("--import", metavar="PATH_OR_MODULE",
                                                       help="A script or module whose @workflows this worker "
-                                                           "serves (repeatable); otherwise each run's recorded "
-                                                           "module or script is imported.")] = None,
-    lease: Annotated[float, typer.Option("--lease", min=1.0, metavar="SECONDS",
-                                         help="Lease time-to-live on SQLite and PostgreSQL: after a kill, "
-                                              "another worker takes a run over within this plus one poll.")] = 30.0,
-    poll: Annotated[float, typer.Option("--poll", min=0.01, metavar="SECONDS",
-                                        help="How often to look for due runs when idle.")] = 0.2,
+                                                           "serves (repeatable); runs of other workflows are left "
+                                                           "for workers that serve them.")] = None,
+    import_recorded: Annotated[bool | None, typer.Option(
+        "--import-recorded/--no-import-recorded", show_default=False,
+        help="Also run other workflows' runs by importing the module or script each recorded, if it lies "
+             "under --code-root [default: off, or $DURABLY_IMPORT_RECORDED / config].")] = None,
+    code_root: Annotated[str | None, typer.Option("--code-root", metavar="DIR", show_default=False,
+                                                  help="Where --import-recorded may import from [default: the "
+                                                       "folder holding .durably/, else the current one].")] = None,
+    lease: Annotated[float | None, typer.Option("--lease", metavar="SECONDS", show_default=False,
+                                                help="Lease of each run on SQLite and PostgreSQL (at least 2): "
+                                                     "after a kill, another worker takes a run over within this "
+                                                     "plus one poll [default: 30].")] = None,
+    heartbeat: Annotated[float | None, typer.Option("--heartbeat", metavar="SECONDS", show_default=False,
+                                                    help="How often held leases are renewed (at most half the "
+                                                         "lease) [default: a third of the lease].")] = None,
+    poll: Annotated[float | None, typer.Option("--poll", metavar="SECONDS", show_default=False,
+                                               help="How often to look for due runs when idle [default: 0.2].")]
+        = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run.")] = False,
     retention: Annotated[str | None, typer.Option("--retention", metavar="DURATION",
                                                   help="Delete runs this long after they ended (30d, 12h), "
@@ -1596,28 +1604,46 @@ def worker(
     storage: StorageOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """Run due runs until stopped: claim, run, park, release, repeat. SIGTERM or Ctrl-C stops gracefully
-    (no new claims or steps; running steps finish and are recorded; leases released; exit 0)."""
+    """Run due runs of the imported workflows until stopped: claim, run, park, release, repeat. SIGTERM or
+    Ctrl-C stops gracefully (no new claims or steps; running steps finish and are recorded; leases released;
+    exit 0)."""
     with _guard(debug):
         settings = settings_for(dir, storage)
+        for name, value, flag in (("concurrency", concurrency, "--concurrency"), ("lease", lease, "--lease"),
+                                  ("heartbeat", heartbeat, "--heartbeat"), ("poll", poll, "--poll"),
+                                  ("retention", None if retention is None else parse_duration(retention),
+                                   "--retention"),
+                                  ("import_recorded", import_recorded, "--import-recorded"),
+                                  ("code_root", None if code_root is None else os.path.abspath(code_root),
+                                   "--code-root")):
+            config.override(settings, name, value, flag)
+        if not imports and not settings.import_recorded:
+            raise ValidationError("durably worker was given no code to serve",
+                                  hint="Pass --import with the script or module that declares the workflows "
+                                       "(repeatable), or --import-recorded to import the code each run recorded.",
+                                  docs="docs/deploying.md#what-a-worker-serves")
+        before = set(REGISTRY)
         for target in imports or []:
             _import_code(target)
         engine = open_engine(settings)
-        engine.lease_ttl = lease
-        engine.heartbeat_every = max(lease / 3, 0.05)
-        engine.concurrency = concurrency
-        if retention is not None:
-            engine.retention = check_retention(parse_duration(retention))
+        engine.code = CodeSource(serves=frozenset(set(REGISTRY) - before) if imports else frozenset(),
+                                 recorded=settings.import_recorded, root=settings.code_root or config.project_root(
+                                     settings))
 
         def say(message: str) -> None:
             if not quiet:
                 sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
                 sys.stderr.flush()
 
-        loop_worker = Worker(engine, concurrency=concurrency, poll=poll, log=say)
+        engine.heartbeat.report = lambda message: sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+        loop_worker = Worker(engine, concurrency=engine.concurrency,
+                             poll=settings.poll if settings.poll is not None else 0.2, log=say)
         where = settings.storage or os.path.abspath(settings.dir or ".durably")
-        served = ", ".join(sorted(REGISTRY)) or "whatever each run recorded"
-        say(f"durably worker {engine.owner} on {where}: concurrency {concurrency}, serving {served}")
+        served = ", ".join(sorted(engine.code.serves or ())) or "no imported workflow"
+        recorded = f"; recorded code under {engine.code.root}" if engine.code.recorded else ""
+        say(f"durably worker {engine.owner} on {where}: concurrency {loop_worker.concurrency}, lease "
+            f"{engine.lease_ttl:g}s renewed every {engine.heartbeat_every:g}s, poll {loop_worker.poll:g}s, "
+            f"serving {served}{recorded}")
         asyncio.run(_serve(loop_worker, say))
         say(f"durably worker stopped after {loop_worker.ran} run turns"
             + (f"; pruned {loop_worker.pruned} ended runs" if loop_worker.pruned else "")

@@ -226,6 +226,17 @@ class StorageFullError(DurablyError, OSError):
     anchor = "storagefullerror"
 
 
+class StorageBusyError(DurablyError):
+    """A claim (or an operator's record) waited its storage's bounded time for a run another connection holds
+    locked, and gave up: nothing was written. The message says who holds it, as far as the storage can tell."""
+
+    run_id: str
+
+    default_hint = ("End the transaction that holds the run (commit or roll it back, or stop its process), then "
+                    "run the same command again; nothing was written.")
+    anchor = "storagebusyerror"
+
+
 class LogVersionError(CorruptLogError):
     """A run's log was written by a newer durably-py than this one (its header's version is higher)."""
 
