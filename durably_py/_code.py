@@ -15,8 +15,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ._workflow import REGISTRY, Workflow, load_script
 from .errors import ValidationError
@@ -133,3 +133,31 @@ def _same(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+def serving(workers: list[dict[str, Any]], workflow: str) -> list[dict[str, Any]]:
+    """The live workers (`Storage.workers`) that would claim a run of `workflow`: those that serve it, any
+    workflow, or import recorded code."""
+    return [w for w in workers if w.get("serves") is None or w.get("recorded") or workflow in (w.get("serves") or ())]
+
+
+def unserved_notes(storage: Any, runs: Iterable[tuple[str, str, str]], now: float) -> list[str]:
+    """What `durably list` and `inspect` say of queued runs no live worker would claim: one line per workflow.
+
+    `runs` are (run id, workflow, status) of runs that have not ended; a run counts when its queue entry is
+    due by `now`, no process holds it, and it is pending (enqueued for a worker) or, while any worker is live
+    on the storage, interrupted."""
+    workers = storage.workers()
+    counted: dict[str, int] = {}
+    for run_id, workflow, status in runs:
+        if status != "pending" and not (workers and status == "interrupted"):
+            continue
+        entry = storage.entry(run_id)
+        if entry is None or entry.at is None or entry.at > now or serving(workers, workflow):
+            continue
+        counted[workflow] = counted.get(workflow, 0) + 1
+    served = sorted({name for w in workers for name in (w.get("serves") or ())})
+    live = (f"the {len(workers)} live worker{'s' if len(workers) != 1 else ''} serve "
+            f"{', '.join(served) or 'nothing'}" if workers else "no worker is live on this storage")
+    return [f"{n} due run{'s' if n != 1 else ''} of workflow {name!r}: no live worker serves it ({live}); start "
+            f"one with `durably worker --import` naming the code that declares it" for name, n in counted.items()]

@@ -65,6 +65,7 @@ from .errors import (
     ValidationError,
     WaitTimeoutError,
 )
+from .storage.base import validate_name
 
 if TYPE_CHECKING:
     import contextlib
@@ -322,6 +323,7 @@ def check_signal_name(name: Any) -> None:
         raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
                               hint="Name what you wait for, e.g. ctx.wait_for('approval').",
                               docs="docs/authoring.md#parking")
+    validate_name(name)
 
 
 def check_handle(handle: Any) -> None:

@@ -25,6 +25,7 @@ from ._events import StepEvent
 from ._history import History, RunState, path_tuple, run_status
 from ._kernel import Selector, selects
 from .errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFoundError, ValidationError
+from .storage.base import validate_name
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -401,6 +402,7 @@ class Operations:
             raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
                                   hint="Use the name the workflow waits for: ctx.wait_for('approval').",
                                   docs="docs/authoring.md#parking")
+        validate_name(name)
         run_id = self.engine.resolve(run)
         wire = dump_value(payload, "payload")
         info = self.storage.info(run_id)
@@ -408,8 +410,14 @@ class Operations:
             raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
                                   hint="Signal a run that is still waiting (`durably list --status waiting`).",
                                   docs="docs/authoring.md#parking", run_id=run_id)
-        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
-                                                                      payload=wire, at=to_iso(datetime.now(UTC)))))
+        try:
+            line = log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
+                                                       at=to_iso(datetime.now(UTC))))
+        except UnicodeEncodeError:
+            raise ValidationError(f"the payload of signal {name!r} holds text that is not UTF-8 (a lone surrogate)",
+                                  hint="Send text that encodes as UTF-8.", docs="docs/authoring.md#parking",
+                                  run_id=run_id) from None
+        self.storage.send(run_id, line)
 
     # ---- retry and restart ----------------------------------------------------------------------
     async def retry(self, run: str, *, from_step: Selector | None = None,

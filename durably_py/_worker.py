@@ -14,6 +14,8 @@ once, so another worker takes it over without waiting for a lease to lapse.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +72,8 @@ class Worker:
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._skip: dict[str, float] = {}
+        self._advertised_at = 0.0
+        self.started = time.time()
 
     # ---- control --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +132,7 @@ class Worker:
         assert self._wake is not None
         try:
             while not self._stopping:
+                self._advertise()
                 await self._fire_schedules()
                 await self._prune()
                 free = self.concurrency - len(self.active)
@@ -159,7 +164,25 @@ class Worker:
             self._stopping = True
             if self.active:
                 await asyncio.gather(*self.active.values(), return_exceptions=True)
+            try:
+                engine.storage.retire(engine.owner)
+            except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
+                self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _advertise(self) -> None:
+        """Tell the storage, every third of the lease, that this worker is live and which workflows it serves
+        (`Storage.advertise`): `durably list` and `inspect` say when no live worker serves a queued run."""
+        if time.monotonic() < self._advertised_at:
+            return
+        engine = self.engine
+        self._advertised_at = time.monotonic() + max(engine.lease_ttl / 3, self.poll)
+        info = {**engine.code.describe(), "pid": os.getpid(), "host": socket.gethostname(),
+                "concurrency": self.concurrency, "lease": engine.lease_ttl, "started": self.started}
+        try:
+            engine.storage.advertise(engine.owner, info, engine.lease_ttl)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
+            self._say(f"advertising this worker failed: {type(exc).__name__}: {exc}")
 
     async def _fire_schedules(self) -> None:
         """Queue the due ticks of the schedules this process serves (at most once a second)."""

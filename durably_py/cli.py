@@ -29,7 +29,7 @@ from typer.core import TyperCommand
 
 from . import _config as config
 from . import _launcher as launcher
-from ._code import CodeSource
+from ._code import CodeSource, unserved_notes
 from ._engine import Engine
 from ._history import RunState, StepState, path_tuple
 from ._run_command import (
@@ -533,6 +533,9 @@ def list_runs(
         if more:
             console.print(Text(f"{more} more (--offset {offset + len(states)} shows the next page, --limit N "
                                "more at once)", "bright_black"))
+        if not restate:
+            for note in unserved_notes(engine.storage, [(s.run_id, s.workflow, s.status) for s in states], time.time()):
+                console.print(Text(note, "yellow"))
 
 
 def json_text(value: Any, limit: int = 100) -> str:
@@ -766,6 +769,9 @@ def inspect(
         still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
         title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
         _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, title, extras)))
+        if engine is not None:
+            for note in unserved_notes(engine.storage, [(state.run_id, state.workflow, state.status)], time.time()):
+                _out_console().print(Text(note, "yellow"))
 
 
 @app.command()
