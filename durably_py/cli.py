@@ -1602,7 +1602,8 @@ def worker(
     poll: Annotated[float | None, typer.Option("--poll", metavar="SECONDS", show_default=False,
                                                help="How often to look for due runs when idle [default: 0.2].")]
         = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run (only the start, the "
+                                                              "stop and warnings).")] = False,
     retention: Annotated[str | None, typer.Option("--retention", metavar="DURATION",
                                                   help="Delete runs this long after they ended (30d, 12h), "
                                                        "checked every tenth of it, at most hourly.")] = None,
@@ -1636,22 +1637,25 @@ def worker(
                                  recorded=settings.import_recorded, root=settings.code_root or config.project_root(
                                      settings))
 
-        def say(message: str) -> None:
-            if not quiet:
-                sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
-                sys.stderr.flush()
+        def tell(message: str) -> None:
+            sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+            sys.stderr.flush()
 
-        engine.heartbeat.report = lambda message: sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+        def say(message: str) -> None:  # what happens to each run; --quiet keeps only the start, stop and warnings
+            if not quiet:
+                tell(message)
+
+        engine.heartbeat.report = tell
         loop_worker = Worker(engine, concurrency=engine.concurrency,
                              poll=settings.poll if settings.poll is not None else 0.2, log=say)
         where = settings.storage or os.path.abspath(settings.dir or ".durably")
         served = ", ".join(sorted(engine.code.serves or ())) or "no imported workflow"
         recorded = f"; recorded code under {engine.code.root}" if engine.code.recorded else ""
-        say(f"durably worker {engine.owner} on {where}: concurrency {loop_worker.concurrency}, lease "
+        tell(f"durably worker {engine.owner} on {where}: concurrency {loop_worker.concurrency}, lease "
             f"{engine.lease_ttl:g}s renewed every {engine.heartbeat_every:g}s, poll {loop_worker.poll:g}s, "
             f"serving {served}{recorded}")
-        asyncio.run(_serve(loop_worker, say))
-        say(f"durably worker stopped after {loop_worker.ran} run turns"
+        asyncio.run(_serve(loop_worker, tell))
+        tell(f"durably worker stopped after {loop_worker.ran} run turns"
             + (f"; pruned {loop_worker.pruned} ended runs" if loop_worker.pruned else "")
             + (f"; {len(loop_worker.stopped)} stopped part-way and due again" if loop_worker.stopped else ""))
     raise typer.Exit(0)
