@@ -157,7 +157,7 @@ def unserved_notes(storage: Any, runs: Iterable[tuple[str, str, str]], now: floa
             continue
         counted[workflow] = counted.get(workflow, 0) + 1
     served = sorted({name for w in workers for name in (w.get("serves") or ())})
-    live = (f"the {len(workers)} live worker{'s' if len(workers) != 1 else ''} serve "
+    live = (f"{len(workers)} live worker{'s serve' if len(workers) != 1 else ' serves'} "
             f"{', '.join(served) or 'nothing'}" if workers else "no worker is live on this storage")
     return [f"{n} due run{'s' if n != 1 else ''} of workflow {name!r}: no live worker serves it ({live}); start "
             f"one with `durably worker --import` naming the code that declares it" for name, n in counted.items()]
