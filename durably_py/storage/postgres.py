@@ -457,8 +457,8 @@ class PostgresStorage:
         if rows:
             pid, user, app, client, state, age, query = rows[0]
             who = (f"session {pid} (user {user}" + (f", application {app!r}" if app else "")
-                   + (f", from {client}" if client else "") + f"), {state or 'busy'} in a transaction open for "
-                   f"{age or 0:.0f} s; its last statement: {query!r}")
+                   + (f", from {client}" if client else "") + f"), {state or 'active'} (its transaction open "
+                   f"{age or 0:.0f} s; its last statement: {query!r})")
             hint = (f"End that transaction (commit or roll it back, or SELECT pg_terminate_backend({pid})), then "
                     "run the same command again; nothing was written.")
         else:
