@@ -278,7 +278,31 @@ def resolve(dir: str | None = None, storage: str | None = None, *, restate: str 
         settings.dir = str(project if project is not None else base / STATE_DIR)
         settings.sources["dir"] = "nearest .durably/" if project is not None else "default"
     settings.sources.setdefault("color", "default")
+    check_engine(settings)
     return settings
+
+
+def check_engine(settings: Settings) -> None:
+    """Check the engine settings' ranges now, so a bad value from the environment or a config file is a usage
+    error naming its source before any command runs (the engine checks them again when it applies them)."""
+    from ._heartbeat import check_lease
+    from ._runs import check_retention
+    from ._worker import check_concurrency, check_poll
+
+    checks: list[tuple[tuple[str, ...], Any]] = [
+        (("lease", "heartbeat"), lambda: check_lease(30.0 if settings.lease is None else settings.lease,
+                                                     settings.heartbeat)),
+        (("concurrency",), lambda: check_concurrency(settings.concurrency)),
+        (("poll",), lambda: check_poll(settings.poll)), (("retention",), lambda: check_retention(settings.retention))]
+    for names, check in checks:
+        given = [name for name in names if getattr(settings, name) is not None]
+        if not given:
+            continue
+        try:
+            check()
+        except ValidationError as exc:
+            sources = " and ".join(dict.fromkeys(settings.sources.get(name, name) for name in given))
+            raise ValidationError(f"{sources}: {exc.message}", hint=exc.hint, docs=exc.docs) from None
 
 
 def _resolve_restate(settings: Settings, layers: list[tuple[dict[str, str], dict[str, Any]]]) -> None:

@@ -236,3 +236,26 @@ def test_a_lease_below_the_minimum_is_refused_with_a_hint(setup: Setup) -> None:
             Engine(SqliteStorage(setup.db), **bad)
         assert info.value.hint and info.value.docs
     assert Engine(SqliteStorage(setup.db), lease=12).heartbeat_every == 4  # a third of the lease by default
+
+
+def test_durably_run_claims_and_renews_with_the_lease_from_the_environment(setup: Setup) -> None:
+    env = {**setup.env, "DURABLY_LEASE": "5"}
+    proc = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", str(setup.jobs), "--workflow",
+                             "settings_hold", "--input", '{"key": "cli", "seconds": 2.5}', "--storage",
+                             f"sqlite:{setup.db}"], cwd=setup.root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(m[:2] == ["start", "cli"] for m in setup.marks()), 30)
+        with sqlite3.connect(setup.db) as db:
+            ahead = [db.execute("SELECT lease_expires FROM runs").fetchone()[0] - time.time()
+                     for _ in range(15) if time.sleep(0.1) is None]
+        assert 3.0 < max(ahead) <= 5.05  # a 5 s lease, renewed (30 s without the setting)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    setup.config("lease = 0.5\n")
+    bad = subprocess.run([sys.executable, "-m", "durably_py.cli", "run", str(setup.jobs), "--workflow",
+                          "settings_hold", "--input", '{"key": "x", "seconds": 0}'], cwd=setup.root, env=setup.env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "config.toml: a lease is 2 to 1e9 seconds" in bad.stderr
