@@ -1303,3 +1303,25 @@ def test_a_file_advertisement_lives_as_long_as_its_process(tmp_path: Path) -> No
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_wait_or_signal_name_no_adapter_can_store_fails_before_anything_is_recorded(store: Any) -> None:
+    import asyncio
+
+    from durably_py import Engine, workflow
+
+    @workflow(name="nul_waiter")
+    async def nul_waiter(ctx: Any) -> Any:
+        await ctx.step(lambda: 1, name="before")
+        return await ctx.wait_for("ap\x00proval")
+
+    engine = Engine(store)
+    with pytest.raises(ValidationError) as info:
+        asyncio.run(engine.run(nul_waiter, wait=False))
+    assert info.value.hint
+    [run] = store.list_runs()
+    assert "wait" not in kinds(store.read(run.run_id).records)
+    for bad in ("ap\x00proval", "\ud800"):
+        with pytest.raises(ValidationError):
+            asyncio.run(engine.signal(run.run_id, bad))
+    assert store.inbox(run.run_id) == []
