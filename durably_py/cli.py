@@ -1624,6 +1624,7 @@ def worker(
                                   ("code_root", None if code_root is None else os.path.abspath(code_root),
                                    "--code-root")):
             config.override(settings, name, value, flag)
+        config.check_engine(settings)
         if not imports and not settings.import_recorded:
             raise ValidationError("durably worker was given no code to serve",
                                   hint="Pass --import with the script or module that declares the workflows "
