@@ -20,7 +20,7 @@ import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -55,6 +55,7 @@ from .errors import (
     DependencyFailedError,
     LeaseLostError,
     LoopLimitError,
+    NonRetryableError,
     PurityError,
     RunCancelledError,
     SerializationError,
@@ -77,7 +78,8 @@ if TYPE_CHECKING:
 CO_COROUTINE = inspect.CO_COROUTINE
 _Ok = records.Ok
 PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable
-NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
+NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError,
+                 NonRetryableError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
@@ -99,6 +101,19 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
     def __init__(self, value: Any) -> None:
         super().__init__()
         self.value = value
+
+
+def retry_started(prior: records.Fail | None, now: datetime, ms: float) -> datetime:
+    """When a step's first attempt started, on the run's clock: as its earlier failed attempts recorded it, else
+    (this is the first) this attempt's start. A log written before the field existed gives the start of its
+    last failed attempt, by that record's timestamp."""
+    if prior is None:
+        return now - timedelta(milliseconds=ms)
+    if prior.first is not None:
+        return from_iso(prior.first)
+    if prior.ts is not None:
+        return datetime.fromtimestamp(prior.ts - (prior.ms or 0) / 1000, UTC)
+    return now - timedelta(milliseconds=ms)
 
 
 def timeout_hint(retry: Any) -> str:
@@ -1108,16 +1123,24 @@ class RunKernel:
         if ms >= 30_000 and not att.did_stash:
             self.advise("STASH_SUGGESTED", ms / 1000,
                         f"step {label!r} ran {ms / 1000:.0f}s and failed without stashing progress")
-        if retry is None or number >= retry.attempts or isinstance(exc, NOT_RETRYABLE):
+        wake = first = None
+        if retry is not None and not retry.gives_up(number, exc) and not isinstance(exc, NOT_RETRYABLE):
+            now = self.clock.now()
+            wake = now + timedelta(seconds=retry.delay(number))
+            if retry.deadline is not None:
+                first = retry_started(self.history.fails.get(path), now, ms)
+                if wake > first + timedelta(seconds=retry.deadline):
+                    exc.add_note(f"step {label!r} gave up after attempt {number}: its Retry(deadline="
+                                 f"{retry.deadline:g}) ends before another attempt could start")
+                    wake = None
+        if wake is None:
             self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
                                    ts=time.time()))
             self.step_done()
             self.emit(path, label, "failed", number, ms, exc)
             raise exc
-        delay = retry.delay(number)
-        wake = self.clock.now() + timedelta(seconds=delay)
         self.write(records.Fail(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
-                                next=to_iso(wake), ts=time.time()))
+                                next=to_iso(wake), first=None if first is None else to_iso(first), ts=time.time()))
         self.emit(path, label, "retrying", number, ms, exc)
         await self.back_off(path, label, wake)
 

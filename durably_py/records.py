@@ -201,7 +201,9 @@ class Err(_Base, tag="err"):
 
 
 class Fail(_Base, tag="fail"):
-    """An attempt failed; the step retries at `next`."""
+    """An attempt failed; the step retries at `next`. `first` (ISO 8601, on the run's clock) is when the
+    step's first attempt started, carried from attempt to attempt for `Retry(deadline=)`; logs written
+    before it existed have none."""
 
     path: str = msgspec.field(name="p")
     label: str = msgspec.field(name="l")
@@ -209,6 +211,7 @@ class Fail(_Base, tag="fail"):
     error: dict[str, Any] = msgspec.field(name="e")
     next: str
     ms: float | None = None
+    first: str | None = None
     ts: float | None = None
 
 
