@@ -517,7 +517,15 @@ class ChildRuns:
         if info is not None and info.last.get("t") == "end" and (
                 info.last.get("status") != "failed" or not rerun_failed):
             return joined(workflow, History([info.header, info.last], f"run {run_id}"))
-        return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id, advisories="silent")
+        if not rerun_failed:
+            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
+                                         advisories="silent")
+        self.engine.retries.add(run_id)  # retried with its parent: failed, or killed while failing, it is reopened
+        try:
+            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
+                                         advisories="silent")
+        finally:
+            self.engine.retries.discard(run_id)
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""

@@ -160,6 +160,7 @@ class Engine:
         self.queue = RunQueue(self)
         self.children = ChildRuns(self)
         self.operations = Operations(self)
+        self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
 
     # ---- finding and describing runs (_runs.py) ----------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -553,9 +554,11 @@ class Engine:
                            on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
         kernel.end_sync = end_sync
-        if history.end is not None and history.end.status == "failed":
+        failed = history.end is not None and history.end.status == "failed"
+        retried = lease.run_id in self.retries
+        if failed or retried and history.failing:
             kernel.write(log_format.Reopen(ts=time.time()))
-            kernel.retrying = True
+        kernel.retrying = failed or retried
         kernel.parks = stopping is not None and not kernel.retrying
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
             kernel.write(log_format.Code(fingerprint=workflow.fingerprint))

@@ -1961,6 +1961,19 @@ class RunKernel:
             error.add_note(line)
             print(f"durably: {line}", file=sys.stderr)
 
+    def completed_undone(self) -> PurityError:
+        """The failure of a failing run (killed after compensations ran, before its end) whose replay returned
+        instead of failing again: its result would rest on steps the compensations undid."""
+        undone = [f"{path_tuple(p)} {self.done[p].label!r}" for p, comp in self.history.comps.items()
+                  if comp.ok and p in self.done]
+        return PurityError(
+            f"run {self.run_id} failed and its compensations undid step(s) {', '.join(undone) or '(compacted)'} "
+            "before it was interrupted; resumed, its workflow returned instead of failing again, so its result "
+            "would use the results of undone steps",
+            hint=f"Retry it (`durably retry {self.run_id}`): the undone steps run again. The workflow took another "
+                 "path than before (changed code, or a decision outside ctx.step).",
+            docs="docs/policies.md#compensation", run_id=self.run_id)
+
     async def run(self, ctx: object) -> Any:
         """Execute the workflow body and record how it ended."""
         self.ctx = ctx
@@ -1987,6 +2000,8 @@ class RunKernel:
                     await self.parked_on(ended)
                 finally:
                     ended.cancel()
+            if any(comp.ok for comp in self.history.comps.values()):
+                raise self.completed_undone()
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)
