@@ -45,6 +45,7 @@ class History:
         self.stale_error: dict[str, Any] | None = None
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
+        self.noted: dict[str, int] = {}  # per workflow strand, the index of its last `ctx.annotate` call recorded
         self.end: r.End | None = None
         self.claim: r.Claim | None = None
         self.park: r.Park | None = None  # a join or a retry backoff the run parked in since its last claim
@@ -107,6 +108,11 @@ class History:
                 self.signals.add(rec.signal)
         else:
             self.errs.add(rec.path)
+
+    def _note(self, rec: r.Note) -> None:
+        self.notes.update(rec.notes)
+        if rec.strand is not None and rec.index is not None and rec.index > self.noted.get(rec.strand, -1):
+            self.noted[rec.strand] = rec.index
 
     def _advice(self, rec: r.Advice) -> None:
         self.advisories[rec.advisory["code"]] = rec.advisory
@@ -272,6 +278,8 @@ class History:
         out.extend(self.patches.values())
         out.extend(self.adopted.values())
         out.extend(r.Advice(advisory=a) for a in self.advisories.values())
+        out.extend(r.Note(notes={}, strand=strand, index=i) for strand, i in self.noted.items()
+                   if not self.snapshotted(strand + "0"))  # a strand a snapshot covers never runs again
         if self.notes:
             out.append(r.Note(notes=self.notes))
         if self.end:
@@ -306,7 +314,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Claim: History._claim,
     r.Stale: History._stale,
     r.Advice: History._advice,
-    r.Note: lambda h, rec: h.notes.update(rec.notes),
+    r.Note: History._note,
     r.Patch: History._patch,
     r.Adopt: History._adopt,
     r.End: History._end,

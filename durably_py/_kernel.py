@@ -552,6 +552,7 @@ class RunKernel:
         self.dead = False
         self.executions: dict[str, int] = {}
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
+        self.annotations: dict[str, int] = {}  # `ctx.annotate` calls made so far in this process, per strand
         self.storm = RetryStormWindow()
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
         self.children: list[asyncio.Future[Any] | Spawned] = []  # attached children (`attach`), pruned as they settle
@@ -1849,10 +1850,23 @@ class RunKernel:
                             f"spent {self.spent[kind]:g} of the {self.budget[kind]:g} {kind} budget")
 
     def annotate(self, values: dict[str, Any]) -> None:
-        """Attach JSON values to the run (shown by inspect); the latest value of a name wins."""
+        """Attach JSON values to the run (shown by inspect); the latest value of a name wins.
+
+        A call the run already made (its strand is replaying, or the log has this call of its strand) writes
+        nothing, so a resumed run never appends an older value again; a call inside a step is new each time
+        the step runs."""
         wire = dump_value(values, "annotations")
+        strand = index = None
+        att = current_attempt.get(None)
+        scope = current_scope.get(None) if att is None or att.kernel is not self else None
+        if scope is not None and (scope.owner is None or scope.owner is asyncio.current_task()):
+            strand = scope.prefix
+            index = self.annotations.get(strand, 0)
+            self.annotations[strand] = index + 1
+            if index <= self.history.noted.get(strand, -1) or self.replaying():
+                return
         if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
-            self.write(records.Note(notes=wire))
+            self.write(records.Note(notes=wire, strand=strand, index=index, ts=time.time()))
 
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
              max_iterations: int | None) -> Awaitable[Any]:

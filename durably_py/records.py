@@ -326,9 +326,13 @@ class Advice(_Base, tag="adv"):
 
 
 class Note(_Base, tag="note"):
-    """Annotations set with `ctx.annotate`."""
+    """Annotations set with `ctx.annotate`. `strand` and `index` say which call set them: the `index`-th call
+    (from 0) of the workflow strand whose paths start with `strand` ("" for the body), so a replay of that
+    call appends nothing; a call inside a step, and logs written before these fields existed, have neither."""
 
     notes: dict[str, Any] = msgspec.field(name="n")
+    strand: str | None = msgspec.field(default=None, name="p")
+    index: int | None = msgspec.field(default=None, name="i")
     ts: float | None = None
 
 
