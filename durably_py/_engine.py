@@ -21,7 +21,7 @@ from typing import Any
 from . import _versioning as versioning
 from . import records as log_format
 from ._advisories import Advisory, AdvisoryTracker
-from ._children import ChildRuns, joined
+from ._children import ChildRuns, check_bound, joined
 from ._clock import Clock
 from ._codec import digest, dump_error, dump_value, load_value, to_iso
 from ._context import AttemptContext, WorkflowContext
@@ -450,6 +450,7 @@ class Engine:
                 continue
             if info is not None and not fresh:
                 self._valid(info)
+                check_bound(identity, info)
                 if key is not None and info.header.get("input_digest") != input_digest:
                     bound = load_value(info.header.get("input"))
                     raise KeyConflictError(
