@@ -476,9 +476,11 @@ class Engine:
         return item
 
     def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                   identity: str) -> None:
-        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`)."""
-        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget)
+                   identity: str, *, scheduled_at: datetime | None = None) -> None:
+        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`);
+        `scheduled_at` is the tick of the schedule that starts it (`ctx.scheduled_at`)."""
+        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
+                     scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
 
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,

@@ -109,6 +109,7 @@ class Header(_Base, tag="run", omit_defaults=False):
     module: str | None = None
     parent: str | None = None
     detached: bool = False
+    scheduled_at: str | None = None  # the tick (ISO 8601) a run a schedule started serves
     ts: float | None = None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from durably_py import NonRetryableError, Retry, attempt, workflow
+from durably_py import NonRetryableError, NotSupportedError, Retry, attempt, workflow
 
 MARKS = Path(os.environ.get("DURABLY_TEST_MARKS", "/tmp/durably-restate-marks"))
 
@@ -94,3 +94,13 @@ async def rs_deadline(ctx, tag: str) -> str:
 @workflow
 async def rs_fails(ctx, tag: str) -> None:
     await ctx.step(charge, tag, retry=Retry(5, backoff="none"))
+
+
+@workflow
+async def rs_self(ctx, tag: str) -> dict:
+    """What a run knows of itself: no schedule started it; its engine where it has one."""
+    try:
+        ctx.engine  # noqa: B018 - the attribute is the check
+    except NotSupportedError:
+        return {"tick": ctx.scheduled_at, "engine": "unsupported"}
+    return {"tick": ctx.scheduled_at, "engine": "available"}

@@ -87,3 +87,10 @@ def test_a_non_retryable_failure_ends_the_run_as_a_terminal_failure(env: Restate
     assert state["status"] == "failed" and [s["attempts"] for s in state["steps"]] == [1]
     again = on_restate(env, "run", FLOWS, "--workflow", "rs_fails", "--input", '"bad"', "--key", "bad")
     assert again.returncode == 1 and executions(marks, "bad") == 1  # Restate does not retry the invocation
+
+
+def test_what_a_run_knows_of_itself(env: RestateEnv, tmp_path: Path) -> None:
+    restate = on_restate(env, "run", FLOWS, "--workflow", "rs_self", "--input", '"me"', "--key", "self")
+    files = on_files(tmp_path, "run", FLOWS, "--workflow", "rs_self", "--input", '"me"', "--key", "self")
+    assert json.loads(restate.stdout) == {"tick": None, "engine": "unsupported"}, restate.stderr
+    assert json.loads(files.stdout) == {"tick": None, "engine": "available"}, files.stderr
