@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import NonRetryableError, ValidationError
+from .errors import ValidationError
 
 Backoff = Literal["exponential", "linear", "constant", "none"]
 _BACKOFFS = ("exponential", "linear", "constant", "none")
@@ -81,11 +81,12 @@ class Retry:
                                       docs="docs/policies.md#retry")
 
     def gives_up(self, failed_attempt: int, error: BaseException) -> bool:
-        """True when attempt `failed_attempt` (from 1) failing with `error` fails the step: the attempts are
-        used up, or the error is one that no retry can fix."""
+        """True when attempt `failed_attempt` (from 1) failing with `error` ends the retries under this policy:
+        the attempts are used up, or the error is one of `give_up_on` (errors no policy retries, such as
+        `NonRetryableError`, the kernel checks for every step)."""
         if self.attempts is not None and failed_attempt >= self.attempts:
             return True
-        return isinstance(error, NonRetryableError) or bool(self.give_up_on) and isinstance(error, self.give_up_on)
+        return bool(self.give_up_on) and isinstance(error, self.give_up_on)
 
     def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after attempt number `failed_attempt` (from 1) failed."""

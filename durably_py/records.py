@@ -332,7 +332,7 @@ class Note(_Base, tag="note"):
     call appends nothing; a call inside a step, and logs written before these fields existed, have neither."""
 
     notes: dict[str, Any] = msgspec.field(name="n")
-    strand: str | None = msgspec.field(default=None, name="p")
+    strand: str | None = msgspec.field(default=None, name="sp")  # not "p": it is no step path
     index: int | None = msgspec.field(default=None, name="i")
     ts: float | None = None
 

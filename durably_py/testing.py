@@ -475,8 +475,10 @@ class TestEngine:
         return report
 
     def close(self) -> None:
-        """Release the engine's worker threads (the pytest fixture does this after each test)."""
+        """Release the engine's worker threads (the pytest fixture does this after each test) and its clock."""
         self.engine.executor.shutdown(wait=False, cancel_futures=True)
+        if self.clock.on_advance == self._fire_timers:
+            self.clock.on_advance = None
 
     def __enter__(self) -> TestEngine:
         return self

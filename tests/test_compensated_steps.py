@@ -362,6 +362,31 @@ def test_sigkill_while_compensating_then_resume_finishes_the_failure(flows: Any,
     assert booked(effects) == {item: ["cancelled", "standing"] for item in ITEMS}
 
 
+def test_sigkill_while_a_child_compensates_then_retry_the_parent(flows: Any, effects: Effects, flags: Any,
+                                                                 tmp_path: Path) -> None:
+    """The child was killed half way through its compensations: retrying the parent retries the child the
+    same way (its cancelled bookings are made again, its flight kept)."""
+    script, _ = flows
+    state_dir = tmp_path / "state"
+    flags("slow-cancel-flight")
+    proc = start_trip(state_dir, script, key="parent", workflow="cs_child_trip")
+
+    def child_comps() -> list[str]:
+        try:
+            children = state_of(state_dir, "parent").children
+        except Exception:  # noqa: BLE001 - the parent does not exist yet
+            return []
+        return comps(state_dir, children[0]) if children else []
+
+    wait_until(lambda: child_comps() == ["2", "1"] or proc.poll() is not None)
+    kill(proc)
+    flags("slow-cancel-flight", False)
+    flags("pay-ok")
+    check_trip(retried(cli("retry", "parent", "--dir", str(state_dir), "--json")), effects)
+    assert booked(effects) == {"flight": ["standing"], "car": ["cancelled", "standing"],
+                               "hotel": ["cancelled", "standing"]}
+
+
 def test_sigkill_of_a_worker_while_compensating(flows: Any, effects: Effects, flags: Any, tmp_path: Path) -> None:
     """A second worker takes the run over and finishes its failure; the retry then books everything again."""
     script, _ = flows
