@@ -20,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 from durably_py import RunState, engine_for
 from durably_py._workflow import load_script
 
@@ -77,6 +79,27 @@ def load(script: Path) -> ModuleType:
     if module is None:
         module = _loaded[script] = load_script(script)
     return module
+
+
+def flows_fixture(name: str, body: str) -> Any:
+    """A module-scoped fixture giving (the script `name`.py written from `body`, the module it is here)."""
+
+    @pytest.fixture(scope="module")
+    def flows(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModuleType]:
+        script = write_script(tmp_path_factory.mktemp(name), name, body)
+        return script, load(script)
+
+    return flows
+
+
+def effects_fixture() -> Any:
+    """A fixture named `effects`: the test's effects file."""
+
+    @pytest.fixture(name="effects")
+    def make(tmp_path: Path) -> Effects:
+        return Effects(tmp_path / "effects.txt")
+
+    return make
 
 
 def environ() -> dict[str, str]:

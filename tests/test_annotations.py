@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modes import Effects, cli_process, in_worker, kill, load, records, state_of, wait_until, write_script
+from modes import Effects, cli_process, effects_fixture, flows_fixture, in_worker, kill, records, state_of, wait_until
 
 from durably_py import create_engine, run
 from durably_py.testing import TestEngine
@@ -80,16 +80,8 @@ async def an_loop(ctx, n):
 '''
 
 
-@pytest.fixture(scope="module")
-def flows(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("note_flows")
-    script = write_script(folder, "note_flows", FLOWS)
-    return script, load(script)
-
-
-@pytest.fixture
-def effects(tmp_path: Path) -> Effects:
-    return Effects(tmp_path / "effects.txt")
+flows = flows_fixture("note_flows", FLOWS)
+effects = effects_fixture()
 
 
 def notes(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

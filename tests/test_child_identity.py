@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from helpers import storage_of
-from modes import Effects, cli, load, serve, state_of, write_script
+from modes import Effects, cli, flows_fixture, serve, state_of
 
 import durably_py._engine as engine_module
 from durably_py import ValidationError, create_engine
@@ -49,11 +49,7 @@ async def ci_later(ctx):
 '''
 
 
-@pytest.fixture(scope="module")
-def flows(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("identity_flows")
-    script = write_script(folder, "identity_flows", FLOWS)
-    return script, load(script)
+flows = flows_fixture("identity_flows", FLOWS)
 
 
 @contextlib.contextmanager

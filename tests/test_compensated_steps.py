@@ -16,14 +16,14 @@ from modes import (
     Effects,
     cli,
     cli_process,
+    effects_fixture,
+    flows_fixture,
     in_worker,
     kill,
-    load,
     records,
     serve,
     state_of,
     wait_until,
-    write_script,
 )
 
 from durably_py import PurityError, create_engine, engine_for, run
@@ -101,16 +101,8 @@ async def cs_loop_trip(ctx, items):
 ITEMS = ["flight", "car", "hotel"]
 
 
-@pytest.fixture(scope="module")
-def flows(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("comp_flows")
-    script = write_script(folder, "comp_flows", FLOWS)
-    return script, load(script)
-
-
-@pytest.fixture
-def effects(tmp_path: Path) -> Effects:
-    return Effects(tmp_path / "effects.txt")
+flows = flows_fixture("comp_flows", FLOWS)
+effects = effects_fixture()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from modes import Effects, cli_process, in_worker, kill, load, records, state_of, wait_until, write_script
+from modes import Effects, cli_process, effects_fixture, flows_fixture, in_worker, kill, records, state_of, wait_until
 
 from durably_py import NonRetryableError, Retry, ValidationError, create_engine, run
 from durably_py._codec import from_iso
@@ -79,16 +79,8 @@ async def rp_deadline(ctx, spec):
 '''
 
 
-@pytest.fixture(scope="module")
-def flows(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("retry_flows")
-    script = write_script(folder, "retry_flows", FLOWS)
-    return script, load(script)
-
-
-@pytest.fixture
-def effects(tmp_path: Path) -> Effects:
-    return Effects(tmp_path / "effects.txt")
+flows = flows_fixture("retry_flows", FLOWS)
+effects = effects_fixture()
 
 
 def steps(state: Any) -> list[tuple[str, str, int]]:

@@ -10,8 +10,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import pytest
-from modes import Effects, in_worker, load, write_script
+from modes import Effects, effects_fixture, flows_fixture, in_worker
 
 from durably_py import run
 from durably_py.testing import TestEngine
@@ -60,16 +59,8 @@ async def ts_self(ctx, seconds):
 '''
 
 
-@pytest.fixture(scope="module")
-def flows(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("skip_flows")
-    script = write_script(folder, "skip_flows", FLOWS)
-    return script, load(script)
-
-
-@pytest.fixture
-def effects(tmp_path: Path) -> Effects:
-    return Effects(tmp_path / "effects.txt")
+flows = flows_fixture("skip_flows", FLOWS)
+effects = effects_fixture()
 
 
 def bills(effects: Effects) -> list[tuple[str, str]]:
