@@ -20,7 +20,7 @@ from typing import Any
 from . import _versioning as versioning
 from . import records as log_format
 from ._advisories import Advisory, AdvisoryTracker
-from ._children import ChildRuns, joined
+from ._children import ChildRuns, check_bound, joined
 from ._clock import Clock
 from ._code import CodeSource
 from ._codec import digest, dump_error, dump_value, load_value, to_iso
@@ -160,6 +160,7 @@ class Engine:
         self.queue = RunQueue(self)
         self.children = ChildRuns(self)
         self.operations = Operations(self)
+        self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
 
     @property
     def lease_ttl(self) -> float:
@@ -480,6 +481,7 @@ class Engine:
                 continue
             if info is not None and not fresh:
                 self._valid(info)
+                check_bound(identity, info)
                 if key is not None and info.header.get("input_digest") != input_digest:
                     bound = load_value(info.header.get("input"))
                     raise KeyConflictError(
@@ -505,9 +507,11 @@ class Engine:
         return item
 
     def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                   identity: str) -> None:
-        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`)."""
-        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget)
+                   identity: str, *, scheduled_at: datetime | None = None) -> None:
+        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`);
+        `scheduled_at` is the tick of the schedule that starts it (`ctx.scheduled_at`)."""
+        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
+                     scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
 
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
@@ -584,9 +588,11 @@ class Engine:
                            on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
         kernel.end_sync = end_sync
-        if history.end is not None and history.end.status == "failed":
+        failed = history.end is not None and history.end.status == "failed"
+        retried = lease.run_id in self.retries
+        if failed or retried and history.failing:
             kernel.write(log_format.Reopen(ts=time.time()))
-            kernel.retrying = True
+        kernel.retrying = failed or retried
         kernel.parks = stopping is not None and not kernel.retrying
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
             kernel.write(log_format.Code(fingerprint=workflow.fingerprint))

@@ -456,7 +456,13 @@ class Operations:
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                       docs="docs/operations.md#retry")
-        return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+        # Unlike running it again, a retry reopens a run killed while it was failing (its compensations had
+        # begun) as it does a failed one, and resumes each failed (or failing) child it joins once.
+        engine.retries.add(run_id)
+        try:
+            return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+        finally:
+            engine.retries.discard(run_id)
 
     def reset_paths(self, history: History, selector: Any) -> builtins.list[str]:
         """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""

@@ -585,13 +585,12 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         line.append(f"  → sleeping until {_when_text(step.output.get('until'))}", "blue")
     elif step.error:
         line.append(f"  → {step.preview()}", "red")
-    elif step.status == "ok" and not (step.label == "ctx.sleep" and step.output is None):
+    elif step.status in ("ok", "compensated") and not (step.label == "ctx.sleep" and step.output is None):
         line.append(f"  → {json_text(step.output)}")
     if step.stashed is not None:
         line.append(f"  stashed: {json_text(step.stashed, 60)}", "yellow")
-    if step.compensation is not None:
-        ok = step.compensation == "ok"
-        line.append("  compensated" if ok else "  compensation failed", "yellow" if ok else "red")
+    if step.compensation == "failed":
+        line.append("  compensation failed", "red")
     return line
 
 
@@ -1333,6 +1332,14 @@ def record_line(rec: dict[str, Any]) -> Text:
         line.append(step, "bold")
         deadline = f" (deadline {_when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
         line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
+    elif kind == "comp":
+        line.append(step, "bold")
+        if rec.get("ok"):
+            line.append("compensated", "yellow")
+        else:
+            line.append(f"compensation failed: {_record_error(rec.get('e'))}", "red")
+    elif kind == "reopen":
+        line.append("run reopened: its failed and compensated steps run again", "cyan")
     elif kind == "end":
         status = str(rec.get("status"))
         line.append(f"run {status}", COLOURS.get(status, "bold"))

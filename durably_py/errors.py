@@ -92,6 +92,15 @@ class StepFailedError(DurablyError):
     anchor = "stepfailederror"
 
 
+class NonRetryableError(DurablyError):
+    """Raised by a step to fail it at once: no retry policy runs it again (subclass it for your own errors).
+
+    The step fails with this error as every failed step does (compensations run if the workflow fails)."""
+
+    default_hint = "The step gave up on purpose; fix the cause, then retry the run (`durably retry RUN`)."
+    anchor = "nonretryableerror"
+
+
 class StepInterruptedError(DurablyError):
     """A `replay="unsafe"` step started and never finished: its process died inside it."""
 
