@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._codec import digest, dump_value, load_error, load_value
 from ._history import History
-from .errors import DurablyError, LeaseLostError, RunCancelledError, WorkflowFailedError
-from .storage.base import NewRun
+from .errors import DurablyError, LeaseLostError, RunCancelledError, ValidationError, WorkflowFailedError
+from .storage.base import NewRun, RunInfo
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -407,6 +407,22 @@ def joined(workflow: Workflow | None, history: History) -> Any:
     raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
 
 
+def check_bound(identity: str, info: RunInfo, parent: str | None = None) -> None:
+    """Refuse a run that `identity` points at but that was created for another identity (two runs given one id:
+    a collision of its random bits, or ids forced by hand), so one run is never taken for two. A header
+    without an identity (an older log) is taken at its word."""
+    recorded = info.header.get("identity")
+    if recorded is None or recorded == identity:
+        return
+    whose = f"run {parent}" if parent is not None else "this run"
+    raise ValidationError(
+        f"{identity} points at run {info.run_id}, which was created as {recorded}: two runs were given one id, "
+        f"and {whose} cannot tell them apart",
+        hint=f"Start {whose} over with `durably restart {parent or 'RUN'}`; nothing of run {info.run_id} is "
+             "changed." if parent is not None else "Start it over with fresh=True (`durably restart RUN`).",
+        docs="docs/running.md#run-ids", run_id=info.run_id, identity=identity, recorded=recorded)
+
+
 class ChildRuns:
     """The child runs of one engine (`Engine.children`): creating them, running them here, reading how they ended.
 
@@ -467,8 +483,10 @@ class ChildRuns:
             identities = [f"child:{parent}:{path}" for path, _, _ in part]
             for identity, found, (_, workflow, input) in zip(identities, storage.lookup_many(identities), part,
                                                              strict=True):
-                if found is not None and storage.info(found) is not None:
-                    run_ids.append(found)
+                info = storage.info(found) if found is not None else None
+                if info is not None:
+                    check_bound(identity, info, parent)
+                    run_ids.append(info.run_id)
                     continue
                 schema = workflow.input_schema
                 wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
@@ -517,7 +535,15 @@ class ChildRuns:
         if info is not None and info.last.get("t") == "end" and (
                 info.last.get("status") != "failed" or not rerun_failed):
             return joined(workflow, History([info.header, info.last], f"run {run_id}"))
-        return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id, advisories="silent")
+        if not rerun_failed:
+            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
+                                         advisories="silent")
+        self.engine.retries.add(run_id)  # retried with its parent: failed, or killed while failing, it is reopened
+        try:
+            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
+                                         advisories="silent")
+        finally:
+            self.engine.retries.discard(run_id)
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""

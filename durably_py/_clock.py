@@ -14,7 +14,13 @@ import contextvars
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Clock:
@@ -49,7 +55,9 @@ class FakeClock(Clock):
     """Virtual time: waits complete when `advance()` passes them, or at once when `auto` and nothing else runs.
 
     `advance()` moves both clocks; `jump()` moves only the wall clock, as NTP or an operator would, and wakes
-    nothing."""
+    nothing. `on_advance`, when set (a `TestEngine` sets it), is called by `advance()` with the instant it
+    moves to, before the clock gets there: it fires the timers due on the way, each at its own instant, by
+    moving the clock there with `reach()`."""
 
     def __init__(self, start: datetime | None = None, *, auto: bool = True) -> None:
         self._start = start or datetime(2026, 1, 1, tzinfo=UTC)
@@ -60,6 +68,7 @@ class FakeClock(Clock):
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self._driver: asyncio.Task[None] | None = None
+        self.on_advance: Callable[[datetime], None] | None = None
 
     def now(self) -> datetime:
         """The virtual wall-clock time."""
@@ -70,10 +79,22 @@ class FakeClock(Clock):
         return self._mono
 
     def advance(self, seconds: float) -> None:
-        """Move virtual time forward and wake every wait that is due."""
+        """Move virtual time forward and wake every wait that is due (with `on_advance`: in order, each timer
+        at its own instant)."""
         if seconds < 0:
             raise ValueError("the clock only moves forward")
-        self._mono += seconds
+        target = self._mono + seconds
+        if self.on_advance is not None:
+            self.on_advance(self._start + timedelta(seconds=target + self._skew))
+        self._mono = max(self._mono, target)
+        self._wake()
+
+    def reach(self, when: datetime) -> None:
+        """Move virtual time forward to wall-clock instant `when` (if it is later than now) and wake every wait
+        due by then; `on_advance` is not called."""
+        ahead = (when - self.now()).total_seconds()
+        if ahead > 0:
+            self._mono += ahead
         self._wake()
 
     def jump(self, seconds: float) -> None:
@@ -81,10 +102,21 @@ class FakeClock(Clock):
         self._skew += seconds
 
     def _wake(self) -> None:
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
         while self._sleepers and self._sleepers[0][0] <= self._mono:
             _, _, fut = heapq.heappop(self._sleepers)
-            if not fut.done():
+            if fut.done():
+                continue
+            if fut.get_loop() is current:
                 fut.set_result(None)
+                continue
+            try:  # a wait of another event loop (a TestEngine fires timers on a loop of its own)
+                fut.get_loop().call_soon_threadsafe(_settle, fut)
+            except RuntimeError:  # its loop is closed: nothing waits for it any more
+                pass
 
     async def sleep(self, seconds: float) -> None:
         """Wait in virtual monotonic time."""
@@ -93,9 +125,10 @@ class FakeClock(Clock):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (self._mono + seconds, next(self._seq), fut))
-        if self.auto and (self._driver is None or self._driver.done()):
+        loop = asyncio.get_running_loop()
+        if self.auto and (self._driver is None or self._driver.done() or self._driver.get_loop() is not loop):
             # in a context of its own: it is the clock's, not one of the tasks of the run whose wait started it
-            self._driver = asyncio.get_running_loop().create_task(self._drive(), context=contextvars.Context())
+            self._driver = loop.create_task(self._drive(), context=contextvars.Context())
         await fut
 
     async def sleep_until(self, when: datetime) -> None:

@@ -1,11 +1,15 @@
 """Where the CLI keeps its state and how it prints: one resolution every command shares.
 
 Each setting comes from the first source that sets it: a command-line flag, then the environment
-(`DURABLY_DIR`, `DURABLY_STORAGE`, `NO_COLOR`, `DURABLY_RESTATE`, `DURABLY_RESTATE_ADMIN`), then the project's
+(`DURABLY_DIR`, `DURABLY_STORAGE`, `NO_COLOR`, `DURABLY_RESTATE`, `DURABLY_RESTATE_ADMIN`, and the engine's
+`DURABLY_LEASE`, `DURABLY_HEARTBEAT`, `DURABLY_POLL`, `DURABLY_CONCURRENCY`, `DURABLY_RETENTION`,
+`DURABLY_IMPORT_RECORDED`, `DURABLY_CODE_ROOT`), then the project's
 `.durably/config.toml` (the nearest `.durably/` folder in the current directory or a parent, found the way git
 finds `.git`), then the user's `config.toml` under `platformdirs.user_config_dir("durably")`. Without any of
 them the state dir is that nearest `.durably/`, else `./.durably`. The file keys are the flags' names: `dir`,
-`storage`, `color`, `restate`, `restate_admin`.
+`storage`, `color`, `restate`, `restate_admin`, and the engine's `lease`, `heartbeat`, `poll`, `concurrency`,
+`retention`, `import_recorded`, `code_root` (`ENGINE_KEYS`): every command that opens an engine applies them
+(`durably run`, `retry`, `worker`, `ui`, ...), `durably worker` also its poll interval and retention.
 
 The Restate admin URL belongs with its ingress URL: an admin URL from a lower source than the ingress URL's
 (say the project file's, under a `--restate` flag) is not paired with it; the admin is then the ingress host
@@ -15,6 +19,7 @@ on port 9070, as when none is set.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import urllib.parse
 from dataclasses import dataclass, field
@@ -25,7 +30,9 @@ from .errors import ValidationError
 
 STATE_DIR = ".durably"
 CONFIG_FILE = "config.toml"
-KEYS = ("dir", "storage", "color", "restate", "restate_admin")
+ENGINE_KEYS = ("lease", "heartbeat", "poll", "concurrency", "retention", "import_recorded", "code_root")
+KEYS = ("dir", "storage", "color", "restate", "restate_admin", *ENGINE_KEYS)
+ENV_NAMES = {name: f"DURABLY_{name.upper()}" for name in ENGINE_KEYS}
 RESTATE_ADMIN_PORT = 9070
 
 EXAMPLE_CONFIG = """\
@@ -45,6 +52,16 @@ EXAMPLE_CONFIG = """\
 # ingress host). Like --restate / --restate-admin, or DURABLY_RESTATE / DURABLY_RESTATE_ADMIN.
 # restate = "http://127.0.0.1:8080"
 # restate_admin = "http://127.0.0.1:9070"
+
+# The engine and `durably worker` (docs/deploying.md); flags and DURABLY_LEASE, DURABLY_HEARTBEAT, DURABLY_POLL,
+# DURABLY_CONCURRENCY, DURABLY_RETENTION, DURABLY_IMPORT_RECORDED, DURABLY_CODE_ROOT override them.
+# lease = 30              # seconds a claimed run stays held without renewal (at least 1)
+# heartbeat = 10          # seconds between renewals (default: a third of the lease)
+# poll = 0.2              # seconds between a worker's looks at the queue when idle
+# concurrency = 4         # runs (and child runs) at once
+# retention = "30d"       # a worker deletes runs this long after they ended
+# import_recorded = false # a worker may import the module or script a run recorded (under code_root)
+# code_root = "."         # where recorded code may come from (default: the folder holding .durably/)
 """
 
 EXAMPLE_GITIGNORE = """\
@@ -64,6 +81,13 @@ class Settings:
     color: bool = True
     restate: str | None = None
     restate_admin: str | None = None
+    lease: float | None = None
+    heartbeat: float | None = None
+    poll: float | None = None
+    concurrency: int | None = None
+    retention: float | None = None
+    import_recorded: bool = False
+    code_root: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
     project: Path | None = None
     user_file: Path | None = None
@@ -75,7 +99,8 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         """JSON form for `durably config --json`."""
         return {"dir": self.dir, "storage": self.storage, "color": self.color, "restate": self.restate,
-                "restate_admin": self.restate_admin, "sources": dict(self.sources),
+                "restate_admin": self.restate_admin, **{name: getattr(self, name) for name in ENGINE_KEYS},
+                "sources": dict(self.sources),
                 "project": str(self.project) if self.project else None,
                 "user_config": str(self.user_file) if self.user_file else None}
 
@@ -116,6 +141,9 @@ def read_config(path: Path) -> dict[str, Any]:
         if name not in KEYS:
             raise ValidationError(f"config file {path} has unknown key {name!r}",
                                   hint=f"The keys are {', '.join(KEYS)}.", docs="docs/cli.md#configuration")
+        if name in ENGINE_KEYS:
+            data[name] = engine_value(name, value, f"config file {path}: {name}")
+            continue
         expected = bool if name == "color" else str
         if not isinstance(value, expected):
             raise ValidationError(f"config file {path}: {name} must be a {expected.__name__}, got {value!r}",
@@ -123,6 +151,47 @@ def read_config(path: Path) -> dict[str, Any]:
         if name.startswith("restate") and isinstance(value, str):
             check_url(value, f"config file {path}: {name}")
     return data
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration such as `30s`, `5m`, `2h`, `1d`, `1h30m` or a bare number of seconds."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    spec = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", spec):
+        return float(spec)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", spec)
+    if not parts or "".join(n + u for n, u in parts) != spec:
+        raise ValidationError(f"invalid duration {text!r}", hint="Write durations like 30s, 5m, 2h or 1h30m.")
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def engine_value(name: str, value: Any, what: str) -> Any:
+    """An engine setting (`ENGINE_KEYS`) from a config file's TOML value or an environment variable's text:
+    seconds (a number, or a duration text like "30s") for lease, heartbeat, poll and retention, an int for
+    concurrency, a bool for import_recorded, a path for code_root. The engine checks the ranges."""
+    hint = ("e.g. lease = 12, heartbeat = 4, poll = 0.2, concurrency = 8, retention = \"30d\", "
+            "import_recorded = true, code_root = \".\" (DURABLY_LEASE=12, DURABLY_RETENTION=30d, ...).")
+    if name == "code_root":
+        if isinstance(value, str) and value:
+            return value
+    elif name == "import_recorded":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return not _falsy(value)
+    elif name == "concurrency":
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ValidationError:
+            pass
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValidationError(f"{what}: {value!r} is not a valid {name}", hint=hint, docs="docs/deploying.md#settings")
 
 
 def check_url(url: str, what: str) -> str:
@@ -173,6 +242,10 @@ def resolve(dir: str | None = None, storage: str | None = None, *, restate: str 
                                  "restate_admin": env.get("DURABLY_RESTATE_ADMIN") or None}
     env_names = {"dir": "$DURABLY_DIR", "storage": "$DURABLY_STORAGE", "color": "$NO_COLOR",
                  "restate": "$DURABLY_RESTATE", "restate_admin": "$DURABLY_RESTATE_ADMIN"}
+    for name, variable in ENV_NAMES.items():
+        if env.get(variable):
+            env_layer[name] = engine_value(name, env[variable], f"${variable}")
+            env_names[name] = f"${variable}"
     if "NO_COLOR" in env and env["NO_COLOR"] != "":
         env_layer["color"] = False
     elif env.get("DURABLY_COLOR"):
@@ -195,11 +268,41 @@ def resolve(dir: str | None = None, storage: str | None = None, *, restate: str 
         if "color" not in settings.sources and values.get("color") is not None:
             settings.color = bool(values["color"])
             settings.sources["color"] = names["color"]
+        for name in ENGINE_KEYS:
+            if name not in settings.sources and values.get(name) is not None:
+                value = values[name]
+                setattr(settings, name, str((root / os.path.expanduser(value)).resolve()) if name == "code_root"
+                        else value)
+                settings.sources[name] = names[name]
     if "dir" not in settings.sources and "storage" not in settings.sources:
         settings.dir = str(project if project is not None else base / STATE_DIR)
         settings.sources["dir"] = "nearest .durably/" if project is not None else "default"
     settings.sources.setdefault("color", "default")
+    check_engine(settings)
     return settings
+
+
+def check_engine(settings: Settings) -> None:
+    """Check the engine settings' ranges now, so a bad value from the environment or a config file is a usage
+    error naming its source before any command runs (the engine checks them again when it applies them)."""
+    from ._heartbeat import check_lease
+    from ._runs import check_retention
+    from ._worker import check_concurrency, check_poll
+
+    checks: list[tuple[tuple[str, ...], Any]] = [
+        (("lease", "heartbeat"), lambda: check_lease(30.0 if settings.lease is None else settings.lease,
+                                                     settings.heartbeat)),
+        (("concurrency",), lambda: check_concurrency(settings.concurrency)),
+        (("poll",), lambda: check_poll(settings.poll)), (("retention",), lambda: check_retention(settings.retention))]
+    for names, check in checks:
+        given = [name for name in names if getattr(settings, name) is not None]
+        if not given:
+            continue
+        try:
+            check()
+        except ValidationError as exc:
+            sources = " and ".join(dict.fromkeys(settings.sources.get(name, name) for name in given))
+            raise ValidationError(f"{sources}: {exc.message}", hint=exc.hint, docs=exc.docs) from None
 
 
 def _resolve_restate(settings: Settings, layers: list[tuple[dict[str, str], dict[str, Any]]]) -> None:
@@ -226,6 +329,19 @@ def _resolve_restate(settings: Settings, layers: list[tuple[dict[str, str], dict
     elif settings.restate is not None and admin_level > ingress_level:
         settings.restate_admin = default_restate_admin(settings.restate)
         settings.sources["restate_admin"] = "default: the ingress host, port 9070"
+
+
+def override(settings: Settings, name: str, value: Any, flag: str) -> None:
+    """Set engine setting `name` from a command-line `flag` (None: the flag was not given)."""
+    if value is not None:
+        setattr(settings, name, value)
+        settings.sources[name] = flag
+
+
+def project_root(settings: Settings) -> str:
+    """The folder holding the project's `.durably/` (where recorded code may come from by default), else the
+    current directory."""
+    return str(settings.project.parent if settings.project is not None else Path.cwd())
 
 
 def init_project(folder: Path) -> list[Path]:

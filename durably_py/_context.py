@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
 from ._branches import First, first_of
-from ._codec import dump_value, load_value
+from ._codec import dump_value, from_iso, load_value
 from ._history import BUDGET_KINDS
 from ._kernel import Complete, LoopDone, RunHandle, current_attempt
 from ._policies import check_timeout
@@ -19,6 +19,7 @@ from .records import Stash
 
 if TYPE_CHECKING:
     from ._clock import Clock
+    from ._engine import Engine
     from ._graphs import Task
     from ._handles import Handle
     from ._history import History
@@ -37,6 +38,7 @@ class Kernel(Protocol):
     run_id: str
     history: History
     clock: Clock
+    engine: Any
     budget: dict[str, float] | None
     spent: dict[str, float]
 
@@ -186,6 +188,20 @@ class WorkflowContext:
     def attempt(self) -> int:
         """The workflow attempt: 1 for the first process, +1 for every resume."""
         return self._kernel.history.attempt
+
+    @property
+    def engine(self) -> Engine:
+        """The engine running this run (under `TestEngine`, its engine over the test's storage), for what a
+        workflow asks of its own run or of others from inside a step: ``await ctx.engine.inspect(ctx.run_id)``.
+        Answers change as runs move on, so ask inside a step (its result is recorded), not in the workflow body."""
+        return cast("Engine", self._kernel.engine)
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """The tick a run a schedule started serves (timezone-aware UTC, the same in every process and on
+        replay), like DBOS's `scheduled_time`; None for a run no schedule started."""
+        tick = self._kernel.history.header.scheduled_at
+        return from_iso(tick) if tick is not None else None
 
     @overload
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,

@@ -6,7 +6,6 @@ import asyncio
 import base64
 import builtins
 import contextlib
-import importlib
 import inspect as pyinspect
 import os
 import re
@@ -21,8 +20,9 @@ from typing import Any
 from . import _versioning as versioning
 from . import records as log_format
 from ._advisories import Advisory, AdvisoryTracker
-from ._children import ChildRuns, joined
+from ._children import ChildRuns, check_bound, joined
 from ._clock import Clock
+from ._code import CodeSource
 from ._codec import digest, dump_error, dump_value, load_value, to_iso
 from ._context import AttemptContext, WorkflowContext
 from ._events import StepEvent
@@ -37,7 +37,8 @@ from ._runs import PruneReport, Runs, check_retention
 from ._schedules import Schedule
 from ._threads import DaemonPool, SyncPlacement
 from ._timeline import Span
-from ._workflow import REGISTRY, Workflow, as_workflow, load_script
+from ._worker import check_concurrency
+from ._workflow import Workflow, as_workflow
 from .errors import (
     CorruptLogError,
     KeyConflictError,
@@ -134,18 +135,16 @@ class Engine:
     def __init__(self, storage: Storage | None = None, *, concurrency: int = 4, checkpoint_every: int | None = None,
                  budget: dict[str, float] | None = None,
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
-                 lease: float = 30.0, heartbeat: float = 10.0, clock: Clock | None = None,
+                 lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
                  retention: float | None = None) -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
         self.retention = check_retention(retention)
-        self.concurrency = concurrency
+        self.concurrency = check_concurrency(concurrency)
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)
         self.on_run_failed = on_run_failed
-        self.lease_ttl = lease
-        self.heartbeat_every = heartbeat
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         if sync_steps not in ("auto", "thread"):
@@ -155,11 +154,35 @@ class Engine:
         self.executor = DaemonPool(max_workers=64)
         self.placement = SyncPlacement(enabled=sync_steps == "auto")
         self.heartbeat = Heartbeat(self.storage, lease, heartbeat, CONTROL_EVERY)
+        self.code = CodeSource()
         self.gates = Gates(resources)
         self.schedules: dict[str, Schedule] = {}
         self.queue = RunQueue(self)
         self.children = ChildRuns(self)
         self.operations = Operations(self)
+        self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a run this engine claims stays held past its last renewal (`lease=`)."""
+        return self.heartbeat.ttl
+
+    @property
+    def heartbeat_every(self) -> float:
+        """Seconds between renewals of the leases this engine holds (`heartbeat=`)."""
+        return self.heartbeat.every
+
+    def configure(self, *, lease: float | None = None, heartbeat: float | None = None,
+                  concurrency: int | None = None, retention: float | None = None) -> None:
+        """Change settings after construction (the CLI applies its flags, environment and config so), each
+        checked as the constructor checks it; None keeps a setting. A new lease without a heartbeat renews
+        every third of it. Takes effect for every claim, renewal and child pool from then on."""
+        if lease is not None or heartbeat is not None:
+            self.heartbeat.configure(self.lease_ttl if lease is None else lease, heartbeat)
+        if concurrency is not None:
+            self.concurrency = check_concurrency(concurrency)
+        if retention is not None:
+            self.retention = check_retention(retention)
 
     # ---- finding and describing runs (_runs.py) ----------------------------------------------------
     def _read(self, run_id: str) -> tuple[History, str | None]:
@@ -369,14 +392,23 @@ class Engine:
         if run_id is None:
             run_id = await self._identify(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
+        reopen = False  # a run that had failed before this call is run again; one that ends meanwhile is not
         while True:
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check)
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check, reopen=reopen)
             if lease is not None:
                 history = History(lease.records, lease.where)
                 if history.end is not None and history.end.status == "completed":
                     self.storage.release(lease)
                     return None, history, None, lease.torn
                 return lease, history, history.header.input, lease.torn
+            if not self.storage.held(run_id):
+                history, torn = self._read(run_id)
+                if history.end is not None and history.end.status == "failed" and not reopen:
+                    reopen = True
+                    continue
+                if history.end is not None:
+                    return None, history, None, torn
+                continue  # released between the claim and the look
             while self.storage.held(run_id):
                 await asyncio.sleep(JOIN_POLL)
             history, torn = self._read(run_id)
@@ -448,6 +480,7 @@ class Engine:
                 continue
             if info is not None and not fresh:
                 self._valid(info)
+                check_bound(identity, info)
                 if key is not None and info.header.get("input_digest") != input_digest:
                     bound = load_value(info.header.get("input"))
                     raise KeyConflictError(
@@ -473,9 +506,11 @@ class Engine:
         return item
 
     def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                   identity: str) -> None:
-        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`)."""
-        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget)
+                   identity: str, *, scheduled_at: datetime | None = None) -> None:
+        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`);
+        `scheduled_at` is the tick of the schedule that starts it (`ctx.scheduled_at`)."""
+        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
+                     scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
 
     def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                 identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
@@ -552,9 +587,11 @@ class Engine:
                            on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
         kernel.end_sync = end_sync
-        if history.end is not None and history.end.status == "failed":
+        failed = history.end is not None and history.end.status == "failed"
+        retried = lease.run_id in self.retries
+        if failed or retried and history.failing:
             kernel.write(log_format.Reopen(ts=time.time()))
-            kernel.retrying = True
+        kernel.retrying = failed or retried
         kernel.parks = stopping is not None and not kernel.retrying
         if kernel.code_changed and history.fingerprint != workflow.fingerprint:
             kernel.write(log_format.Code(fingerprint=workflow.fingerprint))
@@ -588,34 +625,9 @@ class Engine:
         return self.code_for(self._read(run_id)[0].header)
 
     def code_for(self, header: log_format.Header) -> Workflow:
-        """The workflow code for a run header: registered by name, else imported from its module or script."""
-        run_id = header.run_id
-        name, module, script = header.workflow, header.module, header.script
-        found = REGISTRY.get(name)
-        if found is None and module and module != "__main__" and module not in sys.modules:
-            try:
-                importlib.import_module(module)
-            except ModuleNotFoundError:
-                pass
-            found = REGISTRY.get(name)
-        if found is None and script and os.path.isfile(script):
-            folder = os.path.dirname(script)
-            sys.path.insert(0, folder)
-            try:
-                load_script(script)
-            finally:
-                if folder in sys.path:
-                    sys.path.remove(folder)
-            found = REGISTRY.get(name)
-        if found is not None:
-            return found
-        where = f"its script {script} defines no workflow of that name" if script and os.path.isfile(script) \
-            else f"its script {script} does not exist" if script else "no script was recorded for it"
-        raise ValidationError(
-            f"cannot find the code of workflow {name!r} for run {run_id}: it is not registered and {where}",
-            hint="Import the module that defines the workflow first (its @workflow registers it by name), or "
-                 "restore the script at the recorded path.",
-            docs="docs/operations.md#which-code-runs-an-old-run", run_id=run_id, workflow=name, script=script)
+        """The workflow code for a run header: registered by name, else the one module or script it recorded,
+        where `code` allows it (`CodeSource`)."""
+        return self.code.workflow(header)
 
     async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
                      cleanup: float | None = None) -> RunState:

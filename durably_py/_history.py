@@ -45,6 +45,7 @@ class History:
         self.stale_error: dict[str, Any] | None = None
         self.advisories: dict[str, dict[str, Any]] = {}
         self.notes: dict[str, Any] = {}
+        self.noted: dict[str, int] = {}  # per workflow strand, the index of its last `ctx.annotate` call recorded
         self.end: r.End | None = None
         self.claim: r.Claim | None = None
         self.park: r.Park | None = None  # a join or a retry backoff the run parked in since its last claim
@@ -109,6 +110,11 @@ class History:
                 self.signals.add(rec.signal)
         else:
             self.errs.add(rec.path)
+
+    def _note(self, rec: r.Note) -> None:
+        self.notes.update(rec.notes)
+        if rec.strand is not None and rec.index is not None and rec.index > self.noted.get(rec.strand, -1):
+            self.noted[rec.strand] = rec.index
 
     def _advice(self, rec: r.Advice) -> None:
         self.advisories[rec.advisory["code"]] = rec.advisory
@@ -175,16 +181,30 @@ class History:
             detail["patch"] = attrs["patch"]
         return detail
 
+    @property
+    def failing(self) -> bool:
+        """True while the run is failing: compensations ran (since it was last reopened) and it has not ended,
+        so a process was killed between its failure and its end."""
+        return bool(self.comps) and self.end is None
+
     def reopen(self, rec: r.Reopen | None = None) -> None:
-        """A failed run resumes: failed and compensated steps run again, with fresh attempts."""
-        failed = [p for p in self.errs if isinstance(self.done.get(p), r.Err)]
-        failed.extend(p for p in self.comps if p in self.done)
+        """A failed (or failing) run resumes: its failed steps run again with fresh attempts, and so does every
+        step a compensation undid (the loop around one runs again too, from before it: its recorded result and
+        a snapshot taken after it are dropped). A step whose compensation failed was not undone: it keeps its
+        result, and its compensation runs again should the run fail again."""
+        rerun = [p for p in self.errs if isinstance(self.done.get(p), r.Err)]
+        undone = [p for p, comp in self.comps.items() if comp.ok]
+        rerun.extend(p for p in undone if p in self.done)
+        for parts in (p.split(".") for p in undone):  # a loop's recorded result holds its undone steps' results
+            rerun.extend(q for q in (".".join(parts[:k]) for k in range(1, len(parts))) if q in self.done)
         self.errs.clear()
-        for path in dict.fromkeys(failed):
+        for path in dict.fromkeys(rerun):
             del self.done[path]
             self.fails.pop(path, None)
             self.starts.pop(path, None)
             self.waits.pop(path, None)
+        for loop in [loop for loop in self.snaps if any(self.snapshotted(p, loop) for p in undone)]:
+            del self.snaps[loop]
         self.comps.clear()
         self.end = None
 
@@ -192,7 +212,7 @@ class History:
         """`retry --from-step`: the steps at `paths` run again (loops rewind past them); the run is open again."""
         if isinstance(paths, r.Reset):
             paths = paths.paths
-        if self.end is not None and self.end.status == "failed":
+        if self.end is not None and self.end.status == "failed" or self.failing:
             self.reopen()
         drop = set(paths)
         for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps):
@@ -243,10 +263,10 @@ class History:
                             return True
         return False
 
-    def snapshotted(self, path: str) -> bool:
-        """True for a step inside a loop iteration that a later snapshot already covers."""
+    def snapshotted(self, path: str, only: str | None = None) -> bool:
+        """True for a step inside a loop iteration that a later snapshot already covers (of the loop at `only`)."""
         for loop, snap in self.snaps.items():
-            if path.startswith(loop + "."):
+            if (only is None or loop == only) and path.startswith(loop + "."):
                 iteration = path[len(loop) + 1:].partition(".")[0]
                 if iteration.isdigit() and int(iteration) <= snap.iteration:
                     return True
@@ -277,6 +297,8 @@ class History:
         out.extend(self.patches.values())
         out.extend(self.adopted.values())
         out.extend(r.Advice(advisory=a) for a in self.advisories.values())
+        out.extend(r.Note(notes={}, strand=strand, index=i) for strand, i in self.noted.items()
+                   if not self.snapshotted(strand + "0"))  # a strand a snapshot covers never runs again
         if self.notes:
             out.append(r.Note(notes=self.notes))
         if self.end:
@@ -311,7 +333,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Claim: History._claim,
     r.Stale: History._stale,
     r.Advice: History._advice,
-    r.Note: lambda h, rec: h.notes.update(rec.notes),
+    r.Note: History._note,
     r.Patch: History._patch,
     r.Adopt: History._adopt,
     r.End: History._end,
@@ -340,7 +362,8 @@ def _preview(value: Any, limit: int = 80) -> str:
 
 @dataclass
 class StepState:
-    """One step as `inspect` shows it."""
+    """One step as `inspect` shows it. `status` is ok, failed, retrying, running, interrupted, waiting,
+    sleeping, or compensated (it completed and a compensation then undid it: a retry runs it again)."""
 
     path: tuple[int, ...]
     label: str
@@ -364,7 +387,7 @@ class StepState:
         """A one-line preview of the output or the error."""
         if self.error:
             return f"{self.error['type'].rpartition(':')[2]}: {self.error['message']}"
-        return _preview(self.output) if self.status == "ok" else ""
+        return _preview(self.output) if self.status in ("ok", "compensated") else ""
 
 
 @dataclass
@@ -486,6 +509,8 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         comp = history.comps.get(path)
         if comp is not None:
             step.compensation = "ok" if comp.ok else "failed"
+            if comp.ok and step.status == "ok":
+                step.status = "compensated"  # undone: a retry runs it again
         state.steps.append(step)
     park = history.park
     if park is not None and park.until is None and park.path not in history.done:

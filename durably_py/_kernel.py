@@ -21,7 +21,7 @@ import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -58,6 +58,7 @@ from .errors import (
     DependencyFailedError,
     LeaseLostError,
     LoopLimitError,
+    NonRetryableError,
     PurityError,
     RunCancelledError,
     SerializationError,
@@ -68,6 +69,7 @@ from .errors import (
     ValidationError,
     WaitTimeoutError,
 )
+from .storage.base import validate_name
 
 if TYPE_CHECKING:
     from ._graphs import Task
@@ -78,7 +80,8 @@ if TYPE_CHECKING:
 CO_COROUTINE = inspect.CO_COROUTINE
 _Ok = records.Ok
 PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable
-NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError)
+NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError,
+                 NonRetryableError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
@@ -100,6 +103,19 @@ class Complete(BaseException):  # noqa: N818 - control flow, not an error
     def __init__(self, value: Any) -> None:
         super().__init__()
         self.value = value
+
+
+def retry_started(prior: records.Fail | None, now: datetime, ms: float) -> datetime:
+    """When a step's first attempt started, on the run's clock: as its earlier failed attempts recorded it, else
+    (this is the first) this attempt's start. A log written before the field existed gives the start of its
+    last failed attempt, by that record's timestamp."""
+    if prior is None:
+        return now - timedelta(milliseconds=ms)
+    if prior.first is not None:
+        return from_iso(prior.first)
+    if prior.ts is not None:
+        return datetime.fromtimestamp(prior.ts - (prior.ms or 0) / 1000, UTC)
+    return now - timedelta(milliseconds=ms)
 
 
 def timeout_hint(retry: Any) -> str:
@@ -395,6 +411,7 @@ def check_signal_name(name: Any) -> None:
         raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
                               hint="Name what you wait for, e.g. ctx.wait_for('approval').",
                               docs="docs/authoring.md#parking")
+    validate_name(name)
 
 
 def check_handle(handle: Any) -> None:
@@ -630,6 +647,7 @@ class RunKernel:
         self.dead = False
         self.executions: dict[str, int] = {}
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
+        self.annotations: dict[str, int] = {}  # `ctx.annotate` calls made so far in this process, per strand
         self.storm = RetryStormWindow()
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
         self.children: list[asyncio.Future[Any] | Spawned] = []  # attached children (`attach`), pruned as they settle
@@ -1340,17 +1358,25 @@ class RunKernel:
         if ms >= 30_000 and not att.did_stash:
             self.advise("STASH_SUGGESTED", ms / 1000,
                         f"step {label!r} ran {ms / 1000:.0f}s and failed without stashing progress")
-        if retry is None or number >= retry.attempts or isinstance(exc, NOT_RETRYABLE):
+        wake = first = None
+        if retry is not None and not retry.gives_up(number, exc) and not isinstance(exc, NOT_RETRYABLE):
+            now = self.clock.now()
+            wake = now + timedelta(seconds=retry.delay(number))
+            if retry.deadline is not None:
+                first = retry_started(self.history.fails.get(path), now, ms)
+                if wake > first + timedelta(seconds=retry.deadline):
+                    exc.add_note(f"step {label!r} gave up after attempt {number}: its Retry(deadline="
+                                 f"{retry.deadline:g}) ends before another attempt could start")
+                    wake = None
+        if wake is None:
             await self.live_turn()
             self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
                                    ts=time.time()))
             self.step_done()
             self.emit(path, label, "failed", number, ms, exc)
             raise exc
-        delay = retry.delay(number)
-        wake = self.clock.now() + timedelta(seconds=delay)
         self.write(records.Fail(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
-                                next=to_iso(wake), ts=time.time()))
+                                next=to_iso(wake), first=None if first is None else to_iso(first), ts=time.time()))
         self.emit(path, label, "retrying", number, ms, exc)
         await self.back_off(path, label, wake)
 
@@ -2287,10 +2313,23 @@ class RunKernel:
                             f"spent {self.spent[kind]:g} of the {self.budget[kind]:g} {kind} budget")
 
     def annotate(self, values: dict[str, Any]) -> None:
-        """Attach JSON values to the run (shown by inspect); the latest value of a name wins."""
+        """Attach JSON values to the run (shown by inspect); the latest value of a name wins.
+
+        A call the run already made (its strand is replaying, or the log has this call of its strand) writes
+        nothing, so a resumed run never appends an older value again; a call inside a step is new each time
+        the step runs."""
         wire = dump_value(values, "annotations")
+        strand = index = None
+        att = current_attempt.get(None)
+        scope = current_scope.get(None) if att is None or att.kernel is not self else None
+        if scope is not None and (scope.owner is None or scope.owner is asyncio.current_task()):
+            strand = scope.prefix
+            index = self.annotations.get(strand, 0)
+            self.annotations[strand] = index + 1
+            if index <= self.history.noted.get(strand, -1) or self.replaying():
+                return
         if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
-            self.write(records.Note(notes=wire))
+            self.write(records.Note(notes=wire, strand=strand, index=index, ts=time.time()))
 
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
              max_iterations: int | None) -> Handle[Any]:
@@ -2402,6 +2441,19 @@ class RunKernel:
             error.add_note(line)
             print(f"durably: {line}", file=sys.stderr)
 
+    def completed_undone(self) -> PurityError:
+        """The failure of a failing run (killed after compensations ran, before its end) whose replay returned
+        instead of failing again: its result would rest on steps the compensations undid."""
+        undone = [f"{path_tuple(p)} {self.done[p].label!r}" for p, comp in self.history.comps.items()
+                  if comp.ok and p in self.done]
+        return PurityError(
+            f"run {self.run_id} failed and its compensations undid step(s) {', '.join(undone) or '(compacted)'} "
+            "before it was interrupted; resumed, its workflow returned instead of failing again, so its result "
+            "would use the results of undone steps",
+            hint=f"Retry it (`durably retry {self.run_id}`): the undone steps run again. The workflow took another "
+                 "path than before (changed code, or a decision outside ctx.step).",
+            docs="docs/policies.md#compensation", run_id=self.run_id)
+
     async def run(self, ctx: object) -> Any:
         """Execute the workflow and record how it ended.
 
@@ -2497,6 +2549,8 @@ class RunKernel:
                     await self.parked_on(ended)
                 finally:
                     ended.cancel()
+            if any(comp.ok for comp in self.history.comps.values()):
+                raise self.completed_undone()
             schema = self.workflow.output_schema
             wire = dump_value(schema.to_builtins(result) if schema else result, "result")
             value = load_value(wire)

@@ -25,6 +25,7 @@ from ._events import StepEvent
 from ._history import History, RunState, path_tuple, run_status
 from ._kernel import Selector, selects
 from .errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFoundError, ValidationError
+from .storage.base import validate_name
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -460,6 +461,7 @@ class Operations:
             raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
                                   hint="Use the name the workflow waits for: ctx.wait_for('approval').",
                                   docs="docs/authoring.md#parking")
+        validate_name(name)
         run_id = self.engine.resolve(run)
         wire = dump_value(payload, "payload")
         info = self.storage.info(run_id)
@@ -467,8 +469,14 @@ class Operations:
             raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
                                   hint="Signal a run that is still waiting (`durably list --status waiting`).",
                                   docs="docs/authoring.md#parking", run_id=run_id)
-        self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
-                                                                      payload=wire, at=to_iso(self.engine.clock.now()))))
+        try:
+            line = log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
+                                                       at=to_iso(self.engine.clock.now())))
+        except UnicodeEncodeError:
+            raise ValidationError(f"the payload of signal {name!r} holds text that is not UTF-8 (a lone surrogate)",
+                                  hint="Send text that encodes as UTF-8.", docs="docs/authoring.md#parking",
+                                  run_id=run_id) from None
+        self.storage.send(run_id, line)
 
     # ---- retry and restart ----------------------------------------------------------------------
     async def retry(self, run: str, *, from_step: Selector | None = None,
@@ -507,7 +515,13 @@ class Operations:
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                       docs="docs/operations.md#retry")
-        return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+        # Unlike running it again, a retry reopens a run killed while it was failing (its compensations had
+        # begun) as it does a failed one, and resumes each failed (or failing) child it joins once.
+        engine.retries.add(run_id)
+        try:
+            return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+        finally:
+            engine.retries.discard(run_id)
 
     def reset_paths(self, history: History, selector: Any) -> builtins.list[str]:
         """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""

@@ -50,6 +50,7 @@ COLOURS = {
     "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
     "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
     "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
+    "compensated": "yellow",
 }
 USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
 
@@ -73,8 +74,12 @@ def settings_for(dir: str | None, storage: str | None, restate: str | None = Non
 
 
 def open_engine(settings: config.Settings) -> Engine:
-    """The engine over the state dir or storage URL the settings name (one per location per process)."""
-    return engine_for(settings.dir, settings.storage)
+    """The engine over the state dir or storage URL the settings name (one per location per process), with the
+    lease, heartbeat, concurrency and retention they set."""
+    engine = engine_for(settings.dir, settings.storage)
+    engine.configure(lease=settings.lease, heartbeat=settings.heartbeat, concurrency=settings.concurrency,
+                     retention=settings.retention)
+    return engine
 
 
 def interrupted_exit() -> int:

@@ -159,7 +159,8 @@ def _claim(engine: Engine, item: Schedule, tick: datetime) -> str | None:
     if not storage.bind(identity, run_id, expect=found):
         return None
     _orphans.pop((id(storage), identity), None)
-    engine.create_run(run_id, item.workflow, item.wire_input, digest(load_value(item.wire_input)), key, identity)
+    engine.create_run(run_id, item.workflow, item.wire_input, digest(load_value(item.wire_input)), key, identity,
+                      scheduled_at=tick)
     return run_id
 
 

@@ -14,6 +14,8 @@ once, so another worker takes it over without waiting for a lease to lapse.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -22,27 +24,41 @@ from typing import TYPE_CHECKING, Any
 from ._history import History
 from ._kernel import Parked
 from ._schedules import fire_due
-from .errors import DurablyError, RunCancelledError
+from .errors import DurablyError, RunCancelledError, ValidationError
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
+SETTINGS_DOCS = "docs/deploying.md#settings"
+
+
+def check_concurrency(concurrency: Any) -> int:
+    """Validate `concurrency=` (runs, and child runs, at once: an int >= 1)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
+                              hint="concurrency=4 runs up to four runs at once.", docs=SETTINGS_DOCS)
+    return concurrency
+
+
+def check_poll(poll: Any) -> float:
+    """Validate a worker's `poll=` (seconds between looks at the queue when idle: 0.01 to 60)."""
+    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0.01 <= poll <= 60:
+        raise ValidationError(f"poll must be 0.01 to 60 seconds, got {poll!r}",
+                              hint="poll=0.2 (the default) looks for due runs five times a second when idle.",
+                              docs=SETTINGS_DOCS)
+    return float(poll)
 
 
 class Worker:
-    """One worker loop over an engine's storage, running at most `concurrency` runs at once."""
+    """One worker loop over an engine's storage, running at most `concurrency` runs at once, of the workflows
+    its engine's `code` claims (`CodeSource.claims`)."""
 
     def __init__(self, engine: Engine, *, concurrency: int = 4, poll: float = 0.2,
                  log: Callable[[str], Any] | None = None) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            from .errors import ValidationError
-
-            raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
-                                  hint="concurrency=4 runs up to four runs at once.", docs="docs/deploying.md")
         self.engine = engine
-        self.concurrency = concurrency
-        self.poll = poll
+        self.concurrency = check_concurrency(concurrency)
+        self.poll = check_poll(poll)
         self._schedules_at = 0.0
         self._prune_at = 0.0
         self.pruned = 0
@@ -56,6 +72,8 @@ class Worker:
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._skip: dict[str, float] = {}
+        self._advertised_at = 0.0
+        self.started = time.time()
 
     # ---- control --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,13 +132,15 @@ class Worker:
         assert self._wake is not None
         try:
             while not self._stopping:
+                self._advertise()
                 await self._fire_schedules()
                 await self._prune()
                 free = self.concurrency - len(self.active)
                 claimed = 0
                 if free > 0:
                     try:
-                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped())
+                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped(),
+                                                          workflows=engine.code.claims())
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
                         leases = []
@@ -144,7 +164,25 @@ class Worker:
             self._stopping = True
             if self.active:
                 await asyncio.gather(*self.active.values(), return_exceptions=True)
+            try:
+                engine.storage.retire(engine.owner)
+            except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
+                self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _advertise(self) -> None:
+        """Tell the storage, every third of the lease, that this worker is live and which workflows it serves
+        (`Storage.advertise`): `durably list` and `inspect` say when no live worker serves a queued run."""
+        if time.monotonic() < self._advertised_at:
+            return
+        engine = self.engine
+        self._advertised_at = time.monotonic() + max(engine.lease_ttl / 3, self.poll)
+        info = {**engine.code.describe(), "pid": os.getpid(), "host": socket.gethostname(),
+                "concurrency": self.concurrency, "lease": engine.lease_ttl, "started": self.started}
+        try:
+            engine.storage.advertise(engine.owner, info, engine.lease_ttl)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
+            self._say(f"advertising this worker failed: {type(exc).__name__}: {exc}")
 
     async def _fire_schedules(self) -> None:
         """Queue the due ticks of the schedules this process serves (at most once a second)."""

@@ -29,6 +29,7 @@ from typer.core import TyperCommand
 
 from . import _config as config
 from . import _launcher as launcher
+from ._code import CodeSource, unserved_notes
 from ._engine import Engine
 from ._history import RunState, StepState, path_tuple
 from ._run_command import (
@@ -66,7 +67,6 @@ from ._run_command import (
     to_json,
     user_frame,
 )
-from ._runs import check_retention
 from ._worker import Worker
 from ._workflow import REGISTRY
 from .errors import DurablyError, ValidationError
@@ -150,16 +150,7 @@ def engine_at(dir: str | None, storage: str | None) -> Engine:
 # ---- small helpers ------------------------------------------------------------------------------
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from a duration such as `30s`, `5m`, `2h`, `1d`, `1h30m` or a bare number of seconds."""
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-    spec = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", spec):
-        return float(spec)
-    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", spec)
-    if not parts or "".join(n + u for n, u in parts) != spec:
-        raise ValidationError(f"invalid duration {text!r}", hint="Write durations like 30s, 5m, 2h or 1h30m.")
-    return sum(float(n) * units[u] for n, u in parts)
+parse_duration = config.parse_duration
 
 
 def _print_json(value: Any) -> None:
@@ -542,6 +533,9 @@ def list_runs(
         if more:
             console.print(Text(f"{more} more (--offset {offset + len(states)} shows the next page, --limit N "
                                "more at once)", "bright_black"))
+        if not restate:
+            for note in unserved_notes(engine.storage, [(s.run_id, s.workflow, s.status) for s in states], time.time()):
+                console.print(Text(note, "yellow"))
 
 
 def json_text(value: Any, limit: int = 100) -> str:
@@ -591,13 +585,12 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         line.append(f"  → sleeping until {_when_text(step.output.get('until'))}", "blue")
     elif step.error:
         line.append(f"  → {step.preview()}", "red")
-    elif step.status == "ok" and not (step.label == "ctx.sleep" and step.output is None):
+    elif step.status in ("ok", "compensated") and not (step.label == "ctx.sleep" and step.output is None):
         line.append(f"  → {json_text(step.output)}")
     if step.stashed is not None:
         line.append(f"  stashed: {json_text(step.stashed, 60)}", "yellow")
-    if step.compensation is not None:
-        ok = step.compensation == "ok"
-        line.append("  compensated" if ok else "  compensation failed", "yellow" if ok else "red")
+    if step.compensation == "failed":
+        line.append("  compensation failed", "red")
     return line
 
 
@@ -775,6 +768,9 @@ def inspect(
         still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
         title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
         _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, title, extras)))
+        if engine is not None:
+            for note in unserved_notes(engine.storage, [(state.run_id, state.workflow, state.status)], time.time()):
+                _out_console().print(Text(note, "yellow"))
 
 
 @app.command()
@@ -1336,6 +1332,14 @@ def record_line(rec: dict[str, Any]) -> Text:
         line.append(step, "bold")
         deadline = f" (deadline {_when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
         line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
+    elif kind == "comp":
+        line.append(step, "bold")
+        if rec.get("ok"):
+            line.append("compensated", "yellow")
+        else:
+            line.append(f"compensation failed: {_record_error(rec.get('e'))}", "red")
+    elif kind == "reopen":
+        line.append("run reopened: its failed and compensated steps run again", "cyan")
     elif kind == "end":
         status = str(rec.get("status"))
         line.append(f"run {status}", COLOURS.get(status, "bold"))
@@ -1461,6 +1465,10 @@ def config_command(
         rows += [(name.replace("_", "-"), value, settings.sources.get(name))
                  for name, value in (("restate", settings.restate), ("restate_admin", settings.restate_admin))
                  if value is not None]
+        rows += [(name.replace("_", "-"), f"{getattr(settings, name)}".lower() if name == "import_recorded"
+                  else f"{getattr(settings, name):g}" if isinstance(getattr(settings, name), float)
+                  else getattr(settings, name), settings.sources[name])
+                 for name in config.ENGINE_KEYS if name in settings.sources]
         out = Text()
         for name, value, source in rows:
             out.append(f"{name:<7} ", "bold")
@@ -1577,18 +1585,32 @@ def _import_code(target: str) -> None:
 
 @app.command()
 def worker(
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, metavar="N",
-                                             help="Runs at once in this worker.")] = 4,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", metavar="N", show_default=False,
+                                                    help="Runs (and child runs) at once in this worker "
+                                                         "[default: 4, or $DURABLY_CONCURRENCY / config].")] = None,
     imports: Annotated[list[str] | None, typer.Option("--import", metavar="PATH_OR_MODULE",
                                                       help="A script or module whose @workflows this worker "
-                                                           "serves (repeatable); otherwise each run's recorded "
-                                                           "module or script is imported.")] = None,
-    lease: Annotated[float, typer.Option("--lease", min=1.0, metavar="SECONDS",
-                                         help="Lease time-to-live on SQLite and PostgreSQL: after a kill, "
-                                              "another worker takes a run over within this plus one poll.")] = 30.0,
-    poll: Annotated[float, typer.Option("--poll", min=0.01, metavar="SECONDS",
-                                        help="How often to look for due runs when idle.")] = 0.2,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run.")] = False,
+                                                           "serves (repeatable); runs of other workflows are left "
+                                                           "for workers that serve them.")] = None,
+    import_recorded: Annotated[bool | None, typer.Option(
+        "--import-recorded/--no-import-recorded", show_default=False,
+        help="Also run other workflows' runs by importing the module or script each recorded, if it lies "
+             "under --code-root [default: off, or $DURABLY_IMPORT_RECORDED / config].")] = None,
+    code_root: Annotated[str | None, typer.Option("--code-root", metavar="DIR", show_default=False,
+                                                  help="Where --import-recorded may import from [default: the "
+                                                       "folder holding .durably/, else the current one].")] = None,
+    lease: Annotated[float | None, typer.Option("--lease", metavar="SECONDS", show_default=False,
+                                                help="Lease of each run on SQLite and PostgreSQL (at least 2): "
+                                                     "after a kill, another worker takes a run over within this "
+                                                     "plus one poll [default: 30].")] = None,
+    heartbeat: Annotated[float | None, typer.Option("--heartbeat", metavar="SECONDS", show_default=False,
+                                                    help="How often held leases are renewed (at most half the "
+                                                         "lease) [default: a third of the lease].")] = None,
+    poll: Annotated[float | None, typer.Option("--poll", metavar="SECONDS", show_default=False,
+                                               help="How often to look for due runs when idle [default: 0.2].")]
+        = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing per run (only the start, the "
+                                                              "stop and warnings).")] = False,
     retention: Annotated[str | None, typer.Option("--retention", metavar="DURATION",
                                                   help="Delete runs this long after they ended (30d, 12h), "
                                                        "checked every tenth of it, at most hourly.")] = None,
@@ -1596,30 +1618,52 @@ def worker(
     storage: StorageOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """Run due runs until stopped: claim, run, park, release, repeat. SIGTERM or Ctrl-C stops gracefully
-    (no new claims or steps; running steps finish and are recorded; leases released; exit 0)."""
+    """Run due runs of the imported workflows until stopped: claim, run, park, release, repeat. SIGTERM or
+    Ctrl-C stops gracefully (no new claims or steps; running steps finish and are recorded; leases released;
+    exit 0)."""
     with _guard(debug):
         settings = settings_for(dir, storage)
+        for name, value, flag in (("concurrency", concurrency, "--concurrency"), ("lease", lease, "--lease"),
+                                  ("heartbeat", heartbeat, "--heartbeat"), ("poll", poll, "--poll"),
+                                  ("retention", None if retention is None else parse_duration(retention),
+                                   "--retention"),
+                                  ("import_recorded", import_recorded, "--import-recorded"),
+                                  ("code_root", None if code_root is None else os.path.abspath(code_root),
+                                   "--code-root")):
+            config.override(settings, name, value, flag)
+        config.check_engine(settings)
+        if not imports and not settings.import_recorded:
+            raise ValidationError("durably worker was given no code to serve",
+                                  hint="Pass --import with the script or module that declares the workflows "
+                                       "(repeatable), or --import-recorded to import the code each run recorded.",
+                                  docs="docs/deploying.md#what-a-worker-serves")
+        before = set(REGISTRY)
         for target in imports or []:
             _import_code(target)
         engine = open_engine(settings)
-        engine.lease_ttl = lease
-        engine.heartbeat_every = max(lease / 3, 0.05)
-        engine.concurrency = concurrency
-        if retention is not None:
-            engine.retention = check_retention(parse_duration(retention))
+        engine.code = CodeSource(serves=frozenset(set(REGISTRY) - before) if imports else frozenset(),
+                                 recorded=settings.import_recorded, root=settings.code_root or config.project_root(
+                                     settings))
 
-        def say(message: str) -> None:
+        def tell(message: str) -> None:
+            sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+            sys.stderr.flush()
+
+        def say(message: str) -> None:  # what happens to each run; --quiet keeps only the start, stop and warnings
             if not quiet:
-                sys.stderr.write(f"{time.strftime('%H:%M:%S')} {message}\n")
-                sys.stderr.flush()
+                tell(message)
 
-        loop_worker = Worker(engine, concurrency=concurrency, poll=poll, log=say)
+        engine.heartbeat.report = tell
+        loop_worker = Worker(engine, concurrency=engine.concurrency,
+                             poll=settings.poll if settings.poll is not None else 0.2, log=say)
         where = settings.storage or os.path.abspath(settings.dir or ".durably")
-        served = ", ".join(sorted(REGISTRY)) or "whatever each run recorded"
-        say(f"durably worker {engine.owner} on {where}: concurrency {concurrency}, serving {served}")
-        asyncio.run(_serve(loop_worker, say))
-        say(f"durably worker stopped after {loop_worker.ran} run turns"
+        served = ", ".join(sorted(engine.code.serves or ())) or "no imported workflow"
+        recorded = f"; recorded code under {engine.code.root}" if engine.code.recorded else ""
+        tell(f"durably worker {engine.owner} on {where}: concurrency {loop_worker.concurrency}, lease "
+            f"{engine.lease_ttl:g}s renewed every {engine.heartbeat_every:g}s, poll {loop_worker.poll:g}s, "
+            f"serving {served}{recorded}")
+        asyncio.run(_serve(loop_worker, tell))
+        tell(f"durably worker stopped after {loop_worker.ran} run turns"
             + (f"; pruned {loop_worker.pruned} ended runs" if loop_worker.pruned else "")
             + (f"; {len(loop_worker.stopped)} stopped part-way and due again" if loop_worker.stopped else ""))
     raise typer.Exit(0)

@@ -92,6 +92,15 @@ class StepFailedError(DurablyError):
     anchor = "stepfailederror"
 
 
+class NonRetryableError(DurablyError):
+    """Raised by a step to fail it at once: no retry policy runs it again (subclass it for your own errors).
+
+    The step fails with this error as every failed step does (compensations run if the workflow fails)."""
+
+    default_hint = "The step gave up on purpose; fix the cause, then retry the run (`durably retry RUN`)."
+    anchor = "nonretryableerror"
+
+
 class StepInterruptedError(DurablyError):
     """A `replay="unsafe"` step started and never finished: its process died inside it."""
 
@@ -224,6 +233,17 @@ class StorageFullError(DurablyError, OSError):
     default_hint = ("Free disk space (or raise the quota or file size limit), then run the same command again: "
                     "the run resumes from its last complete record.")
     anchor = "storagefullerror"
+
+
+class StorageBusyError(DurablyError):
+    """A claim (or an operator's record) waited its storage's bounded time for a run another connection holds
+    locked, and gave up: nothing was written. The message says who holds it, as far as the storage can tell."""
+
+    run_id: str
+
+    default_hint = ("End the transaction that holds the run (commit or roll it back, or stop its process), then "
+                    "run the same command again; nothing was written.")
+    anchor = "storagebusyerror"
 
 
 class LogVersionError(CorruptLogError):

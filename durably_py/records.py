@@ -110,6 +110,7 @@ class Header(_Base, tag="run", omit_defaults=False):
     module: str | None = None
     parent: str | None = None
     detached: bool = False
+    scheduled_at: str | None = None  # the tick (ISO 8601) a run a schedule started serves
     ts: float | None = None
 
 
@@ -211,7 +212,9 @@ class Err(_Base, tag="err"):
 
 
 class Fail(_Base, tag="fail"):
-    """An attempt failed; the step retries at `next`."""
+    """An attempt failed; the step retries at `next`. `first` (ISO 8601, on the run's clock) is when the
+    step's first attempt started, carried from attempt to attempt for `Retry(deadline=)`; logs written
+    before it existed have none."""
 
     path: str = msgspec.field(name="p")
     label: str = msgspec.field(name="l")
@@ -219,6 +222,7 @@ class Fail(_Base, tag="fail"):
     error: dict[str, Any] = msgspec.field(name="e")
     next: str
     ms: float | None = None
+    first: str | None = None
     ts: float | None = None
 
 
@@ -333,9 +337,13 @@ class Advice(_Base, tag="adv"):
 
 
 class Note(_Base, tag="note"):
-    """Annotations set with `ctx.annotate`."""
+    """Annotations set with `ctx.annotate`. `strand` and `index` say which call set them: the `index`-th call
+    (from 0) of the workflow strand whose paths start with `strand` ("" for the body), so a replay of that
+    call appends nothing; a call inside a step, and logs written before these fields existed, have neither."""
 
     notes: dict[str, Any] = msgspec.field(name="n")
+    strand: str | None = msgspec.field(default=None, name="sp")  # not "p": it is no step path
+    index: int | None = msgspec.field(default=None, name="i")
     ts: float | None = None
 
 

@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +39,7 @@ from ._engine import Engine
 from ._events import StepEvent
 from ._history import History, RunState, path_tuple
 from ._kernel import Crash, Observer, Parked, RunHandle, RunKernel, Selector, observing, selects
+from ._schedules import Schedule, fire_due
 from ._workflow import Workflow, as_workflow
 from .errors import (
     CorruptLogError,
@@ -280,6 +283,10 @@ class _ReplayServices:
     def queued_child(self, run_id: str) -> None:
         return None
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else a replayed workflow asks of `ctx.engine` (inspect, list, ...) the real engine answers."""
+        return getattr(self._engine, name)
+
 
 def _without_holds(typed: list[records.Record]) -> list[records.Record]:
     """The records replay reads: pause/resume requests only hold a live run, and a replay never holds."""
@@ -371,6 +378,8 @@ class TestEngine:
         self._advisories: dict[str, str | None] = {}
         self._executions: dict[str, dict[tuple[int, ...], int]] = {}
         self._live: dict[str, dict[tuple[int, ...], tuple[str, int]]] = {}
+        self._firing = False
+        self.clock.on_advance = self._fire_timers
 
     async def run(self, wf: Any, input: Any = None, *, key: str | None = None, crash_after: Selector | None = None,
                   crash_in_step: Selector | None = None, budget: dict[str, float] | None = None,
@@ -405,6 +414,19 @@ class TestEngine:
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Send signal `name` to a run; the next `resume` hands `payload` to its `ctx.wait_for(name)`."""
         await self.engine.signal(run_id, name, payload)
+
+    def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
+        """Start `wf(input)` on every tick of `cron` (UTC) that `fire_schedules` finds due (`Engine.schedule`)."""
+        return self.engine.schedule(wf, cron, input=input, name=name)
+
+    async def fire_schedules(self) -> list[TestRunResult]:
+        """What a worker's loop does once on the fake clock's time: start the latest due tick of every schedule
+        this engine serves (its own and `durably_py.schedule` ones) that has not started yet, and run each
+        started run until it ends or parks; one result per run, in schedule order."""
+        results = []
+        for run_id in await fire_due(self.engine, self.clock.now()):
+            results.append(await self._continue(run_id))
+        return results
 
     async def inspect(self, run_id: str) -> RunState:
         """The run's state as `durably inspect` shows it."""
@@ -453,8 +475,10 @@ class TestEngine:
         return report
 
     def close(self) -> None:
-        """Release the engine's worker threads (the pytest fixture does this after each test)."""
+        """Release the engine's worker threads (the pytest fixture does this after each test) and its clock."""
         self.engine.executor.shutdown(wait=False, cancel_futures=True)
+        if self.clock.on_advance == self._fire_timers:
+            self.clock.on_advance = None
 
     def __enter__(self) -> TestEngine:
         return self
@@ -463,6 +487,63 @@ class TestEngine:
         self.close()
 
     # ---- internals ------------------------------------------------------------------------------
+    async def _continue(self, run_id: str) -> TestRunResult:
+        """Run an existing run of this engine's storage until it ends or parks (as a worker would)."""
+        workflow = self._workflows.get(run_id) or self.engine.workflow_for(run_id)
+        advisories = self._advisories.get(run_id)
+
+        async def start(found: Callable[[str], None]) -> Any:
+            return await self.engine.run(workflow, run_id=run_id, advisories=advisories,
+                                         on_step=self._listener(None), on_run=found, wait=False)
+
+        return await self._drive(workflow, start, advisories)
+
+    def _fire_timers(self, until: datetime) -> None:
+        """`clock.advance()` on this engine's clock: every sleep, wait deadline and parked retry of a parked run
+        due by `until` fires at its own instant, earliest first, the run continuing until it parks again or
+        ends; so a loop of 30-day sleeps goes through three of them in `advance(90 days)`. Inside a running
+        event loop the timers fire on a loop of their own in a helper thread, while the caller's loop waits."""
+        if self._firing:
+            return
+        self._firing = True
+        try:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                asyncio.run(self._timers(until))
+                return
+            with ThreadPoolExecutor(1, thread_name_prefix="durably-test-clock") as pool:
+                pool.submit(asyncio.run, self._timers(until)).result()
+        finally:
+            self._firing = False
+
+    async def _timers(self, until: datetime) -> None:
+        fired: set[tuple[str, float]] = set()
+        while True:
+            due = [(at, run_id) for run_id, at in self._parked_timers() if at <= until.timestamp()
+                   and (run_id, at) not in fired]
+            if not due:
+                return
+            at, run_id = min(due)
+            fired.add((run_id, at))
+            self.clock.reach(datetime.fromtimestamp(at, UTC))
+            await self._continue(run_id)
+
+    def _parked_timers(self) -> list[tuple[str, float]]:
+        """Each sleeping or waiting run (no process holds it) and the instant its next timer is due."""
+        out = []
+        for info in self.storage.list_runs(state="open"):
+            if info.held:
+                continue
+            entry = self.storage.entry(info.run_id)  # where the run parked: due at its earliest timer
+            log = self.storage.read(info.run_id)
+            if entry is None or entry.at is None or log is None:
+                continue
+            history = History(log.records, log.where)
+            if history.end is None and not history.paused and history.parked() is not None:
+                out.append((info.run_id, entry.at))
+        return out
+
     def _listener(self, user: StepListener | None) -> StepListener:
         """Count executions per run and path (each `running` event is one), then pass the event on."""
 
@@ -560,6 +641,14 @@ class SyncTestEngine:
     def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """`TestEngine.signal` from synchronous code."""
         _block(self._engine.signal(run_id, name, payload))
+
+    def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
+        """`TestEngine.schedule`."""
+        return self._engine.schedule(wf, cron, input=input, name=name)
+
+    def fire_schedules(self) -> list[TestRunResult]:
+        """`TestEngine.fire_schedules` from synchronous code."""
+        return _block(self._engine.fire_schedules())
 
     def inspect(self, run_id: str) -> RunState:
         """`TestEngine.inspect` from synchronous code."""

@@ -82,9 +82,11 @@ def test_listing_filters_orders_and_pages_from_the_index(store: Any) -> None:
 def test_a_claim_after_the_end_keeps_the_run_ended(store: Any) -> None:
     store.create("r1", header("r1"))
     end(store, "r1", "completed")
-    lease = store.claim("r1", "again", LONG)  # a run started again by its key: the claim record comes last
-    store.release(lease)
+    assert store.claim("r1", "again", LONG) is None  # an ended run is claimed only by what reopens it
     assert ids(store.list_runs(state="completed")) == ["r1"]
+    lease = store.claim("r1", "retry", LONG, reopen=True)
+    store.release(lease)
+    assert ids(store.list_runs(state="completed")) == ["r1"]  # a claim record after the end keeps it ended
     lease = store.claim("r1", "retry", LONG)
     store.append(lease, line(t="reset", paths=["0"]))
     store.schedule("r1", None)  # the engine queues a run it opens again; the file index learns it then

@@ -14,7 +14,7 @@ def test_a_lapsed_owner_is_fenced_off_and_the_new_owner_finishes(tmp_path) -> No
 
     async def slow(who: str) -> str:
         executed.append(("slow", who))
-        await asyncio.sleep(0.6 if who == "A" else 0)
+        await asyncio.sleep(2.6 if who == "A" else 0)
         return who
 
     def quick(x: str) -> str:
@@ -30,8 +30,9 @@ def test_a_lapsed_owner_is_fenced_off_and_the_new_owner_finishes(tmp_path) -> No
 
         return fenced
 
-    # A never renews its 0.3 s lease (as a laptop asleep would not); B takes the run over.
-    a = create_engine(SqliteStorage(db), lease=0.3, heartbeat=3600)
+    # A's renewals of its 2 s lease never reach the store (as a laptop asleep would not); B takes the run over.
+    a = create_engine(SqliteStorage(db), lease=2)
+    a.storage.heartbeat = lambda lease, ttl: True  # type: ignore[method-assign]
     b = create_engine(SqliteStorage(db), lease=30)
 
     async def main():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -1190,3 +1191,137 @@ def test_a_sqlite_database_from_before_the_queue_queues_its_unended_runs(tmp_pat
     assert upgraded.due(10) == ["open"]
     assert upgraded.entry("done") is None
     upgraded.close()
+
+
+# -- an ended run is never claimed again; names every adapter can store; due runs by workflow; workers -------
+
+
+def ended_run(store: Any, run_id: str, **extra: Any) -> None:
+    """A run whose log ends in an end record, still queued (its process died before leaving the queue)."""
+    lease = started(store, run_id) if not extra else None
+    if lease is None:
+        store.create(run_id, header(run_id, **extra))
+        lease = store.claim(run_id, "me", LONG)
+    store.append(lease, line(t="end", status="completed", result=1, error=None, ts=1.0))
+    store.sync(lease)
+    store.release(lease)
+
+
+def test_an_ended_run_is_refused_atomically_and_leaves_the_queue(store: Any) -> None:
+    store.create("p", header("p"))
+    ended_run(store, "c", parent="p")
+    assert store.join_wait("p", ("c",)) is False  # the parent waits for its child, still queued
+    before = store.read("c").records
+    assert "c" in store.due(10)
+    assert store.claim("c", "late", LONG) is None  # nothing written, and the run left the queue
+    assert store.read("c").records == before and store.info("c").epoch == 1
+    assert store.entry("c") is None and store.due(10) == ["p"]  # as its unschedule would have: the parent is due
+    assert store.claim_due("w", LONG, 10)[0].run_id == "p"
+    lease = store.claim("c", "retry", LONG, reopen=True)  # a retry reopening it claims it
+    assert lease is not None and lease.epoch == 2 and kinds(store.read("c").records)[-2:] == ["end", "claim"]
+
+
+def test_claim_due_never_claims_a_run_that_ended_after_due_listed_it(store: Any) -> None:
+    for i in range(6):
+        store.create(f"r{i}", header(f"r{i}"))
+    listed = store.due(10)
+    for run_id in listed[:3]:  # another worker ran these to their end between the listing and the claim
+        lease = store.claim(run_id, "other", LONG)
+        store.append(lease, line(t="end", status="completed", result=1, error=None, ts=1.0))
+        store.release(lease)
+    claimed = store.claim_due("w", LONG, 10)
+    assert sorted(lease.run_id for lease in claimed) == ["r3", "r4", "r5"]
+    for run_id in listed[:3]:
+        assert kinds(store.read(run_id).records)[-1] == "end" and store.entry(run_id) is None
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "\ud800", "x\udfff"], ids=repr)
+def test_names_no_adapter_can_store_are_refused_before_anything_is_written(store: Any, bad: str) -> None:
+    store.create("r", header("r"))
+    with pytest.raises(ValidationError):
+        store.send("r", json.dumps({"id": "s1", "name": bad}).encode() + b"\n")  # escaped as JSON writes it
+    with pytest.raises(ValidationError):
+        store.schedule("r", None, wait=(bad,))
+    assert store.inbox("r") == [] and store.entry("r").wait == ()
+
+
+def test_due_and_claim_due_keep_the_workflows_asked_for(store: Any) -> None:
+    store.create("a1", header("a1", workflow="a"), priority=1)
+    store.create("b1", header("b1", workflow="b"), priority=2)
+    store.create("a2", header("a2", workflow="a"))
+    assert store.due(10) == ["b1", "a1", "a2"]
+    assert store.due(10, workflows=frozenset({"a"})) == ["a1", "a2"]
+    assert store.due(10, workflows=frozenset()) == []
+    assert [lease.run_id for lease in store.claim_due("w", LONG, 1, workflows=frozenset({"a", "c"}))] == ["a1"]
+    assert store.due(10) == ["b1", "a2"]
+    with pytest.raises(ValidationError):
+        store.due(10, workflows="a")
+
+
+def test_workers_advertise_what_they_serve_until_they_retire_or_lapse(store: Any) -> None:
+    assert store.workers() == []
+    store.advertise("host:1:aa", {"serves": ["a"], "pid": 1}, 2.0)
+    store.advertise("host:2:bb", {"serves": None}, 2.0)
+    store.advertise("host:1:aa", {"serves": ["a", "b"], "pid": 1}, 2.0)  # renewed, and changed
+    found = {w["owner"]: w for w in store.workers()}
+    assert found.keys() == {"host:1:aa", "host:2:bb"} and found["host:1:aa"]["serves"] == ["a", "b"]
+    store.retire("host:2:bb")
+    store.retire("host:2:bb")
+    assert [w["owner"] for w in store.workers()] == ["host:1:aa"]
+    with pytest.raises(ValidationError):
+        store.advertise("", {}, 1.0)
+    with pytest.raises(ValidationError):
+        store.advertise("x", {"v": object()}, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "postgres"])
+def test_an_advertisement_lapses_with_its_ttl(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = storage_of(kind, tmp_path, request)
+    store.advertise("w", {"serves": []}, 0.2)
+    assert len(store.workers()) == 1
+    time.sleep(0.4)
+    assert store.workers() == []
+
+
+def test_a_file_advertisement_lives_as_long_as_its_process(tmp_path: Path) -> None:
+    code = ("import sys, time; from durably_py import FileStorage\n"
+            "FileStorage(sys.argv[1]).advertise('other:9:cc', {'serves': ['x']}, 1.0)\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "state")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        mine = FileStorage(tmp_path / "state")
+        assert [w["owner"] for w in mine.workers()] == ["other:9:cc"]
+        proc.kill()
+        proc.wait()
+        assert mine.workers() == []
+        mine.advertise("me:1:dd", {"serves": []}, 1.0)  # and the dead worker's files are cleaned up
+        assert sorted(os.listdir(tmp_path / "state" / "workers")) == sorted(
+            os.path.basename(p) for p in mine._worker_paths("me:1:dd"))
+        mine.close()
+        assert FileStorage(tmp_path / "state").workers() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_wait_or_signal_name_no_adapter_can_store_fails_before_anything_is_recorded(store: Any) -> None:
+    import asyncio
+
+    from durably_py import Engine, workflow
+
+    @workflow(name="nul_waiter")
+    async def nul_waiter(ctx: Any) -> Any:
+        await ctx.step(lambda: 1, name="before")
+        return await ctx.wait_for("ap\x00proval")
+
+    engine = Engine(store)
+    with pytest.raises(ValidationError) as info:
+        asyncio.run(engine.run(nul_waiter, wait=False))
+    assert info.value.hint
+    [run] = store.list_runs()
+    assert "wait" not in kinds(store.read(run.run_id).records)
+    for bad in ("ap\x00proval", "\ud800"):
+        with pytest.raises(ValidationError):
+            asyncio.run(engine.signal(run.run_id, bad))
+    assert store.inbox(run.run_id) == []

@@ -191,7 +191,7 @@ def test_cancel_is_seen_during_a_long_sync_step(tmp_path: Path, placement: str) 
 
 def test_a_postgres_lease_is_renewed_during_a_sync_step_twice_as_long_as_the_lease(postgres_storage: Any) -> None:
     store, other = postgres_storage(), postgres_storage()
-    engine = create_engine(store, lease=1.0, heartbeat=0.25)
+    engine = create_engine(store, lease=2.0, heartbeat=0.5)
     intruder: list[Any] = []
     names: list[str] = []
 
@@ -209,24 +209,24 @@ def test_a_postgres_lease_is_renewed_during_a_sync_step_twice_as_long_as_the_lea
         run_ids.append(ctx.run_id)
         for _ in range(WARM):
             await ctx.step(hold, 0)
-        await ctx.step(hold, 1.6)  # quick so far: it blocks the event loop itself
+        await ctx.step(hold, 3.2)  # quick so far: it blocks the event loop itself
         return "done"
 
     assert asyncio.run(engine.run(sync_long_lease)) == "done"
     assert names[-1] == threading.main_thread().name
-    assert intruder == [None]  # 1.6 s into a 1 s lease, nobody else could claim the run
+    assert intruder == [None]  # 3.2 s into a 2 s lease, nobody else could claim the run
 
 
 def test_a_lease_is_renewed_while_an_async_step_blocks_the_loop(tmp_path: Path) -> None:
     from durably_py import SqliteStorage
 
     db = tmp_path / "runs.db"
-    engine = create_engine(SqliteStorage(db), lease=0.6, heartbeat=0.15)
+    engine = create_engine(SqliteStorage(db), lease=2.0, heartbeat=0.5)
     other = SqliteStorage(db)
     intruder: list[Any] = []
 
     async def hog(run_id: str) -> None:
-        time.sleep(1.0)  # a blocking call inside async code: the event loop is stuck
+        time.sleep(2.5)  # a blocking call inside async code: the event loop is stuck
         intruder.append(other.claim(run_id, "intruder", 30))
 
     @workflow(name="async_hog")

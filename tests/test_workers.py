@@ -395,7 +395,8 @@ def test_sigterm_lets_the_running_step_finish_and_run_no_wait_is_picked_up(tmp_p
     run_id = json.loads(queued.stdout)["run_id"]
     parked = _cli("run", str(script), "--workflow", "soak_dozer", "--input", "4", "--no-wait", "--dir", str(state), env=env)
     assert parked.returncode == 3, parked.stderr  # parked on its sleep; no process holds it now
-    worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll", "0.05"],
+    worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll", "0.05",
+                               "--import", str(script)],
                               env=env, stderr=subprocess.PIPE, text=True)
     engine = create_engine(FileStorage(state))
     deadline = time.monotonic() + 20
@@ -409,7 +410,7 @@ def test_sigterm_lets_the_running_step_finish_and_run_no_wait_is_picked_up(tmp_p
     assert [s.label for s in state_after.steps] == ["first"]  # the running step finished and was recorded
     assert state_after.status == "interrupted" and run_id in engine.storage.due(10)
     second = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--dir", str(state), "--poll",
-                               "0.05", "-q"], env=env)
+                               "0.05", "-q", "--import-recorded", "--code-root", str(tmp_path)], env=env)
     try:
         while time.monotonic() < deadline + 10:
             states = {s.workflow: s for s in asyncio.run(engine.list())}

@@ -79,6 +79,17 @@ class RestateWorkflowContext:
         return self._run_id
 
     @property
+    def engine(self) -> NoReturn:
+        """Not available on Restate: operate its runs with `durably_py.restate.RestateClient`."""
+        raise unsupported("ctx.engine", "a run on Restate has no durably engine",
+                          "Use durably_py.restate.RestateClient(ingress, admin) inside a step to inspect runs.")
+
+    @property
+    def scheduled_at(self) -> datetime | None:
+        """None: schedules start runs on durably's own storage, not on Restate."""
+        return None
+
+    @property
     def attempt(self) -> int:
         """The workflow attempt; Restate does not expose it to the workflow, so always 1."""
         return 1

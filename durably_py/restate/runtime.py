@@ -149,7 +149,7 @@ class StepOp(Op):
     """`ctx.step`: one `run` entry per attempt (the outcome is its value), durable backoff sleeps between."""
 
     __slots__ = ("fn", "args", "label", "path", "retry", "timeout", "schema", "unsafe", "compensate", "number",
-                 "marker_live", "is_async")
+                 "marker_live", "is_async", "first")
 
     def __init__(self, pump: Pump, fn: Callable[..., Any], args: tuple[Any, ...], label: str, path: str,
                  retry: Any, timeout: float | None, schema: Any, unsafe: bool, compensate: Any, is_async: bool) -> None:
@@ -160,6 +160,7 @@ class StepOp(Op):
         self.is_async = is_async
         self.number = 1
         self.marker_live = False
+        self.first: float | None = None  # when the first attempt started (journaled), for Retry(deadline=)
 
     def start(self) -> None:
         self._attempt_commands()
@@ -199,10 +200,19 @@ class StepOp(Op):
             return
         error = load_error(outcome["err"])
         retry = self.retry
-        if retry is None or self.number >= retry.attempts or isinstance(error, NOT_RETRYABLE):
+        if self.first is None:
+            self.first = outcome.get("at")
+        if retry is None or outcome.get("final") or retry.gives_up(self.number, error) \
+                or isinstance(error, NOT_RETRYABLE):
             self.pump.settle(self, error=error)
             return
         delay = retry.delay(self.number, self.pump.jitter if retry.jitter else None)
+        if retry.deadline is not None and self.first is not None and "at" in outcome:
+            if outcome["at"] + outcome.get("ms", 0) / 1000 + delay > self.first + retry.deadline:
+                error.add_note(f"step {self.label!r} gave up after attempt {self.number}: its Retry(deadline="
+                               f"{retry.deadline:g}) ends before another attempt could start")
+                self.pump.settle(self, error=error)
+                return
         self.number += 1
         if delay > 0:
             self.futs = [self.pump.rctx.sleep(timedelta(seconds=delay), name=f"backoff {self.name}#{self.number}")]
@@ -219,6 +229,7 @@ class StepOp(Op):
         att = _Attempt(self.pump.run_id, self.path, self.number)
         token = current_attempt.set(att)  # type: ignore[arg-type]
         started = time.perf_counter()
+        at = time.time()
         try:
             if self.timeout is None:
                 value = await self._invoke()
@@ -238,9 +249,19 @@ class StepOp(Op):
                 self.schema.convert(load_value(wire), "output")
             return {"ok": wire, "ms": (time.perf_counter() - started) * 1000}
         except Exception as exc:  # noqa: BLE001 - a failed attempt is the value of its journal entry
-            return {"err": dump_error(exc), "ms": (time.perf_counter() - started) * 1000}
+            failed = {"err": dump_error(exc), "ms": (time.perf_counter() - started) * 1000, "at": at}
+            if self._final(exc):
+                failed["final"] = True
+            return failed
         finally:
             current_attempt.reset(token)
+
+    def _final(self, error: Exception) -> bool:
+        """True for an error no retry may follow, told by its live class (a recorded one may not rebuild):
+        durably's non-retryable errors, the policy's `give_up_on`, and Restate's own `TerminalError`."""
+        if isinstance(error, (*NOT_RETRYABLE, TerminalError)):
+            return True
+        return self.retry is not None and bool(self.retry.give_up_on) and isinstance(error, self.retry.give_up_on)
 
     async def _invoke(self) -> Any:
         if self.is_async:

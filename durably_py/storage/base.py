@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, ValidationError
-from ..records import LOG_VERSION, Claim, Header, decode_fast
+from ..records import LOG_VERSION, Claim, End, Header, decode_fast
 from ..records import encode as encode_record
 
 __all__ = ["LOG_VERSION", "Check", "Choose", "Lease", "Log", "RunInfo", "Storage"]
@@ -122,8 +122,26 @@ def decode_signal(line: bytes) -> dict[str, Any] | None:
     return record
 
 
+def validate_name(name: object, what: str = "a signal name") -> str:
+    """Return `name` if every adapter can store it as text: a non-empty str with no NUL (PostgreSQL text
+    cannot hold one) and no lone surrogate (not UTF-8). Checked before anything is written."""
+    if not isinstance(name, str) or not name or "\x00" in name or not _utf8(name):
+        raise ValidationError(f"{what} must be text without NUL or lone surrogates, got {name!r}",
+                              hint="Use printable text, e.g. 'approval'.", docs="docs/authoring.md#parking")
+    return name
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def validate_signal(data: object) -> tuple[bytes, str]:
-    """The line and id if `data` is one newline-terminated JSON-object line with a non-empty string "id"."""
+    """The line and id if `data` is one newline-terminated JSON-object line with a non-empty string "id"
+    (and, when it has one, a storable "name": `validate_name`)."""
     data = validate_lines(data)
     signal = decode_signal(data) if data.count(b"\n") == 1 else None
     if signal is None:
@@ -131,6 +149,8 @@ def validate_signal(data: object) -> tuple[bytes, str]:
             "a signal must be one newline-terminated line holding a JSON object with a non-empty string \"id\"",
             hint="Encode a dict with a unique \"id\" key with msgspec and end it with b'\\n'.",
         )
+    if signal.get("name") is not None:
+        validate_name(signal["name"])
     return bytes(data), signal["id"]
 
 
@@ -258,6 +278,12 @@ def claimed(records: list[Any], epoch: int, owner: str) -> bytes:
     return encode_record(record)
 
 
+def ended(records: list[Any]) -> bool:
+    """True when the log's last record is an end record: `claim` refuses such a run unless it reopens it."""
+    last = records[-1] if records else None
+    return type(last) is End or (isinstance(last, dict) and last.get("t") == "end")
+
+
 def checked(records: list[Any], where: str, check: Check | None) -> list[Any]:
     """`records` after the caller's `check` (before a claim writes anything), or as they are without one."""
     if not records:
@@ -335,12 +361,42 @@ def validate_at(at: object) -> float | None:
 
 
 def validate_wait(wait: object) -> tuple[str, ...]:
-    """Return `wait` as a tuple of non-empty signal names."""
+    """Return `wait` as a tuple of storable signal names (`validate_name`)."""
     if isinstance(wait, str) or not isinstance(wait, list | tuple) or not all(
         isinstance(name, str) and name for name in wait
     ):
         raise ValidationError(f"wait= is a list of signal names, got {wait!r}")
+    for name in wait:
+        validate_name(name)
     return tuple(wait)
+
+
+def validate_workflows(workflows: object) -> frozenset[str] | None:
+    """Return `workflows` (the names a `due` or `claim_due` keeps; None: every workflow) as a frozenset."""
+    if workflows is None:
+        return None
+    if isinstance(workflows, str) or not isinstance(workflows, Iterable) or not all(
+        isinstance(name, str) for name in workflows
+    ):
+        raise ValidationError(f"workflows= is a set of workflow names or None, got {workflows!r}")
+    return frozenset(workflows)
+
+
+def validate_worker(owner: object, info: object) -> bytes:
+    """The JSON line of a worker's advertisement (`Storage.advertise`): a non-empty owner, a JSON object."""
+    validate_owner(owner)
+    if not isinstance(info, dict):
+        raise ValidationError(f"a worker advertises a dict, got {info!r}")
+    try:
+        return msgspec.json.encode({**info, "owner": owner})
+    except (TypeError, msgspec.EncodeError, UnicodeEncodeError) as exc:
+        raise ValidationError(f"a worker's advertisement must be JSON: {exc}") from None
+
+
+def decode_worker(data: bytes) -> dict[str, Any] | None:
+    """One stored advertisement, or None when it is not a JSON object with an owner."""
+    record = decode_record(bytes(data))
+    return record if record is not None and isinstance(record.get("owner"), str) else None
 
 
 def validate_limit(limit: object) -> int:
@@ -430,11 +486,17 @@ class Storage(Protocol):
         """All records of a run (None if unknown). A torn last line is dropped and named in `Log.torn`;
         damage before the last line raises `CorruptLogError` naming the line."""
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
         """Take the run's lease (None while another live owner holds it). Appends a claim record
         ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail.
         `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log,
-        or when `check(records, where)` raises; `Lease.records` are what `check` returned."""
+        or when `check(records, where)` raises; `Lease.records` are what `check` returned.
+
+        A run whose log ends in an end record is claimed only with `reopen` (a retry of a failed run): else
+        the claim is refused (None) in the same atomic step that would have claimed it, nothing is appended,
+        and a queue entry it still has is removed as `unschedule` removes it (its process recorded the end
+        and died before leaving the queue)."""
 
     def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
         """Append the lines `choose(records, where)` returns (None: nothing) to a run no live owner holds,
@@ -547,11 +609,25 @@ class Storage(Protocol):
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry (None when it is not queued)."""
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
         """Up to `limit` ids of queued runs due at `now` (default: the current time) that no live owner
-        holds, except those in `skip`: highest priority first, then earliest due, then oldest."""
+        holds, except those in `skip`, and only runs of `workflows` when given: highest priority first, then
+        earliest due, then oldest."""
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None) -> list[Lease]:
-        """Claim up to `limit` due runs in `due` order, as `claim` does each (with `check`); runs another
-        owner claims at the same moment are skipped, never waited for, and a damaged log is passed over."""
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs (of `workflows`, when given) in `due` order, as `claim` does each
+        (with `check`, never reopening an ended run); runs another owner claims at the same moment are
+        skipped, never waited for, and a damaged log is passed over."""
+
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Record durably that worker `owner` is live and what it serves (`info`, a JSON object), for `ttl`
+        seconds from now (database clock) or, on files, for as long as this process lives; each call renews
+        it. Other processes read it with `workers`."""
+
+    def retire(self, owner: str) -> None:
+        """Remove worker `owner`'s advertisement (it stopped); a no-op when there is none."""
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The advertisements of the live workers (each with its "owner"), in no particular order."""

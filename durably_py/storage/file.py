@@ -18,6 +18,8 @@ Layout under ``dir``::
     catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
                           last activity per run; `fileindex.py`): written at create, queue changes and delete,
                           never per step, and repaired from the logs whenever it is missing or behind them
+    workers/<sha256>.json  a live worker's advertisement (owner, what it serves), beside workers/<sha256>.lock,
+                          which its process holds locked while it lives (`advertise`, `workers`)
     joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
@@ -64,7 +66,9 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
+    decode_worker,
     due_order,
+    ended,
     iso_now,
     lookup_each,
     max_epoch,
@@ -83,6 +87,8 @@ from .base import (
     validate_signal_id,
     validate_ttl,
     validate_wait,
+    validate_worker,
+    validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, validate_page
 
@@ -271,6 +277,8 @@ def _lost(lease: Lease) -> LeaseLostError:
 class FileStorage:
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
+    leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
+
     def __init__(
         self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576
     ) -> None:
@@ -293,6 +301,8 @@ class FileStorage:
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
         self._catalog: FileCatalog | None = None
+        self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
+        self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -415,8 +425,10 @@ class FileStorage:
         records, _, torn = parse_log(data, str(log))
         return Log(records, torn, str(log))
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
-        """Lock the run and append a claim record with the next epoch; None while another owner holds the lock."""
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
+        """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
+        An ended run (without `reopen`) is refused, and under its lock taken out of the queue."""
         path = os.path.join(self._runs_path, f"{validate_run_id(run_id)}.jsonl")
         validate_owner(owner)
         validate_ttl(ttl)
@@ -427,10 +439,16 @@ class FileStorage:
         if held is None:
             return None
         try:
-            epoch, records, torn = self._open_claimed(held, owner, check)
+            opened = self._open_claimed(held, owner, check, reopen)
+            if opened is None:
+                self.unschedule(run_id)  # under the run's lock: no retry reopens it meanwhile
         except BaseException:
             self._drop(held)
             raise
+        if opened is None:
+            self._drop(held)
+            return None
+        epoch, records, torn = opened
         if run_id in self._dir_durable:
             self._dir_durable.discard(run_id)
             held.dir_synced = True
@@ -493,10 +511,12 @@ class FileStorage:
             self._drop(held)
         return True
 
-    def _open_claimed(self, held: _Held, owner: str, check: Check | None) -> tuple[int, list[Any], str | None]:
+    def _open_claimed(self, held: _Held, owner: str, check: Check | None,
+                      reopen: bool) -> tuple[int, list[Any], str | None] | None:
         """With the lock taken: check the log, cut a torn tail, append the claim record.
 
-        Returns the epoch, the records with the claim record last, and the torn-tail message."""
+        Returns the epoch, the records with the claim record last, and the torn-tail message; None, with
+        nothing written, for an ended run without `reopen`."""
         try:
             fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
         except FileNotFoundError:
@@ -507,6 +527,8 @@ class FileStorage:
             data = f.read()
         records, good, torn = parse_log(data, str(held.log))
         records = checked(records, str(held.log), check)
+        if not reopen and ended(records):
+            return None
         if good < len(data):
             os.ftruncate(fd, good)
         epoch = max(max_epoch(records), self._held_epoch(held)) + 1
@@ -1240,9 +1262,12 @@ class FileStorage:
                     out.append(found)
         return out
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
-        """Due runs from the queue directory alone: entries due by `now` whose run no live process holds."""
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
+        """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
+        `workflows`, whose header names one of them: read once per run, headers never change)."""
         validate_limit(limit)
+        names = validate_workflows(workflows)
         now = time.time() if now is None else now
         ready = sorted((e for e in self.entries() if e.at is not None and e.at <= now and e.run_id not in skip),
                        key=due_order)
@@ -1250,21 +1275,95 @@ class FileStorage:
         for entry in ready:
             if len(out) >= limit:
                 break
+            if names is not None and self._workflow_of(entry.run_id) not in names:
+                continue
             if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
                 out.append(entry.run_id)
         return out
 
+    def _workflow_of(self, run_id: str) -> str | None:
+        """The workflow a run's header names (None: no log, or no header yet)."""
+        if run_id in self._workflows:
+            return self._workflows[run_id]
+        try:
+            with open(self._log(run_id), "rb") as f:
+                name = (decode_record(f.readline()) or {}).get("workflow")
+        except FileNotFoundError:
+            return None
+        if not isinstance(name, str):
+            return None
+        if len(self._workflows) >= 100_000:
+            self._workflows.clear()
+        self._workflows[run_id] = name
+        return name
+
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None) -> list[Lease]:
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
         validate_owner(owner)
         validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
+                                check)
+
+    # ---- workers --------------------------------------------------------------------------------
+    def _worker_paths(self, owner: str) -> tuple[str, str]:
+        name = hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        folder = os.path.join(self.dir, "workers")
+        return os.path.join(folder, f"{name}.json"), os.path.join(folder, f"{name}.lock")
+
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Write the worker's advertisement and hold its lock from now until `retire` or this process's end
+        (`ttl` is ignored: the lock says whether the worker lives); files of dead workers are removed."""
+        line = validate_worker(owner, info)
+        validate_ttl(ttl)
+        path, lock_path = self._worker_paths(owner)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        if owner not in self._advertised:
+            lock = _OsLock(lock_path)
+            if not lock.acquire():
+                raise ValidationError(f"worker {owner} is advertised by another process", hint="Give each worker "
+                                      "its own owner name.", docs="docs/deploying.md#what-a-worker-serves")
+            self._advertised[owner] = lock
+            for name in _listdir(Path(folder)):
+                if name.endswith(".lock") and os.path.join(folder, name) != lock_path \
+                        and not _probe(os.path.join(folder, name)):  # each owner's own lock: it died
+                    self._unlink(os.path.join(folder, name[:-5] + ".json"))
+                    self._unlink(os.path.join(folder, name))
+        tmp = self._write_tmp(folder, "worker", line, durable=False)
+        os.replace(tmp, path)
+
+    def retire(self, owner: str) -> None:
+        """Remove the worker's advertisement and release its lock."""
+        validate_owner(owner)
+        path, _ = self._worker_paths(owner)
+        lock = self._advertised.pop(owner, None)
+        if lock is not None:
+            self._unlink(path)
+            lock.release()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The advertisements whose lock a live process holds."""
+        folder = os.path.join(self.dir, "workers")
+        out = []
+        for name in _listdir(Path(folder)):
+            if name.endswith(".json") and not name.startswith("."):
+                if _probe(os.path.join(folder, name[:-5] + ".lock")):
+                    try:
+                        with open(os.path.join(folder, name), "rb") as f:
+                            found = decode_worker(f.read())
+                    except FileNotFoundError:
+                        continue
+                    if found is not None:
+                        out.append(found)
+        return out
 
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
+        for owner in list(self._advertised):
+            self.retire(owner)
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()

@@ -27,7 +27,9 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
+    decode_worker,
     due_order,
+    ended,
     last_line,
     parse_log,
     sync_each,
@@ -44,6 +46,8 @@ from .base import (
     validate_signal_id,
     validate_ttl,
     validate_wait,
+    validate_worker,
+    validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
@@ -77,6 +81,7 @@ class MemoryStorage:
         self._joins: dict[str, set[str]] = {}  # a run parked in a join -> the children it still waits for
         self._joined: dict[str, str] = {}  # a child -> the run waiting for it in a join
         self._index: dict[str, str] = {}
+        self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
         self._lock = threading.Lock()
         self._order = itertools.count()
 
@@ -107,8 +112,10 @@ class MemoryStorage:
         records, _, torn = parse_log(data, f"memory run {run_id}")
         return Log(records, torn, f"memory run {run_id}")
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
-        """Take the lease unless a live owner holds it; bumps the epoch and appends the claim record."""
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
+        """Take the lease unless a live owner holds it; bumps the epoch and appends the claim record. An ended
+        run (without `reopen`) is refused and taken out of the queue, under the same lock."""
         validate_run_id(run_id)
         validate_owner(owner)
         validate_ttl(ttl)
@@ -119,6 +126,9 @@ class MemoryStorage:
                 return None
             records, good, torn = parse_log(bytes(run.data), f"memory run {run_id}")
             records = checked(records, f"memory run {run_id}", check)
+            if not reopen and ended(records):
+                self._unschedule(run_id)
+                return None
             del run.data[good:]
             run.epoch += 1
             run.owner = owner
@@ -381,19 +391,22 @@ class MemoryStorage:
         """Drop the run's queue entry; a parent whose last awaited child this was is due now."""
         validate_run_id(run_id)
         with self._lock:
-            self._queue.pop(run_id, None)
-            self._drop_joins(run_id)
-            parent = self._joined.pop(run_id, None)
-            waiting = self._joins.get(parent) if parent is not None else None
-            if parent is not None and waiting is not None:
-                waiting.discard(run_id)
-                entry = self._queue.get(parent)
-                if not waiting:
-                    del self._joins[parent]
-                    now = time.time()
-                    if entry is not None and (entry.at is None or entry.at > now):
-                        self._queue[parent] = QueueEntry(parent, now, entry.priority, entry.wait,
-                                                         entry.created)
+            self._unschedule(run_id)
+
+    def _unschedule(self, run_id: str) -> None:
+        """`unschedule` with the lock held."""
+        self._queue.pop(run_id, None)
+        self._drop_joins(run_id)
+        parent = self._joined.pop(run_id, None)
+        waiting = self._joins.get(parent) if parent is not None else None
+        if parent is not None and waiting is not None:
+            waiting.discard(run_id)
+            entry = self._queue.get(parent)
+            if not waiting:
+                del self._joins[parent]
+                now = time.time()
+                if entry is not None and (entry.at is None or entry.at > now):
+                    self._queue[parent] = QueueEntry(parent, now, entry.priority, entry.wait, entry.created)
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
@@ -412,23 +425,48 @@ class MemoryStorage:
         with self._lock:
             return self._queue.get(run_id)
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
-        """Due, unheld runs in queue order."""
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
+        """Due, unheld runs (of `workflows`, when given) in queue order."""
         validate_limit(limit)
+        names = validate_workflows(workflows)
         now = time.time() if now is None else now
         clock = time.monotonic()
         with self._lock:
             ready = [e for e in self._queue.values() if e.at is not None and e.at <= now and e.run_id not in skip
                      and e.run_id in self._runs
+                     and (names is None or self._runs[e.run_id].fields[0] in names)
                      and not (self._runs[e.run_id].owner is not None and self._runs[e.run_id].expires >= clock)]
         return [e.run_id for e in sorted(ready, key=due_order)[:limit]]
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None) -> list[Lease]:
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
         """Claim up to `limit` due runs."""
         validate_owner(owner)
         validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
+                                check)
+
+    # ---- workers --------------------------------------------------------------------------------
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Keep the worker's advertisement until `ttl` seconds from now."""
+        line = validate_worker(owner, info)
+        ttl = validate_ttl(ttl)
+        with self._lock:
+            self._workers[owner] = (line, time.monotonic() + ttl)
+
+    def retire(self, owner: str) -> None:
+        """Forget the worker's advertisement."""
+        validate_owner(owner)
+        with self._lock:
+            self._workers.pop(owner, None)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The advertisements that have not expired."""
+        now = time.monotonic()
+        with self._lock:
+            lines = [line for line, expires in self._workers.values() if expires >= now]
+        return [found for line in lines if (found := decode_worker(line)) is not None]
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

@@ -29,7 +29,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, StorageFullError, ValidationError
+from ..errors import (
+    CorruptLogError,
+    LeaseLostError,
+    RunNotFoundError,
+    StorageBusyError,
+    StorageFullError,
+    ValidationError,
+)
 from .base import (
     Check,
     Choose,
@@ -43,6 +50,8 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
+    decode_worker,
+    ended,
     last_line,
     parse_log,
     sync_each,
@@ -51,6 +60,7 @@ from .base import (
     validate_identity,
     validate_limit,
     validate_lines,
+    validate_name,
     validate_new_runs,
     validate_owner,
     validate_priority,
@@ -60,6 +70,8 @@ from .base import (
     validate_signal_id,
     validate_ttl,
     validate_wait,
+    validate_worker,
+    validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
@@ -68,6 +80,8 @@ if TYPE_CHECKING:
 
 SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, since intervals cannot be infinite
+LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
+BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
 _TABLES = """
 CREATE TABLE IF NOT EXISTS {s}.runs (
@@ -113,6 +127,11 @@ CREATE TABLE IF NOT EXISTS {s}.joins (
     PRIMARY KEY (parent, child)
 );
 CREATE INDEX IF NOT EXISTS joins_by_child ON {s}.joins (child);
+CREATE TABLE IF NOT EXISTS {s}.workers (
+    owner TEXT PRIMARY KEY,
+    info BYTEA NOT NULL,
+    expires TIMESTAMPTZ NOT NULL
+);
 """
 
 
@@ -208,7 +227,8 @@ def _digest(identity: str) -> str:
 class PostgresStorage:
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
-    def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None) -> None:
+    def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
+                 lock_wait: float = LOCK_WAIT) -> None:
         if not isinstance(dsn, str):
             raise ValidationError(f"a PostgreSQL dsn is a string, got {dsn!r}",
                                   hint="PostgresStorage('postgresql://user@host/db') or 'host=... dbname=...'.")
@@ -222,7 +242,12 @@ class PostgresStorage:
             isinstance(compact_above_bytes, bool) or not isinstance(compact_above_bytes, int) or compact_above_bytes <= 0
         ):
             raise ValidationError(f"compact_above_bytes must be a positive int or None, got {compact_above_bytes!r}")
+        if isinstance(lock_wait, bool) or not isinstance(lock_wait, int | float) or not 0.001 <= lock_wait <= 3600:
+            raise ValidationError(f"lock_wait must be 0.001 to 3600 seconds, got {lock_wait!r}",
+                                  hint="lock_wait=10 (the default) waits 10 s for a run another connection holds "
+                                       "locked.", docs=BUSY_DOCS)
         _psycopg()
+        self.lock_wait = float(lock_wait)
         self.dsn = dsn
         self.schema = schema
         self.compact_above_bytes = compact_above_bytes
@@ -231,9 +256,9 @@ class PostgresStorage:
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
         s = f'"{schema}"'
-        self._runs, self._records, self._identities, self._signals, self._queue, self._joins = (
-            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins"
-        )
+        self._runs, self._records, self._identities, self._signals, self._queue, self._joins, self._workers = (
+            f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
+            f"{s}.workers")
 
     def __repr__(self) -> str:
         return f"PostgresStorage(schema={self.schema!r})"
@@ -248,7 +273,7 @@ class PostgresStorage:
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")
-                if not self._exists(conn, self._joins):  # the newest table: anything older is upgraded here
+                if not self._exists(conn, self._workers):  # the newest table: anything older is upgraded here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
                         before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
@@ -385,12 +410,15 @@ class PostgresStorage:
         records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id))
         return Log(records, torn, self._where(run_id))
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
-        """Take the lease if it is free, released or expired (database clock); bumps the epoch, appends the claim."""
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
+        """Take the lease if it is free, released or expired (database clock); bumps the epoch, appends the claim.
+        The run's row lock is waited for at most `lock_wait` seconds (then `StorageBusyError` names its holder);
+        an ended run (without `reopen`) is refused and taken out of the queue in the same transaction."""
         validate_run_id(run_id)
         validate_owner(owner)
         ttl = min(validate_ttl(ttl), MAX_TTL)
-        with self._cursor(transaction=True) as cur:
+        with self._locking(run_id) as cur:
             cur.execute(
                 f"SELECT epoch, owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
                 " WHERE run_id = %s FOR UPDATE",
@@ -402,12 +430,53 @@ class PostgresStorage:
             epoch, live = row
             if live:
                 return None
-            return self._claim_locked(cur, run_id, epoch, owner, ttl, check)
+            return self._claim_locked(cur, run_id, epoch, owner, ttl, check, reopen)
+
+    @contextmanager
+    def _locking(self, run_id: str) -> Iterator[psycopg.Cursor[Any]]:
+        """A transaction whose row locks wait at most `lock_wait` seconds: then `StorageBusyError` says which
+        session holds the run (nothing was written)."""
+        psycopg = _psycopg()
+        try:
+            with self._cursor(transaction=True) as cur:
+                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(self.lock_wait * 1000)}ms",))
+                yield cur
+        except psycopg.errors.LockNotAvailable:
+            raise self._busy(run_id) from None
+
+    def _busy(self, run_id: str) -> StorageBusyError:
+        """What holds a run's row locked, as far as the server tells: the session whose transaction locked it."""
+        try:
+            rows = self._fetch(
+                "SELECT a.pid, a.usename, a.application_name, host(a.client_addr), a.state,"
+                " extract(epoch FROM clock_timestamp() - a.xact_start)::float8, left(a.query, 160)"
+                f" FROM {self._runs} r JOIN pg_stat_activity a ON a.backend_xid = r.xmax"
+                " WHERE r.run_id = %s", (run_id,))
+        except Exception:  # noqa: BLE001 - the refusal stands without the holder's name
+            rows = []
+        if rows:
+            pid, user, app, client, state, age, query = rows[0]
+            who = (f"session {pid} (user {user}" + (f", application {app!r}" if app else "")
+                   + (f", from {client}" if client else "") + f"), {state or 'active'} (its transaction open "
+                   f"{age or 0:.0f} s; its last statement: {query!r})")
+            hint = (f"End that transaction (commit or roll it back, or SELECT pg_terminate_backend({pid})), then "
+                    "run the same command again; nothing was written.")
+        else:
+            who = "another session's open transaction (the server did not say which)"
+            hint = ("Find it in pg_stat_activity (state 'idle in transaction') and end it, then run the same "
+                    "command again; nothing was written.")
+        return StorageBusyError(
+            f"run {run_id} in PostgreSQL schema {self.schema} stayed locked for {self.lock_wait:g} s by {who}",
+            hint=hint, docs=BUSY_DOCS, run_id=run_id)
 
     def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
-                      check: Check | None) -> Lease:
-        """With the run's row locked and its lease free: check the log, cut a torn tail, append the claim."""
+                      check: Check | None, reopen: bool = False) -> Lease | None:
+        """With the run's row locked and its lease free: check the log, cut a torn tail, append the claim; an
+        ended run (without `reopen`) leaves the queue instead (None)."""
         data, records, good, torn = self._locked_log(cur, run_id, check)
+        if not reopen and ended(records):
+            self._unschedule(cur, run_id)
+            return None
         self._cut_torn(cur, run_id, data, good)
         epoch += 1
         line = claimed(records, epoch, owner)
@@ -442,7 +511,7 @@ class PostgresStorage:
         with the run's row locked, without a claim or a new epoch; a lapsed owner loses its lease (owner
         cleared, which every fenced write checks). False while a live owner holds it."""
         validate_run_id(run_id)
-        with self._cursor(transaction=True) as cur:
+        with self._locking(run_id) as cur:
             cur.execute(
                 f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp(), state FROM {self._runs}"
                 " WHERE run_id = %s FOR UPDATE",
@@ -681,7 +750,7 @@ class PostgresStorage:
         """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
         freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
         validate_run_id(run_id)
-        with self._cursor(transaction=True) as cur:
+        with self._locking(run_id) as cur:
             cur.execute(f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
                         " WHERE run_id = %s FOR UPDATE", (run_id,))
             row = cur.fetchone()
@@ -758,22 +827,28 @@ class PostgresStorage:
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
         validate_run_id(run_id)
-        now = time.time()
         with self._cursor(transaction=True) as cur:
-            cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
-            cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
-            cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
-            for (parent,) in cur.fetchall():
-                # children ending at once queue on the parent's row, so the last one sees the others' deletes
-                cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
-                cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
-                if cur.fetchone() is None:
-                    cur.execute(f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)",
-                                (now, parent, now))
+            self._unschedule(cur, run_id)
+
+    def _unschedule(self, cur: psycopg.Cursor[Any], run_id: str) -> None:
+        """Inside a transaction: `unschedule`."""
+        now = time.time()
+        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
+        for (parent,) in cur.fetchall():
+            # children ending at once queue on the parent's row, so the last one sees the others' deletes
+            cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
+            cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
+            if cur.fetchone() is None:
+                cur.execute(f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)",
+                            (now, parent, now))
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
         validate_run_id(run_id)
+        if name is not None:
+            validate_name(name)
         now = time.time()
         return self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
@@ -793,35 +868,64 @@ class PostgresStorage:
     _DUE = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id"
             " WHERE q.due IS NOT NULL AND q.due <= %s"
             " AND (r.owner IS NULL OR r.lease_expires < clock_timestamp()) AND NOT (q.run_id = ANY(%s))"
+            " AND (%s OR r.workflow = ANY(%s))"
             " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
-        """Due, unheld runs from the queue table's index."""
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
+        """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
         validate_limit(limit)
+        names = validate_workflows(workflows)
         now = time.time() if now is None else now
-        rows = self._fetch(self._DUE.format(queue=self._queue, runs=self._runs), (now, list(skip), limit))
+        rows = self._fetch(self._DUE.format(queue=self._queue, runs=self._runs),
+                           (now, list(skip), names is None, sorted(names or ()), limit))
         return [row[0] for row in rows]
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None) -> list[Lease]:
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
         """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
         claiming at once take different runs instead of queueing on the same rows."""
         validate_owner(owner)
         ttl = min(validate_ttl(ttl), MAX_TTL)
         validate_limit(limit)
+        names = validate_workflows(workflows)
         if limit == 0:
             return []
         leases = []
         with self._cursor(transaction=True) as cur:
             cur.execute(self._DUE.format(queue=self._queue, runs=self._runs) + " FOR UPDATE OF r SKIP LOCKED",
-                        (time.time(), list(skip), limit))
+                        (time.time(), list(skip), names is None, sorted(names or ()), limit))
             for run_id, epoch in cur.fetchall():
                 try:
                     with cur.connection.transaction():
-                        leases.append(self._claim_locked(cur, run_id, epoch, owner, ttl, check))
+                        lease = self._claim_locked(cur, run_id, epoch, owner, ttl, check)
                 except CorruptLogError:
                     continue
+                if lease is not None:
+                    leases.append(lease)
         return leases
+
+    # ---- workers ------------------------------------------------------------------------------
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Upsert the worker's row, live until `ttl` seconds from now (database clock); rows of workers gone
+        a minute are dropped."""
+        line = validate_worker(owner, info)
+        ttl = min(validate_ttl(ttl), MAX_TTL)
+        with self._cursor(transaction=True) as cur:
+            cur.execute(f"INSERT INTO {self._workers} (owner, info, expires)"
+                        " VALUES (%s, %s, clock_timestamp() + make_interval(secs => %s)) ON CONFLICT (owner)"
+                        " DO UPDATE SET info = excluded.info, expires = excluded.expires", (owner, line, ttl))
+            cur.execute(f"DELETE FROM {self._workers} WHERE expires < clock_timestamp() - interval '1 minute'")
+
+    def retire(self, owner: str) -> None:
+        """Delete the worker's row."""
+        validate_owner(owner)
+        self._write(f"DELETE FROM {self._workers} WHERE owner = %s", (owner,))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The rows of live workers (database clock)."""
+        rows = self._fetch(f"SELECT info FROM {self._workers} WHERE expires >= clock_timestamp()", ())
+        return [found for row in rows if (found := decode_worker(bytes(row[0]))) is not None]
 
     # ---- signals ------------------------------------------------------------------------------
     def send(self, run_id: str, data: bytes) -> None:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import LeaseLostError, RunNotFoundError, StorageFullError, ValidationError
+from ..errors import LeaseLostError, RunNotFoundError, StorageBusyError, StorageFullError, ValidationError
 from .base import (
     Check,
     Choose,
@@ -43,6 +43,8 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
+    decode_worker,
+    ended,
     last_line,
     parse_log,
     sync_each,
@@ -60,10 +62,12 @@ from .base import (
     validate_signal_id,
     validate_ttl,
     validate_wait,
+    validate_worker,
+    validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
 
-SCHEMA_VERSION = 4  # 2 added signals, 3 the queue, 4 joins; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 5  # 2 added signals, 3 the queue, 4 joins, 5 workers; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -108,6 +112,11 @@ CREATE TABLE IF NOT EXISTS joins (
     PRIMARY KEY (parent, child)
 );
 CREATE INDEX IF NOT EXISTS joins_by_child ON joins (child);
+CREATE TABLE IF NOT EXISTS workers (
+    owner TEXT PRIMARY KEY,
+    info BLOB NOT NULL,
+    expires REAL NOT NULL
+);
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
@@ -201,12 +210,14 @@ class SqliteStorage:
         """How errors name a run's log."""
         return f"run {run_id} in {self.path}"
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None) -> Lease | None:
-        """Take the lease if it is free, released or expired; bumps the epoch and appends the claim record."""
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
+        """Take the lease if it is free, released or expired; bumps the epoch and appends the claim record. An
+        ended run (without `reopen`) is refused and taken out of the queue, in the same transaction."""
         validate_run_id(run_id)
         validate_owner(owner)
         validate_ttl(ttl)
-        with self._lock, _transaction(self._db()) as db:
+        with self._lock, self._claiming(run_id) as db:
             row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
                 raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
@@ -215,6 +226,9 @@ class SqliteStorage:
             if holder is not None and expires >= now:
                 return None
             data, records, good, torn = self._checked_log(db, run_id, check)
+            if not reopen and ended(records):
+                _unschedule(db, run_id)
+                return None
             _cut_torn(db, run_id, data, good)
             epoch += 1
             line = claimed(records, epoch, owner)
@@ -225,6 +239,24 @@ class SqliteStorage:
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
         return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
+
+    @contextmanager
+    def _claiming(self, run_id: str) -> Iterator[sqlite3.Connection]:
+        """A write transaction for a claim or an amend: waits for the database's write lock at most `timeout`
+        seconds, then says so (another connection holds it: a process stopped inside a transaction, or an
+        open `sqlite3` shell) instead of SQLite's bare "database is locked"."""
+        try:
+            with _transaction(self._db()) as db:
+                yield db
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            raise StorageBusyError(
+                f"run {run_id}: the SQLite database {self.path} stayed locked by another connection for "
+                f"{self.timeout:g} s ({exc})", run_id=run_id,
+                hint="Another process holds a write transaction open (a stopped process, or a `sqlite3` shell "
+                     "inside BEGIN): end it, then run the same command again; nothing was written.",
+                docs="docs/storage.md#waiting-for-a-locked-run") from None
 
     def _checked_log(self, db: sqlite3.Connection, run_id: str,
                      check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
@@ -239,7 +271,7 @@ class SqliteStorage:
         validate_run_id(run_id)
         with self._lock:
             db = self._db()
-            with _transaction(db):
+            with self._claiming(run_id):
                 row = db.execute("SELECT owner, lease_expires, state FROM runs WHERE run_id = ?",
                                  (run_id,)).fetchone()
                 if row is None:
@@ -512,14 +544,7 @@ class SqliteStorage:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
-            db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
-            db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
-            parents = [row[0] for row in db.execute("DELETE FROM joins WHERE child = ? RETURNING parent", (run_id,))]
-            now = time.time()
-            for parent in parents:
-                if db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (parent,)).fetchone() is None:
-                    db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)",
-                               (now, parent, now))
+            _unschedule(db, run_id)
 
     def _wake(self, db: sqlite3.Connection, run_id: str, name: str | None) -> bool:
         row = db.execute("SELECT due, wait FROM queue WHERE run_id = ?", (run_id,)).fetchone()
@@ -544,26 +569,53 @@ class SqliteStorage:
                                      (run_id,)).fetchone()
         return None if row is None else QueueEntry(run_id, row[0], row[1], tuple(json.loads(row[2])), row[3])
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
-        """Due, unheld runs from the queue table's index."""
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
+        """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
         validate_limit(limit)
+        names = validate_workflows(workflows)
         now = time.time() if now is None else now
         marks = ",".join("?" * len(skip))
+        kinds = ",".join("?" * len(names or ()))
         with self._lock:
             rows = self._db().execute(
                 "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
                 " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
                 + (f" AND q.run_id NOT IN ({marks})" if skip else "")
+                + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
                 + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
-                (now, time.time(), *skip, limit)).fetchall()
+                (now, time.time(), *skip, *(names or ()), limit)).fetchall()
         return [row[0] for row in rows]
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None) -> list[Lease]:
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
         """Claim up to `limit` due runs (each claim its own transaction, fenced by the lease columns)."""
         validate_owner(owner)
         validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip), owner, ttl, limit, check)
+        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
+                                check)
+
+    # ---- workers --------------------------------------------------------------------------------
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Upsert the worker's row, live until `ttl` seconds from now; rows of workers gone a minute are dropped."""
+        line = validate_worker(owner, info)
+        ttl = validate_ttl(ttl)
+        now = time.time()
+        with self._lock, _transaction(self._db()) as db:
+            db.execute("INSERT OR REPLACE INTO workers (owner, info, expires) VALUES (?, ?, ?)", (owner, line, now + ttl))
+            db.execute("DELETE FROM workers WHERE expires < ?", (now - 60,))
+
+    def retire(self, owner: str) -> None:
+        """Delete the worker's row."""
+        validate_owner(owner)
+        with self._lock, _transaction(self._db()) as db:
+            db.execute("DELETE FROM workers WHERE owner = ?", (owner,))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The rows of live workers."""
+        with self._lock:
+            rows = self._db().execute("SELECT info FROM workers WHERE expires >= ?", (time.time(),)).fetchall()
+        return [found for row in rows if (found := decode_worker(row[0])) is not None]
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()
@@ -610,6 +662,18 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
     for statement in _CATALOG_INDEXES.split(";"):
         if statement.strip():
             db.execute(statement)
+
+
+def _unschedule(db: sqlite3.Connection, run_id: str) -> None:
+    """Inside a transaction: delete the run's queue row and its `joins` rows; a parent left waiting for
+    nothing is due now."""
+    db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
+    db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+    parents = [row[0] for row in db.execute("DELETE FROM joins WHERE child = ? RETURNING parent", (run_id,))]
+    now = time.time()
+    for parent in parents:
+        if db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (parent,)).fetchone() is None:
+            db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)", (now, parent, now))
 
 
 def _queue_unended(db: sqlite3.Connection) -> None:

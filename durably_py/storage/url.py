@@ -6,7 +6,8 @@ Accepted forms:
 - ``sqlite:PATH``: a `SqliteStorage` database file, PATH relative to the current directory or absolute
   (``sqlite:///abs/path.db`` and ``sqlite://rel/path.db`` are read the same way);
 - ``postgresql://...`` (or ``postgres://...``): a `PostgresStorage` on that server (needs the ``postgres``
-  extra); a ``schema`` query parameter picks the schema (default ``durably``).
+  extra); a ``schema`` query parameter picks the schema (default ``durably``), ``lock_wait`` how many seconds a
+  claim waits for a run another connection holds locked (default 10).
 """
 
 from __future__ import annotations
@@ -81,10 +82,17 @@ def open_storage(url: str, **options: Any) -> Any:
     parts = urlsplit(target)
     query = parse_qsl(parts.query, keep_blank_values=True)
     schema = [v for k, v in query if k == "schema"]
-    if schema:
-        options.setdefault("schema", schema[-1])
-        target = urlunsplit(parts._replace(scheme="postgresql",
-                                           query=urlencode([(k, v) for k, v in query if k != "schema"])))
+    waits = [v for k, v in query if k == "lock_wait"]
+    if waits:
+        try:
+            options.setdefault("lock_wait", float(waits[-1]))
+        except ValueError:
+            raise _bad(url, f"lock_wait={waits[-1]!r} is not a number of seconds") from None
+    if schema or waits:
+        if schema:
+            options.setdefault("schema", schema[-1])
+        target = urlunsplit(parts._replace(scheme="postgresql", query=urlencode(
+            [(k, v) for k, v in query if k not in ("schema", "lock_wait")])))
     elif parts.scheme == "postgres":
         target = urlunsplit(parts._replace(scheme="postgresql"))
     return PostgresStorage(target, **options)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import secrets
 import socket
 import time
@@ -39,7 +38,8 @@ MAX_LIMIT = 1000
 STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows
 FIRST_STEPS = 300  # a big run page paints from its first steps while the rest is read and sent
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+MAX_BODY = 1_048_576
+"""Bytes a POST body (and so a signal's payload) may take; a longer one is refused with 413 as it arrives."""
 
 
 # ---- JSON ----------------------------------------------------------------------------------------
@@ -71,9 +71,19 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     return {"error": type(exc).__name__, "message": str(exc), "hint": None, "docs": None}
 
 
+class BodyTooLarge(ValidationError):
+    """A POST body longer than `MAX_BODY` bytes (answered with 413)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the request body has {'more than ' if size > MAX_BODY else ''}{size:,} bytes; this "
+                         f"console takes at most {MAX_BODY:,}", hint="Send a smaller body: a signal's payload "
+                         "travels in it, so keep payloads small and put big data where the workflow can read it.",
+                         docs="docs/ui.md#json-api")
+
+
 def _error(exc: BaseException) -> Json:
-    status = 404 if isinstance(exc, RunNotFoundError) else 400 if isinstance(exc, ValidationError) else \
-        409 if isinstance(exc, DurablyError) else 500
+    status = 413 if isinstance(exc, BodyTooLarge) else 404 if isinstance(exc, RunNotFoundError) else \
+        400 if isinstance(exc, ValidationError) else 409 if isinstance(exc, DurablyError) else 500
     return Json(error_body(exc), status_code=status)
 
 
@@ -142,11 +152,16 @@ class Console:
         return cookie is not None and secrets.compare_digest(cookie, self.token)
 
     def _host_ok(self, request: Request) -> bool:
+        """A loopback console answers only requests naming it by a local name (so a page of another site
+        whose name resolves to 127.0.0.1 cannot reach it): localhost or any loopback address; Starlette's
+        test client's `testserver` only under the test client itself."""
         if not self.loopback:
             return True
         host = request.headers.get("host", "")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name in LOCAL_HOSTS or name == "testserver"
+        name = host[: host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if name == "testserver":
+            return (request.scope.get("client") or ("",))[0] == "testclient"
+        return is_loopback(name)
 
     def guard(self, request: Request, mutating: bool) -> Response | None:
         """A refusal for a request that may not proceed, else None."""
@@ -379,13 +394,27 @@ class Console:
 
     # ---- operations ------------------------------------------------------------------------------
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
+        """The request's JSON object, read as it arrives and refused (`BodyTooLarge`) once past `MAX_BODY`;
+        anything that is not a JSON object a signal could carry (malformed, not UTF-8, nested past the
+        decoder's depth, an integer of more than 64 bits) is a `ValidationError`."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            raise BodyTooLarge(int(declared))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise BodyTooLarge(size)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValidationError(f"the request body is not JSON: {exc}", hint="Send a JSON object, e.g. {}.",
+            body = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ValidationError(f"the request body is not JSON this console takes: {why}",
+                                  hint="Send a JSON object in UTF-8, e.g. {}, with integers of at most 64 bits.",
                                   docs="docs/ui.md#json-api") from None
         if not isinstance(body, dict):
             raise ValidationError("the request body must be a JSON object", hint="Send a JSON object, e.g. {}.",

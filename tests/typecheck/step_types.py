@@ -24,3 +24,14 @@ async def typed(ctx: WorkflowContext, url: str) -> int:
     converted = await ctx.step(fetch, url, schema=dict)
     assert_type(converted, Any)
     return n
+
+
+@workflow
+async def knows_itself(ctx: WorkflowContext) -> None:
+    from datetime import datetime
+
+    from durably_py import Engine, NonRetryableError, Retry
+
+    assert_type(ctx.scheduled_at, datetime | None)
+    assert_type(ctx.engine, Engine)
+    await ctx.step(count, "x", retry=Retry(None, backoff="constant", give_up_on=NonRetryableError, deadline=60))

@@ -382,7 +382,7 @@ function runPage(runRef) {
   }
   function retryDialog(run) {
     const select = h("select", { name: "from_step" }, h("option", { value: "" }, "where it stopped (no step runs again)"),
-      run.steps.filter((st) => st.status === "ok" || st.status === "failed").map((st) =>
+      run.steps.filter((st) => st.status === "ok" || st.status === "failed" || st.status === "compensated").map((st) =>
         h("option", { value: pathText(st.path), selected: view.selected === pathText(st.path) }, `${pathText(st.path)}  ${st.label}`)));
     dialog(`Retry ${run.run_id}`, h("div", {}, h("p", {}, "Continues the run in the console's process. Choose a step to run it and every step completed after it again."),
       h("label", { class: "field" }, "Run again from", select)), "Retry", false,
@@ -406,7 +406,7 @@ function runPage(runRef) {
     fill(parts.detail, h("h2", {}, row.label), dl,
       st.error ? h("div", { class: "banner bad" }, h("b", {}, (st.error.type || "").split(":").pop()), ": ", st.error.message || "",
         st.error.traceback ? h("details", {}, h("summary", {}, "traceback"), h("pre", { class: "json" }, st.error.traceback)) : null) : null,
-      st.status === "ok" ? [h("div", { class: "muted" }, "output"), h("pre", { class: "json" }, json(st.output))] : null,
+      st.status === "ok" || st.status === "compensated" ? [h("div", { class: "muted" }, "output"), h("pre", { class: "json" }, json(st.output))] : null,
       st.status === "waiting" || st.status === "sleeping" ? h("pre", { class: "json" }, json(st.output)) : null,
       st.stashed !== null && st.stashed !== undefined ? [h("div", { class: "muted" }, "stash"), h("pre", { class: "json" }, json(st.stashed))] : null,
       row.spans.length ? [h("div", { class: "muted", style: "margin-top: 8px" }, "timeline"), h("ol", {}, row.spans.map((x) =>
