@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -92,16 +93,16 @@ def test_when_both_are_ready_at_resume_the_earlier_event_wins_and_is_recorded() 
     engine = TestEngine()
     first = engine.sync.run(race_by_create_task)
     assert first.status == "waiting"
-    engine.clock.advance(30)
+    later = engine.clock.now()
+    engine.clock.reach(later + timedelta(seconds=30))  # time passes with no process running the run
     engine.sync.signal(first.run_id, "go")  # at +30 s: before the timer's +60 s
-    engine.clock.advance(100)  # by now the timer is due as well
+    engine.clock.reach(later + timedelta(seconds=100))  # by now the timer is due as well
     done = engine.sync.resume(first.run_id)
     assert (done.status, done.result) == ("completed", "signal")
     assert calls == {"after-signal": 1}
 
-    engine.clock.advance(0)
     second = engine.sync.run(race_by_create_task)
-    engine.clock.advance(100)  # the timer is due, and only then a signal comes
+    engine.clock.reach(engine.clock.now() + timedelta(seconds=100))  # the timer is due, only then a signal comes
     engine.sync.signal(second.run_id, "go")
     assert engine.sync.resume(second.run_id).result == "timer"
 

@@ -58,6 +58,16 @@ async def booking(ctx):
         raise
 
 
+def unbook(_):
+    return note("unbook")
+
+
+@workflow
+async def compensated_booking(ctx):
+    await ctx.step(note, "book", compensate=unbook)
+    return await ctx.step(long_step, 3600)
+
+
 @workflow
 async def hello_cancellation(ctx):
     try:
@@ -228,3 +238,29 @@ def test_cancelling_a_parked_run_runs_its_clean_up(tmp_path: Path) -> None:
     assert entries.count("book") == 1
     assert entries[-1] == "released"
     assert status(tmp_path, run_id, env)["status"] == "cancelled"
+
+
+def test_cancel_cleanup_window_and_compensate_take_effect_through_the_cli(tmp_path: Path) -> None:
+    script, env = setup(tmp_path)
+    env["CLEANUP"] = "30"  # the clean-up step would take 30 s; --cleanup 1s stops it after one
+    proc = spawn(tmp_path, env, "run", str(script), "--", "booking")
+    wait_for(lambda: "long-start" in ledger(tmp_path))
+    run_id = durably("list", "-q", cwd=tmp_path, **env).stdout.split()[0]
+    began = time.monotonic()
+    cancelled = durably("cancel", run_id, "--cleanup", "1s", cwd=tmp_path, **env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    proc.communicate(timeout=30)
+    assert time.monotonic() - began < 15
+    assert ledger(tmp_path).count("long-start") == 2 and "released" not in ledger(tmp_path)
+    assert status(tmp_path, run_id, env)["status"] == "cancelled"
+
+    (tmp_path / "ledger.txt").unlink()
+    proc = spawn(tmp_path, env, "run", str(script), "--", "compensated_booking")
+    wait_for(lambda: "long-start" in ledger(tmp_path))
+    run_id = next(r["run_id"] for r in json.loads(durably("list", "--json", cwd=tmp_path, **env).stdout)
+                  if r["workflow"].endswith("compensated_booking"))
+    assert durably("cancel", run_id, "--compensate", cwd=tmp_path, **env).returncode == 0
+    proc.communicate(timeout=30)
+    assert ledger(tmp_path) == ["book", "long-start", "unbook"]
+    bad = durably("cancel", run_id, "--cleanup", "soon", cwd=tmp_path, **env)
+    assert bad.returncode == 2
