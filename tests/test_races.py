@@ -15,6 +15,7 @@ from durably_py import (
     Handle,
     MemoryStorage,
     NotDurableError,
+    RunCancelledError,
     RunParkedError,
     WaitTimeoutError,
     create_engine,
@@ -280,3 +281,58 @@ def test_memory_storage_engine_runs_a_race_in_place() -> None:
         return await task
 
     assert asyncio.run(main()) == ["approval", "yes"]
+
+
+def test_an_engine_worker_parks_a_race_until_its_signal(tmp_path) -> None:
+    """`engine.start()` in the application's own loop: the race parks (no slot held), a signal wins it."""
+    engine = create_engine(tmp_path / ".durably")
+
+    async def main() -> str:
+        handle = await engine.enqueue(sleep_or_signal)
+        await engine.start(poll=0.05)
+        try:
+            for _ in range(200):
+                if (await engine.inspect(handle.run_id)).status == "waiting":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await engine.inspect(handle.run_id)).status == "waiting"
+            await engine.signal(handle.run_id, "complete")
+            return await asyncio.wait_for(engine.join(handle), 20)
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(main()) == "signal"
+
+
+async def begin_cleanup() -> None:
+    calls["cleanup-began"] = calls.get("cleanup-began", 0) + 1
+    await asyncio.sleep(3600)
+
+
+@workflow
+async def slow_cleanup(ctx):
+    try:
+        return await ctx.step(slow_effect, "work", 3600)
+    except RunCancelledError:
+        await ctx.step(begin_cleanup)
+        raise
+
+
+def test_the_engines_cleanup_window_stops_a_clean_up_that_runs_too_long(tmp_path) -> None:
+    calls.clear()
+    engine = create_engine(tmp_path / ".durably", cleanup=0.5)
+
+    async def main() -> str:
+        ran = asyncio.ensure_future(engine.run(slow_cleanup))
+        while not engine.storage.list_runs():
+            await asyncio.sleep(0.02)
+        run_id = engine.storage.list_runs()[0].run_id
+        began = time.monotonic()
+        state = await engine.cancel(run_id, timeout=10)
+        with pytest.raises(RunCancelledError):
+            await ran
+        assert time.monotonic() - began < 5
+        return state.status
+
+    assert asyncio.run(main()) == "cancelled"
+    assert calls == {"cleanup-began": 1}
