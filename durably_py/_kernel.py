@@ -998,6 +998,12 @@ class RunKernel:
             return
         h.driver = self.turns.start(op, contextvars.copy_context())
 
+    def op(self, scope: Scope, path: str, label: str, body: Callable[..., Awaitable[Any]], *args: Any) -> Handle:
+        """A handle at `path` whose operation is `body(handle, *args)` (`operation`)."""
+        h = handle(self, scope.loop, self.operation, (), path, label)
+        h._args = (body, h, *args)
+        return h
+
     def cancel_handle(self, h: Handle, msg: Any) -> bool:
         """The workflow cancelled `h` before its outcome reached it: the cancellation is recorded in the
         workflow's turn (so a replay finds it, and an operation cut off is never run again), the operation is
@@ -1575,34 +1581,26 @@ class RunKernel:
         """Allocate the sleep's path now; its wake time is recorded the first time it runs."""
         check_wake_time(when)
         path, scope, replayed = self.replay_next("ctx.sleep")
-        return replayed or handle(self, scope.loop, self._sleep, (path, when), path, "ctx.sleep")
+        return replayed or self.op(scope, path, "ctx.sleep", self._sleep, path, when)
 
     async def _sleep(self, h: Handle, path: str, when: datetime) -> None:
-        try:
-            wake = self.history.wakes.get(path)
-            if wake is None:
-                if self.observer is not None:
-                    self.observer.unrecorded(self, path, "ctx.sleep", "ctx.sleep")
-                self.write(records.Wake(path=path, at=to_iso(when), ts=time.time()))
-                self.sync()
-            else:
-                when = from_iso(wake.at)
-            if self.clock.now() < when:
-                h.driver = current_task()
-                self.check_durable_wait(h)
-                with self.resting(Rest("sleeping", f"sleeping until {to_iso(when)}", parkable=not self.wait,
-                                       at=when.timestamp(), path=path, label="ctx.sleep")):
-                    await self.nap(when, force=True)
-            await self.live_turn(when.timestamp())
-            self.write(records.Ok(attempt=1, path=path, label="ctx.sleep", value=None, ms=0, ts=time.time()))
-            self.step_done()
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            exc = self.cancel_cut(exc, h)
-            self.failed(h, exc)
-            raise exc from None
-        self.deliver(h, None)
+        wake = self.history.wakes.get(path)
+        if wake is None:
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.sleep", "ctx.sleep")
+            self.write(records.Wake(path=path, at=to_iso(when), ts=time.time()))
+            self.sync()
+        else:
+            when = from_iso(wake.at)
+        if self.clock.now() < when:
+            h.driver = current_task()
+            self.check_durable_wait(h)
+            with self.resting(Rest("sleeping", f"sleeping until {to_iso(when)}", parkable=not self.wait,
+                                   at=when.timestamp(), path=path, label="ctx.sleep")):
+                await self.nap(when, force=True)
+        await self.live_turn(when.timestamp())
+        self.write(records.Ok(attempt=1, path=path, label="ctx.sleep", value=None, ms=0, ts=time.time()))
+        self.step_done()
 
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Handle:
         """Allocate the wait's path now; it returns the payload of the next signal `name` sent to the run."""
@@ -1611,67 +1609,58 @@ class RunKernel:
         compiled = compile_schema(schema, f"schema of wait_for({name!r})")
         path, scope, replayed = self.replay_next("ctx.wait_for", PLAIN if compiled is None else _Schema(compiled),
                                                  f"signal {name!r}")
-        return replayed or handle(self, scope.loop, self._wait, (path, name, compiled, timeout), path,
-                                  "ctx.wait_for")
+        return replayed or self.op(scope, path, "ctx.wait_for", self._wait, path, name, compiled, timeout)
 
     async def _wait(self, h: Handle, path: str, name: str, schema: Any, timeout: float | None) -> Any:
-        try:
-            opened = self.history.waits.get(path)
-            if opened is None:
-                if self.observer is not None:
-                    self.observer.unrecorded(self, path, "ctx.wait_for", "ctx.wait_for")
-                deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
-                self.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
-                                        ts=time.time()))
-                self.sync()
-                if timeout is None:
-                    self.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")
-            else:
-                deadline = from_iso(opened.deadline) if opened.deadline else None
-            expires = self.clock.deadline(deadline) if deadline is not None else None
-            h.driver = current_task()
-            checked = False
-            rest = Rest("waiting", f"waiting for signal {name!r}", parkable=not self.wait,
-                        at=deadline.timestamp() if deadline is not None else None, signal=name, path=path,
-                        label="ctx.wait_for")
-            with self.resting(rest):
-                while True:
-                    await self.boundary(force=True)
-                    signal = self.next_signal(name)
-                    if signal is not None and not self.turns.live_now():
-                        await self.turns.live(signal_time(signal))
-                        signal = self.next_signal(name)  # another wait may have taken it in its turn
-                    if signal is not None:
-                        self.write(records.Ok(attempt=1, path=path, label="ctx.wait_for",
-                                              value=signal.get("payload"), ms=0, signal=signal["id"], ts=time.time()))
-                        self.step_done()
-                        self.storage.ack(self.run_id, signal["id"])
-                        value = load_value(signal.get("payload"))
-                        if schema is not None:
-                            value = schema.convert(value, f"signal {name!r}")
-                        break
-                    if deadline is not None and expires is not None and self.clock.monotonic() >= expires:
-                        await self.live_turn(deadline.timestamp())
-                        error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
-                                                 f"(deadline {to_iso(deadline)})", name=name,
-                                                 path=list(path_tuple(path)))
-                        self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error),
-                                               ts=time.time()))
-                        self.step_done()
-                        raise error
-                    if not checked:
-                        self.check_durable_wait(h)
-                        checked = True
-                    self.turns.wake()
-                    pause = self.poll if expires is None else min(self.poll, expires - self.clock.monotonic())
-                    await self.clock.sleep(pause)
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            exc = self.cancel_cut(exc, h)
-            self.failed(h, exc)
-            raise exc from None
-        self.deliver(h, value)
+        opened = self.history.waits.get(path)
+        if opened is None:
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.wait_for", "ctx.wait_for")
+            deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
+            self.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
+                                    ts=time.time()))
+            self.sync()
+            if timeout is None:
+                self.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")
+        else:
+            deadline = from_iso(opened.deadline) if opened.deadline else None
+        expires = self.clock.deadline(deadline) if deadline is not None else None
+        h.driver = current_task()
+        checked = False
+        rest = Rest("waiting", f"waiting for signal {name!r}", parkable=not self.wait,
+                    at=deadline.timestamp() if deadline is not None else None, signal=name, path=path,
+                    label="ctx.wait_for")
+        with self.resting(rest):
+            while True:
+                await self.boundary(force=True)
+                signal = self.next_signal(name)
+                if signal is not None and not self.turns.live_now():
+                    await self.turns.live(signal_time(signal))
+                    signal = self.next_signal(name)  # another wait may have taken it in its turn
+                if signal is not None:
+                    self.write(records.Ok(attempt=1, path=path, label="ctx.wait_for",
+                                          value=signal.get("payload"), ms=0, signal=signal["id"], ts=time.time()))
+                    self.step_done()
+                    self.storage.ack(self.run_id, signal["id"])
+                    value = load_value(signal.get("payload"))
+                    if schema is not None:
+                        value = schema.convert(value, f"signal {name!r}")
+                    break
+                if deadline is not None and expires is not None and self.clock.monotonic() >= expires:
+                    await self.live_turn(deadline.timestamp())
+                    error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
+                                             f"(deadline {to_iso(deadline)})", name=name,
+                                             path=list(path_tuple(path)))
+                    self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error),
+                                           ts=time.time()))
+                    self.step_done()
+                    raise error
+                if not checked:
+                    self.check_durable_wait(h)
+                    checked = True
+                self.turns.wake()
+                pause = self.poll if expires is None else min(self.poll, expires - self.clock.monotonic())
+                await self.clock.sleep(pause)
         return value
 
     def next_signal(self, name: str) -> dict[str, Any] | None:
@@ -1701,7 +1690,7 @@ class RunKernel:
         workflow = as_workflow(wf)
         scope = self.scope()
         path = scope.alloc()
-        return handle(self, scope.loop, self._spawn, (path, workflow, input, detached), path, "ctx.spawn")
+        return self.op(scope, path, "ctx.spawn", self._spawn, path, workflow, input, detached)
 
     def spawn_all(self, definitions: list[Any], detached: bool) -> Handle:
         """Spawn one child per `(workflow, input)` pair, under one path."""
@@ -1712,7 +1701,7 @@ class RunKernel:
             self.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
                         f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once",
                         children=len(pairs), concurrency=self.engine.concurrency)
-        return handle(self, scope.loop, self._spawn_all, (prefix, pairs, detached), prefix, "ctx.spawn_all")
+        return self.op(scope, prefix, "ctx.spawn_all", self._spawn_all, prefix, pairs, detached)
 
     async def _spawn_all(self, h: Handle, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> Any:
         """Create the children not recorded yet in batches of `SPAWN_BATCH` (one durable write for each), record
@@ -1721,77 +1710,62 @@ class RunKernel:
         created but not recorded through its identity. Nothing per child is kept but its run id (in its
         handle): spawn records are not kept in memory, and only one batch's paths and inputs are in hand at a time.
         The whole spawn reaches the workflow in the turn of its last record."""
-        try:
-            run_ids: list[str] = []
-            written = 0
-            forget = self.history.forget
-            take = self.turns.take
-            last = f"{prefix}.{len(pairs) - 1}"
-            for first in range(0, len(pairs), SPAWN_BATCH):
-                missing: list[tuple[str, Workflow, Any]] = []
-                for i in range(first, min(first + SPAWN_BATCH, len(pairs))):
-                    path = f"{prefix}.{i}"
-                    if path in self.done:
-                        run_ids.append(self.spawned_id(path))
-                        forget(path, prefix)
-                        if path != last:
-                            take(path)
-                    else:
-                        wf, value = pairs[i]
-                        missing.append((path, wf, value))
-                        run_ids.append("")
-                if not missing:
-                    continue
-                if self.observer is not None:
-                    for path, _, _ in missing:
-                        self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
-                created = iter(self.engine.create_children(self.run_id, missing, detached, queued=self.parks))
-                spawns: list[records.Record] = []
-                ts = time.time()
-                for i in range(first, len(run_ids)):
-                    if not run_ids[i]:
-                        run_ids[i] = next(created)
-                        spawns.append(records.Ok(attempt=1, path=f"{prefix}.{i}", label="ctx.spawn",
-                                                 value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=ts))
-                if first + SPAWN_BATCH >= len(pairs):
-                    await self.live_turn()
-                self.write_unkept(spawns, prefix)
-                written += len(missing)
-            if written:
-                self.steps_done(written)
-            elif pairs:
-                await self.recorded_turn(h, last)
-            result = self._spawned([RunHandle(run_id, wf) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)],
-                                   detached)
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            self.failed(h, exc)
-            raise
-        self.deliver(h, result)
+        run_ids: list[str] = []
+        written = 0
+        forget = self.history.forget
+        take = self.turns.take
+        last = f"{prefix}.{len(pairs) - 1}"
+        for first in range(0, len(pairs), SPAWN_BATCH):
+            missing: list[tuple[str, Workflow, Any]] = []
+            for i in range(first, min(first + SPAWN_BATCH, len(pairs))):
+                path = f"{prefix}.{i}"
+                if path in self.done:
+                    run_ids.append(self.spawned_id(path))
+                    forget(path, prefix)
+                    if path != last:
+                        take(path)
+                else:
+                    wf, value = pairs[i]
+                    missing.append((path, wf, value))
+                    run_ids.append("")
+            if not missing:
+                continue
+            if self.observer is not None:
+                for path, _, _ in missing:
+                    self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
+            created = iter(self.engine.create_children(self.run_id, missing, detached, queued=self.parks))
+            spawns: list[records.Record] = []
+            ts = time.time()
+            for i in range(first, len(run_ids)):
+                if not run_ids[i]:
+                    run_ids[i] = next(created)
+                    spawns.append(records.Ok(attempt=1, path=f"{prefix}.{i}", label="ctx.spawn",
+                                             value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=ts))
+            if first + SPAWN_BATCH >= len(pairs):
+                await self.live_turn()
+            self.write_unkept(spawns, prefix)
+            written += len(missing)
+        if written:
+            self.steps_done(written)
+        elif pairs:
+            await self.recorded_turn(h, last)
+        result = self._spawned([RunHandle(run_id, wf) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)],
+                               detached)
         return result
 
     async def _spawn(self, h: Handle, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
-        try:
-            if path in self.done:
-                run_id = self.spawned_id(path)
-                await self.recorded_turn(h, path)
-            else:
-                if self.observer is not None:
-                    self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
-                run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)
-                await self.live_turn()
-                self.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
-                                      value={"run_id": run_id, "detached": detached}, ms=0, ts=time.time()))
-                self.step_done()
-            result = self._spawned([RunHandle(run_id, workflow)], detached)[0]
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            self.failed(h, exc)
-            raise
-        self.deliver(h, result)
-        return result
+        if path in self.done:
+            run_id = self.spawned_id(path)
+            await self.recorded_turn(h, path)
+        else:
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
+            run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)
+            await self.live_turn()
+            self.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
+                                  value={"run_id": run_id, "detached": detached}, ms=0, ts=time.time()))
+            self.step_done()
+        return self._spawned([RunHandle(run_id, workflow)], detached)[0]
 
     async def recorded_turn(self, h: Handle, path: str) -> None:
         """Wait for the turn of the recorded outcome at `path` (of `h`'s operation)."""
@@ -1864,38 +1838,29 @@ class RunKernel:
         if replayed is not None:
             self.attached.pop(child.run_id, None)
             return replayed
-        return handle(self, scope.loop, self._join, (path, child), path, "ctx.join")
+        return self.op(scope, path, "ctx.join", self._join, path, child)
 
     async def _join(self, h: Handle, path: str, child: RunHandle) -> Any:
+        if self.observer is not None:
+            self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
+        h.driver = current_task()
         try:
-            if self.observer is not None:
-                self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
-            h.driver = current_task()
-            try:
-                value = await self.wait_child(child, path)
-                wire = dump_value(value, "child result")
-            except (Crash, GeneratorExit, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                if exc is self.cancel_error or exc is self.lost:
-                    raise
-                await self.live_turn()
-                self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc),
-                                       ts=time.time()))
-                self.step_done()
+            value = await self.wait_child(child, path)
+            wire = dump_value(value, "child result")
+        except (Crash, GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            if exc is self.cancel_error or exc is self.lost:
                 raise
             await self.live_turn()
-            self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
+            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc),
+                                   ts=time.time()))
             self.step_done()
-            value = load_value(wire)
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            exc = self.cancel_cut(exc, h)
-            self.failed(h, exc)
-            raise exc from None
-        self.deliver(h, value)
-        return value
+            raise
+        await self.live_turn()
+        self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
+        self.step_done()
+        return load_value(wire)
 
     def park_join(self, path: str, children: list[str]) -> NoReturn:
         """Park the run at its end until `children` end: record on what it waits, and leave its process."""
@@ -1999,19 +1964,7 @@ class RunKernel:
                                       docs="docs/authoring.md#child-runs")
         scope = self.scope()
         prefix = scope.alloc()
-        return handle(self, scope.loop, self._join_all, (prefix, handles), prefix, "ctx.join_all")
-
-    async def _join_all(self, h: Handle, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
-        try:
-            results = await self._joined_all(h, prefix, handles)
-        except BaseException as exc:
-            if self.stops(exc):
-                await self.halt(exc)
-            exc = self.cancel_cut(exc, h)
-            self.failed(h, exc)
-            raise exc from None
-        self.deliver(h, results)
-        return results
+        return self.op(scope, prefix, "ctx.join_all", self._joined_all, prefix, handles)
 
     async def _joined_all(self, h: Handle, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
         """One waiter for all the children (no task, coroutine, context or callback per child): the children's
@@ -2159,13 +2112,14 @@ class RunKernel:
         nodes = graphs.validate(tasks)
         scope = self.scope()
         prefix = scope.alloc()
-        return handle(self, scope.loop, self.composite, (self._graph, prefix, nodes), prefix, "ctx.graph")
+        return handle(self, scope.loop, self.operation, (self._graph, prefix, nodes), prefix, "ctx.graph")
 
-    async def composite(self, h: Handle, make: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """The operation of a handle made of other operations (a graph, a fan-out, a loop): what reaches the
-        workflow is the outcome of the operations inside, each in its own turn."""
+    async def operation(self, h: Handle, body: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """The operation of `h`: `body(*args)`, whose outcome becomes the handle's (the body records it in its
+        turn; a body made of other operations, a graph, a fan-out, a loop, has none of its own). A stop of the
+        whole run never reaches the workflow; the run's cancel arrives as `RunCancelledError`."""
         try:
-            result = await make(*args)
+            result = await body(*args)
         except BaseException as exc:
             if self.stops(exc):
                 await self.halt(exc)
@@ -2343,7 +2297,7 @@ class RunKernel:
                 raise ValidationError(f"ctx.loop {name}= must be an int >= 1, got {value!r}",
                                       hint=f"Omit {name}= for the default.", docs="docs/authoring.md#loops")
         path, scope, replayed = self.replay_next("ctx.loop")
-        return replayed or handle(self, scope.loop, self.composite,
+        return replayed or handle(self, scope.loop, self.operation,
                                   (self._loop, path, initial, reducer, snapshot_every or 1, max_iterations), path,
                                   "ctx.loop")
 
@@ -2397,7 +2351,7 @@ class RunKernel:
         prefix = None if all(type(item) is Handle for item in items) else scope.alloc()
         if len(items) >= 1000:
             self.advise("FANOUT_CEILING", len(items), f"ctx.parallel with {len(items)} branches")
-        return handle(self, scope.loop, self.composite, (self._parallel, prefix, items, concurrency),
+        return handle(self, scope.loop, self.operation, (self._parallel, prefix, items, concurrency),
                       prefix or "", "ctx.parallel")
 
     async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
