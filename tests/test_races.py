@@ -259,6 +259,30 @@ def test_gather_raises_the_error_that_came_first_on_every_replay() -> None:
     assert done.result == "early failed"  # shadow replay (TestEngine) checks the replay gives the same
 
 
+@workflow
+async def first_exception(ctx):
+    slow = ctx.step(slow_effect, "slow-fx", 10)
+    wait = asyncio.ensure_future(ctx.wait_for("never", timeout=3600))
+    broken = ctx.step(boom, "broken-fx")
+    done, pending = await asyncio.wait([slow, wait, broken], return_when=asyncio.FIRST_EXCEPTION)
+    for loser in pending:
+        loser.cancel()
+    return [[str(f.exception()) for f in done], len(pending), await ctx.step(effect, "after-fx")]
+
+
+def test_first_exception_returns_the_failure_and_the_cancelled_losers_stay_cancelled(tmp_path) -> None:
+    calls.clear()
+    engine = TestEngine()
+    done = engine.sync.run(first_exception)
+    assert done.status == "completed", done.error
+    assert done.result == [["broken-fx failed"], 2, "after-fx"]
+    assert "slow-fx" not in calls and calls["broken-fx"] == 1
+    calls.clear()
+    state = tmp_path / ".durably"
+    assert run(first_exception, dir=state) == [["broken-fx failed"], 2, "after-fx"]
+    assert calls == {"broken-fx": 1, "after-fx": 1}
+
+
 def test_first_refuses_what_it_cannot_race() -> None:
     @workflow
     async def nothing(ctx):
