@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 from ._advisories import Advisory
 from ._clock import Clock, FakeClock
-from ._context import AttemptContext, BudgetView, WorkflowContext, attempt
+from ._context import AttemptContext, BudgetView, First, WorkflowContext, attempt
 from ._engine import Engine, create_engine, durably, engine_for, run, run_async
 from ._events import StepEvent
 from ._graphs import GraphState, NodeState, Task
+from ._handles import Handle
 from ._history import RunState, StepState
 from ._kernel import RunHandle
 from ._operations import BulkResult
@@ -32,6 +33,7 @@ from .errors import (
     LogVersionError,
     LoopLimitError,
     NonRetryableError,
+    NotDurableError,
     NotSupportedError,
     PurityError,
     ReplayDivergenceError,
@@ -83,7 +85,9 @@ __all__ = [
     "Err",
     "FakeClock",
     "FileStorage",
+    "First",
     "GraphState",
+    "Handle",
     "KeyConflictError",
     "LeaseLostError",
     "LogVersionError",
@@ -91,6 +95,7 @@ __all__ = [
     "MemoryStorage",
     "NodeState",
     "NonRetryableError",
+    "NotDurableError",
     "NotSupportedError",
     "Ok",
     "PostgresStorage",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NamedTuple
 
 from ._result import Err, Ok
 from .errors import PurityError, ValidationError
@@ -57,6 +57,49 @@ async def run_branches(items: list[Any], concurrency: int | None,
         for task in tasks:
             task.cancel()
         raise
+
+
+class First(NamedTuple):
+    """What `ctx.first` returns: the `name` (keyword, or position) of the operation that won, and its value."""
+
+    name: str | int
+    value: Any
+
+
+async def first_of(operations: tuple[Awaitable[Any], ...], named: dict[str, Awaitable[Any]], *,
+                   cancel_losers: bool) -> First:
+    """`ctx.first`: the key (keyword, or position) of the operation that completed first, and its value (its
+    exception raised if it failed); the others are cancelled when `cancel_losers`."""
+    keys: list[str | int] = [*range(len(operations)), *named]
+    items = [*operations, *named.values()]
+    if not items:
+        raise ValidationError("ctx.first needs at least one operation to wait for",
+                              hint="which, value = await ctx.first(signal=ctx.wait_for('go'), timer=ctx.sleep(60))",
+                              docs="docs/authoring.md#races")
+    futures: dict[asyncio.Future[Any], str | int] = {}
+    future: asyncio.Future[Any]
+    for key, item in zip(keys, items, strict=True):
+        if not inspect.isawaitable(item):
+            raise ValidationError(f"ctx.first's operation {key!r} is {item!r}, not an awaitable",
+                                  hint="Pass ctx.step(...), ctx.sleep(...), ctx.wait_for(...) or ctx.join(...).",
+                                  docs="docs/authoring.md#races")
+        future = asyncio.ensure_future(item)  # a handle is its own future; anything else runs in a task of the run
+        if future in futures:
+            raise ValidationError(f"ctx.first got the same operation twice ({futures[future]!r} and {key!r})",
+                                  hint="Race different operations.", docs="docs/authoring.md#races")
+        futures[future] = key
+    try:
+        done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        if cancel_losers:
+            for future in futures:
+                future.cancel()
+        raise
+    if cancel_losers:
+        for future in pending:
+            future.cancel()
+    winner = next(f for f in futures if f in done)  # in argument order when several were done already
+    return First(futures[winner], winner.result())
 
 
 def outside_workflow() -> PurityError:

@@ -10,6 +10,7 @@ date) ends no wait early or late.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import time
@@ -126,7 +127,8 @@ class FakeClock(Clock):
         heapq.heappush(self._sleepers, (self._mono + seconds, next(self._seq), fut))
         loop = asyncio.get_running_loop()
         if self.auto and (self._driver is None or self._driver.done() or self._driver.get_loop() is not loop):
-            self._driver = loop.create_task(self._drive())
+            # in a context of its own: it is the clock's, not one of the tasks of the run whose wait started it
+            self._driver = loop.create_task(self._drive(), context=contextvars.Context())
         await fut
 
     async def sleep_until(self, when: datetime) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
+from ._branches import First, first_of
 from ._codec import dump_value, from_iso, load_value
 from ._history import BUDGET_KINDS
 from ._kernel import Complete, LoopDone, RunHandle, current_attempt
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from ._clock import Clock
     from ._engine import Engine
     from ._graphs import Task
+    from ._handles import Handle
     from ._history import History
     from .records import Record
 
@@ -41,22 +43,22 @@ class Kernel(Protocol):
     spent: dict[str, float]
 
     def write(self, rec: Record) -> None: ...
-    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]: ...
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
     def now(self) -> Any: ...
     def random(self) -> float: ...
     def uuid(self) -> str: ...
     def replaying(self) -> bool: ...
     def patched(self, change: str, deprecated: bool = False) -> bool: ...
-    def sleep_until(self, when: datetime) -> Awaitable[None]: ...
-    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]: ...
-    def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]: ...
+    def sleep_until(self, when: datetime) -> Handle[None]: ...
+    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Handle[Any]: ...
+    def parallel(self, items: list[Any], concurrency: int | None) -> Handle[list[Ok[Any] | Err]]: ...
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
-             max_iterations: int | None) -> Awaitable[Any]: ...
-    def spawn(self, wf: Any, input: Any, detached: bool) -> Awaitable[RunHandle]: ...
-    def spawn_all(self, definitions: list[Any], detached: bool) -> Awaitable[list[RunHandle]]: ...
-    def join(self, handle: RunHandle) -> Awaitable[Any]: ...
-    def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]: ...
-    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]: ...
+             max_iterations: int | None) -> Handle[Any]: ...
+    def spawn(self, wf: Any, input: Any, detached: bool) -> Handle[RunHandle]: ...
+    def spawn_all(self, definitions: list[Any], detached: bool) -> Handle[list[RunHandle]]: ...
+    def join(self, handle: RunHandle) -> Handle[Any]: ...
+    def join_all(self, handles: list[RunHandle]) -> Handle[list[Ok[Any] | Err]]: ...
+    def graph(self, tasks: Mapping[str, Task]) -> Handle[dict[str, Ok[Any] | Err]]: ...
     def charge(self, amounts: dict[str, float]) -> None: ...
     def annotate(self, values: dict[str, Any]) -> None: ...
 
@@ -160,7 +162,7 @@ class LoopIteration:
         self._ctx = ctx
         self.number = number
 
-    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """A step of this iteration (same options as `ctx.step`)."""
         return self._ctx.step(fn, *args, **options)
 
@@ -205,33 +207,35 @@ class WorkflowContext:
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
              retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe") -> Awaitable[T]: ...
+             schema: None = None, replay: str = "safe") -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe") -> Awaitable[T]: ...
+             schema: None = None, replay: str = "safe") -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any, replay: str = "safe") -> Awaitable[Any]: ...
+             schema: Any, replay: str = "safe") -> Handle[Any]: ...
 
-    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.
+        The handle is a future: await it (any number of times), or hand it to asyncio (`gather`, `wait`,
+        `create_task`, a `TaskGroup`); it runs the first time either happens.
 
         (Each context binds the kernel's `step` over this method in `__init__`; this body serves a call
         through the class.)"""
         return self._kernel.step(fn, *args, **options)
 
-    def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
+    def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Handle[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""
         return self._kernel.parallel(list(items), concurrency)
 
     def loop(self, initial: Any, reducer: Callable[..., Any], *, snapshot_every: int | None = None,
-             max_iterations: int | None = None) -> Awaitable[Any]:
+             max_iterations: int | None = None) -> Handle[Any]:
         """Iterate `reducer(state, it)` until it returns `it.done(value)`; resumes from the latest snapshot."""
         if not callable(reducer):
             return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)  # the kernel explains
@@ -241,41 +245,51 @@ class WorkflowContext:
 
         return self._kernel.loop(initial, iterate, snapshot_every, max_iterations)
 
-    def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Awaitable[RunHandle]:
+    def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Handle[RunHandle]:
         """Start a child run of `wf` (its own durable run, retries and budget); join it with `ctx.join`."""
         return self._kernel.spawn(wf, input, detached)
 
-    def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Awaitable[list[RunHandle]]:
+    def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Handle[list[RunHandle]]:
         """Start one child run per `(workflow, input)` pair."""
         return self._kernel.spawn_all(list(definitions), detached)
 
-    def join(self, handle: RunHandle) -> Awaitable[Any]:
+    def join(self, handle: RunHandle) -> Handle[Any]:
         """Wait for a child run to end; return its result or raise its error."""
         return self._kernel.join(handle)
 
-    def join_all(self, handles: Iterable[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
+    def join_all(self, handles: Iterable[RunHandle]) -> Handle[list[Ok[Any] | Err]]:
         """Wait for every child run; one `Ok`/`Err` per handle, in order."""
         return self._kernel.join_all(list(handles))
 
-    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
+    def graph(self, tasks: Mapping[str, Task]) -> Handle[dict[str, Ok[Any] | Err]]:
         """Run a DAG of child runs (`{id: Task(wf, input, depends_on=[...])}`), validated before any work starts;
         one `Ok`/`Err` per task id. A task whose prerequisite failed gets `Err(DependencyFailedError)`."""
         return self._kernel.graph(tasks)
 
-    def sleep(self, seconds: float) -> Awaitable[None]:
+    def sleep(self, seconds: float) -> Handle[None]:
         """Wait `seconds` durably: the wake time is recorded, so a resumed run waits only what is left."""
         if seconds != 0:
             check_timeout(seconds, "ctx.sleep seconds")
         return self._kernel.sleep_until(self._kernel.clock.now() + timedelta(seconds=seconds))
 
-    def sleep_until(self, when: datetime) -> Awaitable[None]:
+    def sleep_until(self, when: datetime) -> Handle[None]:
         """Wait durably until `when` (timezone-aware)."""
         return self._kernel.sleep_until(when)
 
-    def wait_for(self, name: str, schema: Any = None, *, timeout: float | None = None) -> Awaitable[Any]:
+    def wait_for(self, name: str, schema: Any = None, *, timeout: float | None = None) -> Handle[Any]:
         """Park until signal `name` arrives (from any process) and return its payload; `WaitTimeoutError` after
         `timeout` seconds."""
         return self._kernel.wait_for(name, schema, timeout)
+
+    async def first(self, *operations: Awaitable[Any], **named: Awaitable[Any]) -> First:
+        """Race durable operations: wait for the first to complete, cancel the others (their cancellation is
+        recorded), and return which won and with what: ``First(name, value)``, `name` being the keyword (or
+        the position of a positional operation). The winner's exception is raised if it failed. Whichever won
+        wins again on every replay, even when a resumed run finds several ready at once.
+
+            which, value = await ctx.first(approval=ctx.wait_for("approval"), timeout=ctx.sleep(3600))
+        """
+        return await first_of(operations, named, cancel_losers=True)
 
     def now(self) -> datetime:
         """The current time, recorded (replay returns the same instant)."""

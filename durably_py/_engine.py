@@ -29,9 +29,9 @@ from ._events import StepEvent
 from ._graphs import GraphState
 from ._heartbeat import Heartbeat
 from ._history import BUDGET_KINDS, History, RunState
-from ._kernel import CONTROL_EVERY, Parked, RunHandle, RunKernel, Selector, Spawned
+from ._kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunHandle, RunKernel, Selector, Spawned
 from ._operations import BulkResult, Operations
-from ._queue import RunQueue, park_entry
+from ._queue import RunQueue
 from ._resources import Gates, Resource
 from ._runs import PruneReport, Runs, check_retention
 from ._schedules import Schedule
@@ -70,6 +70,15 @@ def check_budget(budget: Any) -> dict[str, float] | None:
                                   hint="Give each kind a finite limit, e.g. {'usd': 5}.",
                                   docs="docs/policies.md#budgets")
     return {k: float(v) for k, v in budget.items()}
+
+
+def check_cleanup(value: Any) -> float:
+    """Validate `cleanup=`: the seconds a cancelled workflow may spend on its clean-up."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise ValidationError(f"cleanup= must be seconds >= 0, got {value!r}",
+                              hint="cleanup=60 gives a cancelled workflow a minute to clean up.",
+                              docs="docs/operations.md#cancel")
+    return float(value)
 
 
 def check_checkpoint(value: Any) -> int | None:
@@ -137,10 +146,11 @@ class Engine:
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
                  lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
-                 retention: float | None = None) -> None:
+                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP) -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
         self.retention = check_retention(retention)
+        self.cleanup = check_cleanup(cleanup)
         self.concurrency = check_concurrency(concurrency)
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)
@@ -351,8 +361,7 @@ class Engine:
             if parked.children:
                 self.storage.join_wait(run_id, parked.children)
                 raise
-            at, parked_on = park_entry(history, parked.status)
-            self.storage.schedule(run_id, at, wait=parked_on)
+            self.storage.schedule(run_id, parked.at, wait=parked.names)
             raise
         except StaleRunError as exc:
             try:
@@ -588,6 +597,7 @@ class Engine:
                            on_step=on_step, advisories=tracker, wait=wait)
         kernel.stopping = stopping
         kernel.end_sync = end_sync
+        kernel.cleanup = self.cleanup
         failed = history.end is not None and history.end.status == "failed"
         retried = lease.run_id in self.retries
         if failed or retried and history.failing:
@@ -630,9 +640,12 @@ class Engine:
         where `code` allows it (`CodeSource`)."""
         return self.code.workflow(header)
 
-    async def cancel(self, run: str, *, timeout: float = 30.0) -> RunState:
-        """Cancel a run (by id or key): end it as cancelled, asking the process running it to stop first."""
-        return await self.operations.cancel(run, timeout=timeout)
+    async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
+                     cleanup: float | None = None) -> RunState:
+        """Cancel a run (by id or key): its workflow gets `RunCancelledError` where it waits, may clean up (for
+        `cleanup` seconds, default the engine's `cleanup=`), and ends cancelled; `compensate=True` also runs the
+        compensations of its completed steps. See docs/operations.md#cancel."""
+        return await self.operations.cancel(run, timeout=timeout, compensate=compensate, cleanup=cleanup)
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""

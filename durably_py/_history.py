@@ -49,6 +49,8 @@ class History:
         self.end: r.End | None = None
         self.claim: r.Claim | None = None
         self.park: r.Park | None = None  # a join or a retry backoff the run parked in since its last claim
+        self.cancel: r.Cancel | None = None  # the cancel delivered to the workflow, while it cleans up
+        self.cancel_after: str | None = None  # the path of the last outcome before it (None: the first)
         self.paused = False
         self.stale = False
         self.budget: dict[str, float] | None = self.header.budget
@@ -128,6 +130,20 @@ class History:
 
     def _end(self, rec: r.End) -> None:
         self.end = rec
+
+    def _cancel(self, rec: r.Cancel) -> None:
+        if self.cancel is None:
+            self.cancel = rec
+            self.cancel_after = next(reversed(self.done), None)
+
+    def order(self) -> list[str]:
+        """The paths of the recorded outcomes in the order they reached the workflow (the log's): what a
+        replay delivers them in (`turns.Turns`), a delivered cancel request in its place as ``"$cancel"``."""
+        order = list(self.done)
+        if self.cancel is not None and self.end is None:
+            at = order.index(self.cancel_after) + 1 if self.cancel_after in self.done else 0
+            order.insert(at, "$cancel")
+        return order
 
     def _patch(self, rec: r.Patch) -> None:
         self.patches.setdefault(rec.change, rec)  # the first answer is the run's for good
@@ -265,10 +281,13 @@ class History:
             out.append(r.Budget(budget=self.budget))
         if self.claim:
             out.append(self.claim)
-        if self.snaps:
-            out.extend(d for p, d in self.done.items() if not self.snapshotted(p))
-        else:
-            out.extend(self.done.values())
+        if self.cancel is not None and self.cancel_after is None:
+            out.append(self.cancel)
+        for p, d in self.done.items():
+            if not self.snaps or not self.snapshotted(p):
+                out.append(d)
+            if self.cancel is not None and p == self.cancel_after:
+                out.append(self.cancel)
         out.extend(s for p, s in self.snaps.items() if p not in self.done)
         for table in (self.fails, self.starts, self.stashes, self.waits, self.wakes):
             out.extend(d for p, d in table.items() if p not in self.done)
@@ -325,6 +344,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Pause: History._pause,
     r.Resume: History._pause,
     r.Park: History._park,
+    r.Cancel: History._cancel,
     r.Header: _ignore,
 }
 """How each record kind folds into a `History` (one entry per kind of `records.Record`)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -44,10 +45,12 @@ from ._codec import (
     to_iso,
 )
 from ._events import StepEvent
+from ._handles import Handle, cancelled, fail, handle, not_durable, set_result
 from ._history import BUDGET_KINDS, History, path_tuple
 from ._policies import Retry, check_timeout
 from ._result import Err, Ok
 from ._schema import compile_schema
+from ._turns import Turns, current_turns, deadline_over, discard, guarded, install_factory, raw_timers
 from ._workflow import Workflow, as_workflow
 from .errors import (
     ArgumentError,
@@ -69,8 +72,6 @@ from .errors import (
 from .storage.base import validate_name
 
 if TYPE_CHECKING:
-    import contextlib
-
     from ._graphs import Task
     from ._resources import Gates
     from ._threads import SyncPlacement
@@ -125,13 +126,85 @@ def timeout_hint(retry: Any) -> str:
 
 class Parked(BaseException):  # noqa: N818 - control flow, not an error
     """The run parked (`status` "waiting", "sleeping" or "paused") and its engine was asked not to wait, or
-    its worker is stopping ("interrupted"); `children`: the child runs it waits for in a join."""
+    its worker is stopping ("interrupted"). It is due again at `at` (epoch seconds; None: only when woken), at
+    once on a signal named in `names`, or (`children`) when the child runs it waits for in a join ended."""
 
-    def __init__(self, status: str, detail: str, children: tuple[str, ...] = ()) -> None:
+    def __init__(self, status: str, detail: str, children: tuple[str, ...] = (), *, at: float | None = None,
+                 names: tuple[str, ...] = (), path: str | None = None, label: str = "") -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.children = children
+        self.at = at
+        self.names = names
+        self.path = path  # where the first strand that parks waits, and on what
+        self.label = label
+
+
+@dataclass(slots=True)
+class Rest:
+    """A durable wait a strand of the run is in, and how the run would park on it."""
+
+    status: str  # "sleeping", "waiting", "paused" or "interrupted"
+    detail: str
+    parkable: bool  # False: the wait goes on only in this process (a child run here, a short backoff)
+    at: float | None = None  # due again then (epoch seconds)
+    signal: str | None = None  # a signal whose arrival makes it due
+    children: tuple[str, ...] = ()  # child runs whose end makes it due
+    record: records.Park | None = None  # what parking on it records
+    fallback: asyncio.Future[None] | None = None  # set when the run cannot park: the wait goes on here
+    task: asyncio.Task[Any] | None = None  # the strand that waits
+    path: str | None = None  # the operation waiting, and its label
+    label: str = ""
+
+
+CANCEL_PATH = "$cancel"  # a cancel's place in the order of a run's outcomes (`Turns`)
+CANCEL_MSG = "durably: the run was cancelled"  # the message of the CancelledError a cancel request causes
+CANCELLED_TYPE = "asyncio.exceptions:CancelledError"  # the recorded error of an operation the workflow cancelled
+CUT_OFF = asyncio.CancelledError("cancelled by the workflow")
+ABANDONED = asyncio.CancelledError("abandoned: the workflow ended before this step did")
+DEFAULT_CLEANUP = 60.0  # seconds a cancelled workflow may spend on clean-up before it is stopped
+_INTERNAL = contextvars.Context()  # the context of the kernel's own tasks (none of the workflow's)
+
+
+class Halted(BaseException):  # noqa: N818 - control flow, not an error
+    """The run is stopping; raised by a ctx call made after that."""
+
+
+HALTED = Halted()
+CLEANUP_OVER = Halted("the clean-up window of the cancelled run ended")
+
+
+def is_run_cancel(exc: BaseException | None) -> bool:
+    """Whether `exc` is the `CancelledError` a cancel request of the run put into its workflow."""
+    return isinstance(exc, asyncio.CancelledError) and bool(exc.args) and exc.args[0] == CANCEL_MSG
+
+
+def signal_time(signal: dict[str, Any]) -> float:
+    """When a stored signal arrived (epoch seconds on the sender's engine clock), for the order of outcomes
+    ready at the same moment."""
+    try:
+        return from_iso(signal["at"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return time.time()
+
+
+def make_task(loop: asyncio.AbstractEventLoop, coro: Any, previous: Callable[..., Any] | None,
+              **kwargs: Any) -> Any:
+    """The task factory workflows' loops get (`turns.install_factory`): `asyncio.create_task(handle)` (and a
+    `TaskGroup`'s) starts the handle and returns it; a task the workflow creates is one of its run's."""
+    if type(coro) is Handle:
+        coro.start()
+        return coro
+    context = kwargs.get("context")
+    turns = context.get(current_turns) if context is not None else current_turns.get()
+    if turns is None or turns.closed or type(coro) is not CoroutineType or \
+            (context.get(current_attempt, None) if context is not None else current_attempt.get(None)) is not None:
+        return previous(loop, coro, **kwargs) if previous is not None else asyncio.Task(coro, loop=loop, **kwargs)
+    guard = guarded(coro, turns)
+    task = previous(loop, guard, **kwargs) if previous is not None else asyncio.Task(guard, loop=loop, **kwargs)
+    turns.adopt(task, coro)
+    return task
 
 
 class Scope:
@@ -368,21 +441,41 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-async def replayed(scope: Scope, wire: Any) -> Any:
+async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) -> Any:
     """A recorded `Ok` of a step with no options: the fewest operations between the record and its value.
 
-    (A coroutine that never suspends costs less to create and await on CPython than a done Future or
-    a hand-made ready awaitable, measured: 0.1 us against 0.2 and 0.5 us.)"""
-    scope.pending -= 1
+    In a run of one strand its turn is now (the head of the recorded order is this path): a comparison and a
+    counter. Otherwise it waits for its turn (`Turns.recorded`)."""
+    try:
+        order = turns.order
+        head = turns.head
+        if turns.solo and head < len(order) and order[head] == path:
+            turns.head = head + 1
+            if turns.early:
+                turns.skip_early()
+        elif not turns.now(path):
+            h.driver = current_task()
+            await turns.recorded(path)
+    except BaseException as exc:
+        if not isinstance(exc, GeneratorExit):
+            fail(h, exc)
+        raise
+    finally:
+        scope.pending -= 1
     t = type(wire)
     if t is dict:  # `load_value` inlined for the common step output, a flat dict of scalars
         for x in wire.values():
             if type(x) not in SCALARS:
-                return load_value(wire)
-        if len(wire) == 1 and (DT_TAG in wire or ESC_TAG in wire):
-            return load_value(wire)
-        return wire.copy()
-    return wire if t in SCALARS else load_value(wire)
+                value = load_value(wire)
+                break
+        else:
+            value = load_value(wire) if len(wire) == 1 and (DT_TAG in wire or ESC_TAG in wire) else wire.copy()
+    else:
+        value = wire if t in SCALARS else load_value(wire)
+    set_result(h, value)
+    if h.observed:
+        turns.hop()
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,7 +656,7 @@ class RunKernel:
         self.resumed: set[str] = set()  # failed children this retry has resumed already (never twice in one retry)
         self.joining = 0
         self.join_watch: asyncio.Task[None] | None = None
-        self.interrupted: asyncio.Future[None] | None = None
+        self.interrupted_by: asyncio.Future[None] | None = None
         self.next_control = 0.0
         self.cancel_error: RunCancelledError | None = None
         self.holding: asyncio.Future[None] | None = None
@@ -587,6 +680,16 @@ class RunKernel:
         self.parks = False  # served by a worker: children are queued runs; joins and long backoffs park the run
         self.attached: dict[str, None] = {}  # unjoined attached children while `parks` (the end waits for them)
         self.end_sync = True  # False: whoever runs the kernel makes its end durable (a child's, with its siblings')
+        self.turns = Turns(history.order(), current_attempt)  # the order outcomes reach the workflow in
+        self.rests: dict[object, Rest] = {}  # the durable waits strands are in now
+        self.halted: asyncio.Future[tuple[str, Any]] | None = None  # how this execution of the run stops
+        self.root: asyncio.Task[Any] | None = None  # the task running the workflow body
+        self.driver: asyncio.Task[Any] | None = None  # the task that runs this execution (`run`)
+        self.canceller: asyncio.Task[Any] | None = None  # delivers a cancel request in its turn
+        self.cancel_rec: records.Cancel | None = None  # the cancel delivered, once it is
+        self.cancel_pending: records.Cancel | None = None  # a cancel requested in this process, not delivered yet
+        self.cleanup = DEFAULT_CLEANUP  # seconds a cancelled workflow may clean up for (the engine's setting)
+        self.cleanup_timer: asyncio.TimerHandle | None = None
 
     # ---- writing -------------------------------------------------------------------------------
     def write(self, rec: records.Record) -> None:
@@ -771,7 +874,7 @@ class RunKernel:
             self.replay_error = error
         return error
 
-    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Awaitable[Any]:
+    def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """`ctx.step` itself (the context binds it as its own `step`, so a call is one Python frame): allocate
         the step's path now; return an awaitable that replays or runs it."""
         if options:
@@ -807,42 +910,126 @@ class RunKernel:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
         scope.pending = pending + 1
+        h: Handle[Any] = Handle(loop=scope.loop)
+        h._kernel = self
+        h.path = path
+        h.label = label
+        h.observed = False
+        h.driver = None
+        h._name = None
         if rec is None:
-            return self.execute(scope, path, label, fn, args, opts)
+            h._op = self.execute
+            h._args = (scope, path, label, fn, args, opts)
+            return h
         if rec.label != label:
             self.check_label(path, rec, label)
         if opts is PLAIN and type(rec) is _Ok and self.on_step is None:
-            return replayed(scope, rec.value)
-        return self.replay(scope, path, rec, opts)
+            h._op = replayed
+            h._args = (self.turns, scope, path, rec.value)
+        else:
+            h._op = self.replay
+            h._args = (scope, path, rec, opts)
+        return h
 
     def replay_next(self, label: str, opts: StepOptions | _Schema = PLAIN,
-                    where: str = "output") -> tuple[str, Awaitable[Any] | None]:
-        """Allocate the calling strand's next path for `label` (a sleep, wait, join or loop), and the replay of
-        the record at it when there is one (its label checked), else None: the caller then runs it live."""
+                    where: str = "output") -> tuple[str, Scope, Handle | None]:
+        """Allocate the calling strand's next path for `label` (a sleep, wait, join or loop), and the handle
+        replaying the record at it when there is one (its label checked), else None: the caller then runs it
+        live."""
         scope = self.scope()
         path = scope.alloc()
         rec = self.done.get(path)
         if rec is None:
-            return path, None
+            return path, scope, None
         self.check_label(path, rec, label)
         scope.pending += 1
-        return path, self.replay(scope, path, rec, opts, where)
+        return path, scope, handle(self, scope.loop, self.replay, (scope, path, rec, opts, where), path, label)
 
-    async def replay(self, scope: Scope, path: str, rec: records.Ok | records.Err, opts: StepOptions | _Schema,
-                     where: str = "output") -> Any:
+    async def replay(self, h: Handle, scope: Scope, path: str, rec: records.Ok | records.Err,
+                     opts: StepOptions | _Schema, where: str = "output") -> Any:
+        """A recorded outcome, in its turn."""
         try:
+            turns = self.turns
+            if not turns.now(path):
+                h.driver = current_task()
+                await turns.recorded(path)
             if self.on_step is not None:
                 self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
             if isinstance(rec, records.Err):
+                if rec.error.get("type") == CANCELLED_TYPE:
+                    raise asyncio.CancelledError()
                 raise load_error(rec.error)
             value = load_value(rec.value)
             if opts.schema is not None:
                 value = opts.schema.convert(value, where)
             if opts.compensate is not None:
                 self.compensations[path] = (opts.compensate, value, rec.label)
-            return value
+        except BaseException as exc:
+            exc = self.cancel_cut(exc, h)
+            self.failed(h, exc)
+            raise exc from None
         finally:
             scope.pending -= 1
+        self.deliver(h, value)
+        return value
+
+    # ---- outcomes reaching the workflow -------------------------------------------------------------
+    def deliver(self, h: Handle, value: Any) -> None:
+        """Make `value` the result of `h` (its turn came); its observers' callbacks run before the next turn."""
+        if not h.done():
+            set_result(h, value)
+            if h.observed:
+                self.turns.hop()
+
+    def failed(self, h: Handle, exc: BaseException) -> None:
+        """The operation of `h` ended with `exc` (raised to its direct awaiter as well). A stop of the whole
+        run (a crash, a lost lease) or a tear-down leaves the handle pending: nothing of the workflow sees it."""
+        if h.done() or isinstance(exc, GeneratorExit) or self.stops(exc):
+            return
+        fail(h, exc)
+        if h.observed:
+            self.turns.hop()
+
+    def drive(self, h: Handle, op: Coroutine[Any, Any, Any]) -> None:
+        """Run the operation of a handle the workflow hands to asyncio (rather than awaiting it) in a task of
+        the run."""
+        if self.turns.closed:
+            op.close()
+            return
+        h.driver = self.turns.start(op, contextvars.copy_context())
+
+    def op(self, scope: Scope, path: str, label: str, body: Callable[..., Awaitable[Any]], *args: Any) -> Handle:
+        """A handle at `path` whose operation is `body(handle, *args)` (`operation`)."""
+        h = handle(self, scope.loop, self.operation, (), path, label)
+        h._args = (body, h, *args)
+        return h
+
+    def cancel_handle(self, h: Handle, msg: Any) -> bool:
+        """The workflow cancelled `h` before its outcome reached it: the cancellation is recorded in the
+        workflow's turn (so a replay finds it, and an operation cut off is never run again), the operation is
+        stopped, and `h` is cancelled like any future."""
+        path = h.path
+        if not self.turns.closed and not self.dead:
+            if path in self.done:
+                self.turns.take(path)  # a replay: the recorded cancel (or an outcome the workflow now refuses)
+            elif h._op is None:
+                self.write(records.Err(path=path, label=h.label, attempt=1, error=dump_error(CUT_OFF),
+                                       ts=time.time()))
+        h._op = None
+        for att in list(self.running):
+            if att.path == path:
+                att.cancel()
+        driver = h.driver
+        cancelled(h, msg)
+        if h.observed:
+            self.turns.hop()
+        if driver is not None and not driver.done() and driver is not asyncio.current_task():
+            driver.cancel(msg)
+        return True
+
+    def stops(self, exc: BaseException) -> bool:
+        """Whether `exc` stops the whole run rather than failing one operation."""
+        return isinstance(exc, Crash | Parked) or exc is self.lost or exc is self.full or exc is HALTED
 
     def check_budget(self) -> None:
         if self.budget is None:
@@ -855,9 +1042,9 @@ class RunKernel:
                          "the spend so far is kept.",
                     kind=kind, spent=self.spent[kind], limit=limit)
 
-    async def execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                      opts: StepOptions) -> Any:
-        """Run a step live and record its outcome.
+    async def execute(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
+                      args: tuple[Any, ...], opts: StepOptions) -> Any:
+        """Run a step live and record its outcome in its turn.
 
         The common case (no options, nobody observing the run, no earlier attempt or stash at this path) takes
         the short path written out here: the same checks, records and bookkeeping as `_execute` and `_attempts`
@@ -866,9 +1053,9 @@ class RunKernel:
             history = self.history
             if opts is not PLAIN or self.observer is not None or self.on_step is not None \
                     or path in history.fails or path in history.stashes:
-                return await self._execute(scope, path, label, fn, args, opts)
+                return await self._execute(h, scope, path, label, fn, args, opts)
             if self.stopping is not None and self.stopping():
-                raise Parked("interrupted", "stopped by its worker before its next step")
+                await self.interrupted()
             now = time.monotonic()
             if now >= self.next_control:
                 await self.boundary()
@@ -891,7 +1078,7 @@ class RunKernel:
                 self.step_running_since = now
             if running:
                 loop = None
-                running[att] = current_task()
+                running[att] = h.driver = current_task()
             else:
                 # No step of this run in flight: this is the run's own loop on its own thread (another loop on
                 # it could only run inside a step), so it is looked up once (a `getpid` per lookup on 3.11).
@@ -900,7 +1087,7 @@ class RunKernel:
                     loop = self.event_loop = asyncio.get_running_loop()
                     self.event_thread = get_ident()
                 # a step on the loop thread needs no task to cancel: no callback can run until it returns
-                running[att] = None if inline else running_task(loop)
+                running[att] = h.driver = None if inline else running_task(loop)
             started = time.perf_counter()
             try:
                 if is_async:
@@ -910,16 +1097,16 @@ class RunKernel:
                 elif inline:
                     value = self.placement.inline(fn, args, started, loop)
                     if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
-                        self.control(force=True)
+                        self.cut_inline(att)
                     if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):
-                        running[att] = current_task()
+                        running[att] = h.driver = current_task()
                         value = await value
                 else:
                     value = await self._invoke(fn, args, False)
                 wire, value = dump_output(value)
             except asyncio.CancelledError:
-                self.step_cancelled(att)
-            except Crash:
+                self.step_cut(h, att)
+            except (Crash, GeneratorExit):
                 raise
             except Exception as exc:
                 if exc is self.cancel_error:
@@ -936,7 +1123,10 @@ class RunKernel:
                 if isinstance(error, SerializationError):
                     error.add_note(f"returned by step {label!r} at path {path_tuple(path)}")
                 await self._failed(path, label, opts, 1, ms, error, att)
-                return await self._attempts(scope, path, label, fn, args, opts, 2)
+                return await self._attempts(h, scope, path, label, fn, args, opts, 2)
+            turns = self.turns
+            if not (turns.solo and turns.head >= len(turns.order) and not turns.ready) and not turns.live_now():
+                await turns.live(time.time())
             self.write(records.Ok(path=path, label=label, value=wire, attempt=1, ms=ms, ts=time.time()))
             now = time.monotonic()
             self.unsynced += 1  # `step_done()` written out, sharing its clock reading with the yield below
@@ -946,19 +1136,28 @@ class RunKernel:
                 self.advise("SLOW_STEP_NO_TIMEOUT", ms / 1000, f"step {label!r} took {ms / 1000:.0f}s with no timeout=")
             if self.storm.retries:
                 self.storm.record(failed=False, retry=False)
+            set_result(h, value)
+            if h.observed:
+                turns.hop()
             if now >= self.next_yield:
                 self.next_yield = now + YIELD_EVERY
                 await asyncio.sleep(0)
             return value
+        except BaseException as exc:
+            if self.stops(exc):
+                await self.halt(exc)
+            exc = self.cancel_cut(exc, h)
+            self.failed(h, exc)
+            raise exc from None
         finally:
             scope.pending -= 1
 
-    async def _execute(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                       opts: StepOptions) -> Any:
+    async def _execute(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
+                       args: tuple[Any, ...], opts: StepOptions) -> Any:
         if self.observer is not None:
             self.observer.unrecorded(self, path, "step", label)
         if self.stopping is not None and self.stopping():
-            raise Parked("interrupted", "stopped by its worker before its next step")
+            await self.interrupted()
         if time.monotonic() >= self.next_control:
             await self.boundary()
         self.check_budget()
@@ -972,27 +1171,63 @@ class RunKernel:
                 error = StepInterruptedError(
                     f"step {label!r} at path {path_tuple(path)} started in an earlier process and never finished",
                     path=list(path_tuple(path)), label=label, operation_id=f"{self.run_id}/{path}")
+                await self.live_turn()
                 self.write(records.Err(path=path, label=label, attempt=started.attempt, error=dump_error(error),
                                        ts=time.time()))
                 self.emit(path, label, "failed", number, error=error)
                 raise error
-        return await self._attempts(scope, path, label, fn, args, opts, number)
+        return await self._attempts(h, scope, path, label, fn, args, opts, number)
 
-    def step_cancelled(self, att: Any) -> NoReturn:
-        """Call while a running step's `CancelledError` is handled: the run's cancel error when a cancel request
-        for this run cut the step off (and nothing else cancelled its task), else the `CancelledError` itself."""
+    def step_cut(self, h: Handle, att: Any) -> NoReturn:
+        """Call while a running step's `CancelledError` is handled: the step was cut off.
+
+        Cut by the run's cancel request: it is recorded as cancelled with the run's error, which its awaiter
+        gets (`RunCancelledError`, at the same point on replay). Cut because the workflow cancelled its handle
+        or its task (a `TaskGroup` or `gather` giving up, `asyncio.timeout`): recorded as cancelled, so that no
+        replay runs it again, and the `CancelledError` goes on."""
+        exc = sys.exc_info()[1]
         task = asyncio.current_task()
-        if self.cancel_error is None or not att.cancelled or task is None or task.uncancel() > 0:
-            raise  # the CancelledError the caller is handling
-        raise self.cancel_error from None
+        path, label, number = att.path, att.label, att.number
+        if self.cancel_error is not None and att.cancelled and is_run_cancel(exc):
+            if task is not None:
+                task.uncancel()
+            self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(self.cancel_error),
+                                   ts=time.time()))
+            raise self.cancel_error from None
+        if h.cancelled():  # the workflow's own cancel of the handle: it wrote the record, and takes its cancel back
+            if task is not None and task is h.driver:
+                task.uncancel()
+        elif not self.stopped_from_outside():
+            self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(CUT_OFF),
+                                   ts=time.time()))
+        raise  # the CancelledError the caller is handling
+
+    def stopped_from_outside(self) -> bool:
+        """Whether what runs this execution is being cancelled (Ctrl-C, a worker stopping, the event loop
+        closing): a step cut off then is cut as by a kill, and recorded as nothing."""
+        driver = self.driver
+        return driver is not None and driver.cancelling() > 0
+
+    def cut_inline(self, att: Any) -> None:
+        """A quick sync step on the loop thread saw a cancel request while it ran (the heartbeat flagged it).
+        Nothing else of the run can run meanwhile, so the cancel is delivered here, and the step is cut by it:
+        recorded as cancelled, its awaiter gets `RunCancelledError`."""
+        self.control(force=True)
+        pending = self.cancel_pending
+        if pending is not None and self.cancel_rec is None:
+            self.deliver_cancel(pending, recorded=False, here=asyncio.current_task())
+        if self.cancel_error is not None:
+            self.write(records.Err(path=att.path, label=att.label, attempt=att.number,
+                                   error=dump_error(self.cancel_error), ts=time.time()))
+            raise self.cancel_error
 
     def alone(self, scope: Scope) -> bool:
         """True when the calling step is the only work of any run in this process that could want the loop now:
         no other step of its strand pending, no parallel branches, no other step running, no other live run."""
         return scope.pending == 1 and not self.branches and len(self.running) == 1 and RunKernel.live == 1
 
-    async def _attempts(self, scope: Scope, path: str, label: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                        opts: StepOptions, number: int) -> Any:
+    async def _attempts(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
+                        args: tuple[Any, ...], opts: StepOptions, number: int) -> Any:
         is_async = _is_async(fn)
         while True:
             if opts.unsafe:
@@ -1013,7 +1248,7 @@ class RunKernel:
             self.clock.busy += 1
             if not self.running:
                 self.step_running_since = time.monotonic()
-            self.running[att] = current_task()
+            self.running[att] = h.driver = current_task()
             started = time.perf_counter()
             try:
                 for gate in gates:
@@ -1027,7 +1262,7 @@ class RunKernel:
                     if self.placement.is_quick(fn) and self.alone(scope):
                         value = self.placement.inline(fn, args)
                         if att.cancelled:  # the heartbeat saw a cancel request while the loop was blocked
-                            self.control(force=True)
+                            self.cut_inline(att)
                         if type(value) not in PLAIN_RESULTS and inspect.isawaitable(value):
                             value = await value
                     else:
@@ -1043,8 +1278,8 @@ class RunKernel:
                                 value = await value
                         else:
                             value = await self._invoke(fn, args, is_async)
-                    except asyncio.CancelledError:
-                        if not att.cancelled or self.cancel_error is not None or task is None \
+                    except asyncio.CancelledError as exc:
+                        if not att.cancelled or is_run_cancel(exc) or h.cancelled() or task is None \
                                 or task.uncancel() > pending:
                             raise
                         raise StepTimeoutError(
@@ -1061,8 +1296,8 @@ class RunKernel:
                 if opts.schema is not None:
                     value = opts.schema.convert(value, "output")
             except asyncio.CancelledError:
-                self.step_cancelled(att)
-            except Crash:
+                self.step_cut(h, att)
+            except (Crash, GeneratorExit):
                 raise
             except Exception as exc:
                 if exc is self.cancel_error:
@@ -1085,6 +1320,7 @@ class RunKernel:
                 await self._failed(path, label, opts, number, ms, error, att)
                 number += 1
                 continue
+            await self.live_turn()
             self.write(records.Ok(path=path, label=label, value=wire, attempt=number, ms=ms, ts=time.time()))
             self.step_done()
             if opts.compensate is not None:
@@ -1097,6 +1333,7 @@ class RunKernel:
                 self.storm.record(failed=False, retry=number > 1)
             if self.observer is not None:
                 self.observer.step_ran(self, path, label, True)
+            self.deliver(h, value)
             if time.monotonic() >= self.next_yield:
                 # Steps that complete without suspending (quick sync steps on the loop thread, async ones that
                 # never await) would otherwise keep the loop from delivering a cancellation such as Ctrl-C.
@@ -1117,7 +1354,8 @@ class RunKernel:
 
     async def _failed(self, path: str, label: str, opts: StepOptions, number: int, ms: float,
                       exc: Exception, att: Attempt) -> None:
-        """Record a failed attempt; wait out the backoff and return to retry, or raise to fail the step."""
+        """Record a failed attempt; wait out the backoff and return to retry, or raise (in its turn) to fail
+        the step."""
         retry: Retry | None = opts.retry
         storm = self.storm.record(failed=True, retry=number > 1)
         if storm is not None:
@@ -1137,6 +1375,7 @@ class RunKernel:
                                  f"{retry.deadline:g}) ends before another attempt could start")
                     wake = None
         if wake is None:
+            await self.live_turn()
             self.write(records.Err(path=path, label=label, attempt=number, error=dump_error(exc), ms=ms,
                                    ts=time.time()))
             self.step_done()
@@ -1148,22 +1387,25 @@ class RunKernel:
         await self.back_off(path, label, wake)
 
     async def back_off(self, path: str, label: str, wake: datetime) -> None:
-        """Wait until a retry's `wake` time: in place, or (a backoff of `queue.PARK_BACKOFF` s or more left in a
-        run a worker serves, nothing else of it busy) by parking the run, due again at `wake`."""
-        if self.parks and (wake - self.clock.now()).total_seconds() >= queue.PARK_BACKOFF and self.can_park():
-            self.write(records.Park(path=path, until=to_iso(wake), ts=time.time()))
-            self.sync()
-            raise Parked("sleeping", f"retrying step {label!r} at {to_iso(wake)}")
-        await self.nap(wake)
+        """Wait until a retry's `wake` time in place; a backoff of `queue.PARK_BACKOFF` s or more left in a run a
+        worker serves may park the run meanwhile (due again at `wake`), when the rest of it rests too."""
+        left = (wake - self.clock.now()).total_seconds()
+        if left <= 0:
+            await self.nap(wake)
+            return
+        rest = Rest("sleeping", f"retrying step {label!r} at {to_iso(wake)}",
+                    parkable=self.parks and left >= queue.PARK_BACKOFF, at=wake.timestamp(),
+                    record=records.Park(path=path, until=to_iso(wake), ts=time.time()), path=path, label=label)
+        with self.resting(rest):
+            await self.nap(wake)
 
     # ---- control: cancel, pause and resume requests ---------------------------------------------
     def control(self, force: bool = False) -> None:
         """Act on the inbox's control requests (listed at most every 0.5 s unless forced).
 
-        `$cancel` raises `RunCancelledError`; `$pause` / `$resume` record a pause / resume. While the run is
-        paused the next boundary of every strand comes here, and `boundary` holds it."""
-        if self.cancel_error is not None:
-            raise self.cancel_error
+        `$cancel` asks for the run's cancellation, delivered in the run's turn (`request_cancel`); `$pause` /
+        `$resume` record a pause / resume. While the run is paused the next boundary of every strand comes
+        here, and `boundary` holds it."""
         now = time.monotonic()
         if not force and now < self.next_control:
             return
@@ -1177,12 +1419,7 @@ class RunKernel:
                     self.sync()
             elif name == "$cancel":
                 self.storage.ack(self.run_id, message["id"])
-                self.cancel_error = RunCancelledError(
-                    f"run {self.run_id} was cancelled", run_id=self.run_id,
-                    hint=f"Start it over with `durably restart {self.run_id}` (or run(..., fresh=True)).",
-                    docs="docs/operations.md#cancel")
-                self.next_control = float("-inf")
-                raise self.cancel_error
+                self.request_cancel(message.get("payload"))
         if self.history.paused:
             self.next_control = float("-inf")
 
@@ -1192,53 +1429,56 @@ class RunKernel:
             att.cancel()
 
     def interrupt(self) -> None:
-        """A control request arrived while a step ran (the heartbeat saw it): act on it now.
-
-        A cancel stops the steps in flight: async ones are cancelled, sync ones on worker threads are
-        abandoned with `attempt().cancelled` set, and the run ends cancelled. A pause takes effect at the
-        next step boundary."""
-        if self.dead or self.cancel_error is not None:
+        """A control request arrived while a step ran (the heartbeat saw it): act on it now. A cancel is
+        delivered at the run's next quiet point, which is now when every strand waits (on steps or anything
+        else); a pause takes effect at the next step boundary."""
+        if self.dead or self.turns.closed:
             return
         try:
             self.control(force=True)
-        except RunCancelledError:
-            for att, task in list(self.running.items()):
-                att.cancel()
-                if task is not None:
-                    task.cancel()
         except Exception:  # noqa: BLE001 - the next step boundary asks the storage again
             pass
 
     async def boundary(self, force: bool = False) -> None:
         """A durable boundary: act on control requests, and while the run is paused wait here until it resumes."""
         if self.stopping is not None and self.stopping():
-            raise Parked("interrupted", "stopped by its worker")
+            await self.interrupted()
         if not self.history.paused:
             self.control(force)
+        canceller = self.canceller
+        if canceller is not None and self.cancel_rec is None and not canceller.done():
+            await asyncio.shield(canceller)  # a cancel requested goes first: it reaches the workflow here
         if self.history.paused:
             await self.hold()
+
+    async def interrupted(self) -> NoReturn:
+        """A worker's graceful stop reached this strand: it starts nothing more, and the run leaves its process
+        (due again at once) as soon as the rest of it is quiet and no step runs."""
+        with self.resting(Rest("interrupted", "stopped by its worker", parkable=True, at=time.time())):
+            await self.forever()
+        raise AssertionError("unreachable")
 
     async def hold(self) -> None:
         """Wait out a pause; every strand shares one pause loop, so the inbox is polled once per `poll` seconds."""
         if self.holding is None or self.holding.done():
-            self.holding = asyncio.ensure_future(self._hold())
+            self.holding = self.internal(self._hold())
             self.holding.add_done_callback(lambda t: t.cancelled() or t.exception())
         await asyncio.shield(self.holding)
 
     async def _hold(self) -> None:
-        """The pause loop: returns on `$resume`, raises on `$cancel`, or raises `Parked` when not waiting."""
-        while True:
-            if self.lost is not None:
-                raise self.lost
-            self.control(force=True)
-            if not self.history.paused:
-                return
-            info = self.storage.info(self.run_id)
-            if info is not None and info.last.get("t") != "pause":
-                self.write(records.Pause(ts=time.time()))  # keeps `list`, which reads the last record, exact
-            if not self.wait:
-                raise Parked("paused", "paused")
-            await asyncio.sleep(self.poll)
+        """The pause loop: returns on `$resume`; a run that does not wait parks as paused once it is quiet."""
+        with self.resting(Rest("paused", "paused", parkable=not self.wait)):
+            while True:
+                if self.lost is not None:
+                    raise self.lost
+                self.control(force=True)
+                if not self.history.paused:
+                    return
+                info = self.storage.info(self.run_id)
+                if info is not None and info.last.get("t") != "pause":
+                    self.write(records.Pause(ts=time.time()))  # keeps `list`, which reads the last record, exact
+                self.turns.wake()
+                await asyncio.sleep(self.poll)
 
     async def nap(self, when: datetime, force: bool = False) -> None:
         """Wait until `when` on the run's clock, acting on control requests every `poll` seconds meanwhile."""
@@ -1247,60 +1487,135 @@ class RunKernel:
         if self.clock.now() >= when:
             await self.clock.sleep_until(when)
             return
-        sleeper = asyncio.ensure_future(self.clock.sleep_until(when))
+        sleeper = self.internal(self.clock.sleep_until(when))
         try:
             while not sleeper.done():
                 await asyncio.wait((sleeper,), timeout=self.poll)
                 if not sleeper.done():
+                    self.turns.wake()  # look for a quiet point to park at, whatever changed meanwhile
                     await self.boundary(force=True)
         finally:
             sleeper.cancel()
         sleeper.result()
 
+    def internal(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A task of the kernel's own (a pause loop, a timer): not one of the workflow's tasks."""
+        return asyncio.get_running_loop().create_task(coro, context=_INTERNAL.copy())
+
+    @contextlib.contextmanager
+    def resting(self, rest: Rest) -> Iterator[None]:
+        """While the calling strand waits on something durable (`rest` says how the run would park on it)."""
+        rest.task = current_task()
+        key = object()
+        self.rests[key] = rest
+        turns = self.turns
+        turns.resting = True
+        turns.wake()
+        try:
+            yield
+        finally:
+            del self.rests[key]
+            turns.resting = bool(self.rests)
+
+    def at_rest(self) -> None:
+        """The run is quiet and nothing is due to reach it: park it when every strand rests on something durable
+        that lets it park (no step running), else let the waits that can go on in this process do so."""
+        halted = self.halted
+        if halted is None or halted.done() or not self.rests:
+            return
+        rests = list(self.rests.values())
+        parks = not self.running and all(r.parkable for r in rests)
+        if parks and any(r.children for r in rests) and any(
+                not r.children and (r.at is not None or r.signal is not None) for r in rests):
+            parks = False  # a queue entry waits for children, or for times and signals, not both at once
+        if parks and raw_timers(self.turns, {r.task for r in rests}):
+            parks = False  # a plain asyncio timer of the workflow's would be lost: wait here for it
+        if not parks:
+            for r in rests:
+                if r.fallback is not None and not r.fallback.done():
+                    r.fallback.set_result(None)
+            return
+        self.stop(("park", rests))
+
+    def stop(self, outcome: tuple[str, Any]) -> None:
+        """End this execution of the run with `outcome` (the driver in `run` takes it from there)."""
+        halted = self.halted
+        if halted is not None and not halted.done():
+            halted.set_result(outcome)
+
+    async def halt(self, exc: BaseException) -> NoReturn:
+        """The whole run stops here (a crash, a lost lease, a full disk): the calling strand waits until the run
+        is torn down, and nothing of the workflow sees `exc`."""
+        self.stop(("halt", exc))
+        await self.forever()
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def forever() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    def cancel_cut(self, exc: BaseException, h: Handle | None = None) -> BaseException:
+        """The error an awaiter of `h` gets for `exc`: the run's cancel error when the run's cancel request cut
+        the operation. A cancellation this run's kernel caused (a cancel request, the workflow cancelling `h`)
+        is taken back from the task, so clean-up code runs in a task that is not cancelling."""
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+        task = asyncio.current_task()
+        if self.cancel_error is not None and is_run_cancel(exc):
+            if task is not None:
+                task.uncancel()
+            return self.cancel_error
+        if h is not None and h.cancelled() and task is not None and task is h.driver:
+            task.uncancel()
+        return exc
+
     def finish_cancelled(self, error: BaseException) -> None:
-        """Record that the run ended cancelled (no compensation runs), sync the log, and stop attached children."""
+        """Record that the run ended cancelled, sync the log, and stop attached children."""
         self.write(records.End(status="cancelled", error=dump_error(error), ts=time.time()))
         self.sync()
         for outcome in list(self.children):
             outcome.cancel()
 
     # ---- parking: durable sleeps and waits for signals -----------------------------------------
-    def sleep_until(self, when: datetime) -> Awaitable[None]:
+    def sleep_until(self, when: datetime) -> Handle:
         """Allocate the sleep's path now; its wake time is recorded the first time it runs."""
         check_wake_time(when)
-        path, replayed = self.replay_next("ctx.sleep")
-        return replayed or self._sleep(path, when)
+        path, scope, replayed = self.replay_next("ctx.sleep")
+        return replayed or self.op(scope, path, "ctx.sleep", self._sleep, path, when)
 
-    async def _sleep(self, path: str, when: datetime) -> None:
-        if self.observer is not None:
-            self.observer.unrecorded(self, path, "ctx.sleep", "ctx.sleep")
+    async def _sleep(self, h: Handle, path: str, when: datetime) -> None:
         wake = self.history.wakes.get(path)
         if wake is None:
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.sleep", "ctx.sleep")
             self.write(records.Wake(path=path, at=to_iso(when), ts=time.time()))
             self.sync()
         else:
             when = from_iso(wake.at)
         if self.clock.now() < when:
-            if not self.wait:
-                raise Parked("sleeping", f"sleeping until {to_iso(when)}")
-            await self.nap(when, force=True)
+            h.driver = current_task()
+            self.check_durable_wait(h)
+            with self.resting(Rest("sleeping", f"sleeping until {to_iso(when)}", parkable=not self.wait,
+                                   at=when.timestamp(), path=path, label="ctx.sleep")):
+                await self.nap(when, force=True)
+        await self.live_turn(when.timestamp())
         self.write(records.Ok(attempt=1, path=path, label="ctx.sleep", value=None, ms=0, ts=time.time()))
         self.step_done()
 
-    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Awaitable[Any]:
+    def wait_for(self, name: str, schema: Any, timeout: float | None) -> Handle:
         """Allocate the wait's path now; it returns the payload of the next signal `name` sent to the run."""
         check_signal_name(name)
         timeout = check_timeout(timeout, "wait_for timeout=")
         compiled = compile_schema(schema, f"schema of wait_for({name!r})")
-        path, replayed = self.replay_next("ctx.wait_for", PLAIN if compiled is None else _Schema(compiled),
-                                          f"signal {name!r}")
-        return replayed or self._wait(path, name, compiled, timeout)
+        path, scope, replayed = self.replay_next("ctx.wait_for", PLAIN if compiled is None else _Schema(compiled),
+                                                 f"signal {name!r}")
+        return replayed or self.op(scope, path, "ctx.wait_for", self._wait, path, name, compiled, timeout)
 
-    async def _wait(self, path: str, name: str, schema: Any, timeout: float | None) -> Any:
-        if self.observer is not None:
-            self.observer.unrecorded(self, path, "ctx.wait_for", "ctx.wait_for")
+    async def _wait(self, h: Handle, path: str, name: str, schema: Any, timeout: float | None) -> Any:
         opened = self.history.waits.get(path)
         if opened is None:
+            if self.observer is not None:
+                self.observer.unrecorded(self, path, "ctx.wait_for", "ctx.wait_for")
             deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
             self.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
                                     ts=time.time()))
@@ -1310,26 +1625,43 @@ class RunKernel:
         else:
             deadline = from_iso(opened.deadline) if opened.deadline else None
         expires = self.clock.deadline(deadline) if deadline is not None else None
-        while True:
-            await self.boundary(force=True)
-            signal = self.next_signal(name)
-            if signal is not None:
-                self.write(records.Ok(attempt=1, path=path, label="ctx.wait_for", value=signal.get("payload"), ms=0,
-                                      signal=signal["id"], ts=time.time()))
-                self.step_done()
-                self.storage.ack(self.run_id, signal["id"])
-                value = load_value(signal.get("payload"))
-                return schema.convert(value, f"signal {name!r}") if schema is not None else value
-            if deadline is not None and expires is not None and self.clock.monotonic() >= expires:
-                error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
-                                         f"(deadline {to_iso(deadline)})", name=name, path=list(path_tuple(path)))
-                self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error), ts=time.time()))
-                self.step_done()
-                raise error
-            if not self.wait:
-                raise Parked("waiting", f"waiting for signal {name!r}")
-            pause = self.poll if expires is None else min(self.poll, expires - self.clock.monotonic())
-            await self.clock.sleep(pause)
+        h.driver = current_task()
+        checked = False
+        rest = Rest("waiting", f"waiting for signal {name!r}", parkable=not self.wait,
+                    at=deadline.timestamp() if deadline is not None else None, signal=name, path=path,
+                    label="ctx.wait_for")
+        with self.resting(rest):
+            while True:
+                await self.boundary(force=True)
+                signal = self.next_signal(name)
+                if signal is not None and not self.turns.live_now():
+                    await self.turns.live(signal_time(signal))
+                    signal = self.next_signal(name)  # another wait may have taken it in its turn
+                if signal is not None:
+                    self.write(records.Ok(attempt=1, path=path, label="ctx.wait_for",
+                                          value=signal.get("payload"), ms=0, signal=signal["id"], ts=time.time()))
+                    self.step_done()
+                    self.storage.ack(self.run_id, signal["id"])
+                    value = load_value(signal.get("payload"))
+                    if schema is not None:
+                        value = schema.convert(value, f"signal {name!r}")
+                    break
+                if deadline is not None and expires is not None and self.clock.monotonic() >= expires:
+                    await self.live_turn(deadline.timestamp())
+                    error = WaitTimeoutError(f"no signal {name!r} arrived within {timeout or 0:g}s "
+                                             f"(deadline {to_iso(deadline)})", name=name,
+                                             path=list(path_tuple(path)))
+                    self.write(records.Err(attempt=1, path=path, label="ctx.wait_for", error=dump_error(error),
+                                           ts=time.time()))
+                    self.step_done()
+                    raise error
+                if not checked:
+                    self.check_durable_wait(h)
+                    checked = True
+                self.turns.wake()
+                pause = self.poll if expires is None else min(self.poll, expires - self.clock.monotonic())
+                await self.clock.sleep(pause)
+        return value
 
     def next_signal(self, name: str) -> dict[str, Any] | None:
         """The oldest unread signal `name` in the run's inbox (acknowledging ones already recorded)."""
@@ -1340,32 +1672,49 @@ class RunKernel:
                 return signal
         return None
 
+    async def live_turn(self, when: float | None = None) -> None:
+        """Wait for the turn of an outcome of this process that happened at `when` (default: now)."""
+        turns = self.turns
+        if not turns.live_now():
+            await turns.live(time.time() if when is None else when)
+
+    def check_durable_wait(self, h: Handle) -> None:
+        """A durable wait must not sit inside a plain asyncio deadline, which a park or a crash would lose."""
+        task = current_task()
+        if task is not None and deadline_over(task):
+            raise not_durable(h.label)
+
     # ---- child runs ---------------------------------------------------------------------------
-    def spawn(self, wf: Any, input: Any, detached: bool) -> Awaitable[RunHandle]:
+    def spawn(self, wf: Any, input: Any, detached: bool) -> Handle:
         """Allocate the spawn's path now; the child gets its own durable run, started in this process."""
         workflow = as_workflow(wf)
-        path = self.scope().alloc()
-        return self._spawn(path, workflow, input, detached)
+        scope = self.scope()
+        path = scope.alloc()
+        return self.op(scope, path, "ctx.spawn", self._spawn, path, workflow, input, detached)
 
-    def spawn_all(self, definitions: list[Any], detached: bool) -> Awaitable[list[RunHandle]]:
+    def spawn_all(self, definitions: list[Any], detached: bool) -> Handle:
         """Spawn one child per `(workflow, input)` pair, under one path."""
         pairs = spawn_pairs(definitions)
-        prefix = self.scope().alloc()
+        scope = self.scope()
+        prefix = scope.alloc()
         if len(pairs) > self.engine.concurrency:
             self.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
                         f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once",
                         children=len(pairs), concurrency=self.engine.concurrency)
-        return self._spawn_all(prefix, pairs, detached)
+        return self.op(scope, prefix, "ctx.spawn_all", self._spawn_all, prefix, pairs, detached)
 
-    async def _spawn_all(self, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> list[RunHandle]:
+    async def _spawn_all(self, h: Handle, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> Any:
         """Create the children not recorded yet in batches of `SPAWN_BATCH` (one durable write for each), record
         each batch's spawns as soon as it is created (one append for the batch), and make the records durable
         once: a crash leaves the children created before the records, and a resumed parent finds each one
         created but not recorded through its identity. Nothing per child is kept but its run id (in its
-        handle): spawn records are not kept in memory, and only one batch's paths and inputs are in hand at a time."""
+        handle): spawn records are not kept in memory, and only one batch's paths and inputs are in hand at a time.
+        The whole spawn reaches the workflow in the turn of its last record."""
         run_ids: list[str] = []
         written = 0
         forget = self.history.forget
+        take = self.turns.take
+        last = f"{prefix}.{len(pairs) - 1}"
         for first in range(0, len(pairs), SPAWN_BATCH):
             missing: list[tuple[str, Workflow, Any]] = []
             for i in range(first, min(first + SPAWN_BATCH, len(pairs))):
@@ -1373,6 +1722,8 @@ class RunKernel:
                 if path in self.done:
                     run_ids.append(self.spawned_id(path))
                     forget(path, prefix)
+                    if path != last:
+                        take(path)
                 else:
                     wf, value = pairs[i]
                     missing.append((path, wf, value))
@@ -1390,23 +1741,38 @@ class RunKernel:
                     run_ids[i] = next(created)
                     spawns.append(records.Ok(attempt=1, path=f"{prefix}.{i}", label="ctx.spawn",
                                              value={"run_id": run_ids[i], "detached": detached}, ms=0, ts=ts))
+            if first + SPAWN_BATCH >= len(pairs):
+                await self.live_turn()
             self.write_unkept(spawns, prefix)
             written += len(missing)
         if written:
             self.steps_done(written)
-        return self._spawned([RunHandle(run_id, wf) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)], detached)
+        elif pairs:
+            await self.recorded_turn(h, last)
+        result = self._spawned([RunHandle(run_id, wf) for run_id, (wf, _) in zip(run_ids, pairs, strict=True)],
+                               detached)
+        return result
 
-    async def _spawn(self, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
+    async def _spawn(self, h: Handle, path: str, workflow: Workflow, input: Any, detached: bool) -> RunHandle:
         if path in self.done:
             run_id = self.spawned_id(path)
+            await self.recorded_turn(h, path)
         else:
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.spawn", "ctx.spawn")
             run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)
-            self.write(records.Ok(attempt=1, path=path, label="ctx.spawn", value={"run_id": run_id, "detached": detached},
-                                  ms=0, ts=time.time()))
+            await self.live_turn()
+            self.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
+                                  value={"run_id": run_id, "detached": detached}, ms=0, ts=time.time()))
             self.step_done()
         return self._spawned([RunHandle(run_id, workflow)], detached)[0]
+
+    async def recorded_turn(self, h: Handle, path: str) -> None:
+        """Wait for the turn of the recorded outcome at `path` (of `h`'s operation)."""
+        turns = self.turns
+        if not turns.now(path):
+            h.driver = current_task()
+            await turns.recorded(path)
 
     def spawned_id(self, path: str) -> str:
         """The child run the spawn recorded at `path` names."""
@@ -1424,10 +1790,10 @@ class RunKernel:
         they wait in spawn order with nothing of their own: the attached ones' outcomes come to `attach` as
         they start)."""
         if self.parks:
-            for handle in handles:
+            for child in handles:
                 if not detached:
-                    self.attached[handle.run_id] = None
-                self.engine.queued_child(handle.run_id)
+                    self.attached[child.run_id] = None
+                self.engine.queued_child(child.run_id)
         else:
             waiting = self.engine.start_children(list(handles), rerun_failed=self.retrying,
                                                   on_start=functools.partial(self.child_started, detached))
@@ -1443,13 +1809,13 @@ class RunKernel:
         if not detached:
             self.attach(outcome)
 
-    def start_child(self, handle: RunHandle) -> asyncio.Future[Any]:
+    def start_child(self, child: RunHandle) -> asyncio.Future[Any]:
         """The outcome of a child this run waits for (a retry resumes a failed child once, however often
         its joins ask for it)."""
-        rerun = self.retrying and handle.run_id not in self.resumed
+        rerun = self.retrying and child.run_id not in self.resumed
         if rerun:
-            self.resumed.add(handle.run_id)
-        return self.engine.start_child(handle.run_id, handle.workflow, rerun_failed=rerun)
+            self.resumed.add(child.run_id)
+        return self.engine.start_child(child.run_id, child.workflow, rerun_failed=rerun)
 
     def attach(self, outcome: asyncio.Future[Any] | Spawned) -> None:
         """Keep an attached child's outcome, or spawned children waiting to start (cancelled with this run,
@@ -1465,71 +1831,83 @@ class RunKernel:
         self.children = [c for c in self.children if not c.done()]
         self.children_limit = max(CHILDREN_PRUNE, 2 * len(self.children))
 
-    def join(self, handle: RunHandle) -> Awaitable[Any]:
+    def join(self, child: RunHandle) -> Handle:
         """Allocate the join's path now; it returns the child's result (or raises its error) once it ends."""
-        check_handle(handle)
-        path, replayed = self.replay_next("ctx.join")
+        check_handle(child)
+        path, scope, replayed = self.replay_next("ctx.join")
         if replayed is not None:
-            self.attached.pop(handle.run_id, None)
+            self.attached.pop(child.run_id, None)
             return replayed
-        return self._join(path, handle)
+        return self.op(scope, path, "ctx.join", self._join, path, child)
 
-    async def _join(self, path: str, handle: RunHandle) -> Any:
+    async def _join(self, h: Handle, path: str, child: RunHandle) -> Any:
         if self.observer is not None:
             self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
+        h.driver = current_task()
         try:
-            value = await self.wait_child(handle, path)
+            value = await self.wait_child(child, path)
             wire = dump_value(value, "child result")
-        except (Crash, asyncio.CancelledError):
+        except (Crash, GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as exc:
             if exc is self.cancel_error or exc is self.lost:
                 raise
-            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc), ts=time.time()))
+            await self.live_turn()
+            self.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc),
+                                   ts=time.time()))
             self.step_done()
             raise
+        await self.live_turn()
         self.write(records.Ok(attempt=1, path=path, label="ctx.join", value=wire, ms=0, ts=time.time()))
         self.step_done()
         return load_value(wire)
 
-    def can_park(self) -> bool:
-        """True when parking the whole run now cuts nothing short: no step runs and no other strand is busy."""
-        return not self.running and not self.branches and not self.joining
-
     def park_join(self, path: str, children: list[str]) -> NoReturn:
-        """Park the run until `children` end: record on what it waits, and leave its process (`Parked`)."""
+        """Park the run at its end until `children` end: record on what it waits, and leave its process."""
         self.write(records.Park(path=path, children=children[:PARK_LISTS], count=len(children), ts=time.time()))
         self.sync()
         raise Parked("waiting", f"waiting for {len(children)} child run{'s' if len(children) != 1 else ''}",
                      tuple(children))
 
-    async def wait_child(self, handle: RunHandle, path: str) -> Any:
+    async def rest_on_children(self, path: str, children: list[str]) -> None:
+        """A run a worker serves waits for `children` (queued runs any worker may run): it parks on them when
+        the rest of it is quiet; this returns only when it cannot park, for the join to go on in this process."""
+        count = len(children)
+        rest = Rest("waiting", f"waiting for {count} child run{'s' if count != 1 else ''}", parkable=True,
+                    children=tuple(children),
+                    record=records.Park(path=path, children=children[:PARK_LISTS], count=count, ts=time.time()),
+                    path=path, label="ctx.join")
+        rest.fallback = asyncio.get_running_loop().create_future()
+        with self.resting(rest):
+            await rest.fallback
+
+    async def wait_child(self, child: RunHandle, path: str) -> Any:
         """Wait for a child to end, giving back this run's engine slot meanwhile; a cancel or pause request
         for this run is acted on while it waits (one inbox watcher for all of the run's joins). A run a
         worker serves parks instead while the child has not ended (when nothing else of it is busy)."""
         if self.parks:
-            ended = self.engine.ended_child(handle.run_id, handle.workflow)
+            ended = self.engine.ended_child(child.run_id, child.workflow)
             if ended is not None:
-                self.attached.pop(handle.run_id, None)
+                self.attached.pop(child.run_id, None)
                 return ended.result()
-            if self.can_park():
-                self.park_join(path, [handle.run_id])
-        child = self.start_child(handle)
-        await self.parked_on(child)
-        return await asyncio.shield(child)
+            await self.rest_on_children(path, [child.run_id])
+        outcome = self.start_child(child)
+        await self.parked_on(outcome)
+        return await asyncio.shield(outcome)
 
     async def parked_on(self, child: asyncio.Future[Any]) -> None:
         """Wait until `child` is done, unless a cancel request (or a lost lease) for this run comes first."""
         self.joining += 1
         if self.join_watch is None or self.join_watch.done():
-            self.interrupted = asyncio.get_running_loop().create_future()
-            self.join_watch = asyncio.ensure_future(self._watch_joins(self.interrupted))
-        interrupted = self.interrupted
+            self.interrupted_by = asyncio.get_running_loop().create_future()
+            self.join_watch = self.internal(self._watch_joins(self.interrupted_by))
+        interrupted = self.interrupted_by
         assert interrupted is not None
         try:
-            async with self.engine.parked_in_join():
-                if not child.done():
-                    await asyncio.wait((child, interrupted), return_when=asyncio.FIRST_COMPLETED)
+            with self.resting(Rest("waiting", "waiting for a child run in this process", parkable=False)):
+                async with self.engine.parked_in_join():
+                    if not child.done():
+                        await asyncio.wait((child, interrupted), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.joining -= 1
             if self.joining == 0 and self.join_watch is not None:
@@ -1564,6 +1942,10 @@ class RunKernel:
             if not outcome.done():
                 self.attach(outcome)
 
+    def can_park(self) -> bool:
+        """True when parking the whole run now cuts nothing short (its workflow code ended, no step runs)."""
+        return not self.running and not self.branches and not self.joining
+
     async def attached_ended(self) -> None:
         """Wait until every attached child ended: those still waiting to start start first (their outcomes
         come to `children` as they do)."""
@@ -1572,48 +1954,62 @@ class RunKernel:
         await asyncio.gather(*[c for c in self.children if isinstance(c, asyncio.Future) and not c.done()],
                              return_exceptions=True)
 
-    def join_all(self, handles: list[RunHandle]) -> Awaitable[list[Ok[Any] | Err]]:
+    def join_all(self, handles: list[RunHandle]) -> Handle:
         """Join every child concurrently; one `Ok`/`Err` per handle, in order (join ``i`` at ``<path>.i.0``)."""
         handles = list(handles)
-        for handle in handles:
-            if not isinstance(handle, RunHandle):
-                raise ValidationError(f"ctx.join_all takes the RunHandles that ctx.spawn_all returned, got {handle!r}",
+        for child in handles:
+            if not isinstance(child, RunHandle):
+                raise ValidationError(f"ctx.join_all takes the RunHandles that ctx.spawn_all returned, got {child!r}",
                                       hint="results = await ctx.join_all(await ctx.spawn_all([...]))",
                                       docs="docs/authoring.md#child-runs")
-        return self._join_all(self.scope().alloc(), handles)
+        scope = self.scope()
+        prefix = scope.alloc()
+        return self.op(scope, prefix, "ctx.join_all", self._joined_all, prefix, handles)
 
-    async def _join_all(self, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
+    async def _joined_all(self, h: Handle, prefix: str, handles: list[RunHandle]) -> list[Ok[Any] | Err]:
         """One waiter for all the children (no task, coroutine, context or callback per child): the children's
         joins are recorded in order as they end, and nothing of a child is kept but its result (its join record
-        is forgotten once written or replayed)."""
+        is forgotten once written or replayed). The whole join reaches the workflow in the turn of its last
+        record."""
         results: list[Any] = [None] * len(handles)
         unended: list[int] = []
         forget = self.history.forget
+        take = self.turns.take
         batch = f"{prefix}.0.0"
-        for i, handle in enumerate(handles):
+        last = f"{prefix}.{len(handles) - 1}.0"
+        last_recorded = False
+        for i, child in enumerate(handles):
             path = f"{prefix}.{i}.0"
             rec = self.done.get(path)
             if rec is not None:
                 self.check_label(path, rec, "ctx.join")
-                self.attached.pop(handle.run_id, None)
+                self.attached.pop(child.run_id, None)
                 if self.on_step is not None:
                     self.emit(path, rec.label, "replayed", rec.attempt, rec.ms)
                 results[i] = Err(load_error(rec.error)) if isinstance(rec, records.Err) else Ok(load_value(rec.value))
                 forget(path, batch)
+                if path != last:
+                    take(path)
+                else:
+                    last_recorded = True
                 continue
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "ctx.join", "ctx.join")
             if self.parks:
-                outcome = self.engine.ended_child(handle.run_id, handle.workflow)
+                outcome = self.engine.ended_child(child.run_id, child.workflow)
                 if outcome is not None:
-                    self.attached.pop(handle.run_id, None)
+                    self.attached.pop(child.run_id, None)
+                    if path == last:
+                        await self.live_turn()
                     results[i] = self._record_join(path, outcome, batch)
                     continue
             unended.append(i)
-        if self.parks and unended and self.can_park():
-            self.park_join(prefix, [handles[i].run_id for i in unended])
         if not unended:
+            if last_recorded:
+                await self.recorded_turn(h, last)
             return results
+        if self.parks:
+            await self.rest_on_children(prefix, [handles[i].run_id for i in unended])
         ahead: collections.deque[asyncio.Future[Any]] = collections.deque()
         asked = 0
 
@@ -1621,8 +2017,7 @@ class RunKernel:
             """Hold the outcomes of the next `JOIN_AHEAD` children (a child waiting to start gets its future now)."""
             nonlocal asked
             while asked < len(unended) and len(ahead) < JOIN_AHEAD:
-                handle = handles[unended[asked]]
-                outcome = self.start_child(handle)
+                outcome = self.start_child(handles[unended[asked]])
                 if not outcome.done():
                     self.attach(outcome)
                 ahead.append(outcome)
@@ -1642,12 +2037,12 @@ class RunKernel:
                     joins.clear()
 
             try:
-                for i in unended:
+                for n, i in enumerate(unended):
                     outcome = ahead.popleft()
                     if not outcome.done():
                         flush()
                         await asyncio.wait((outcome,))
-                    if outcome.cancelled() or self.cancel_error is not None:
+                    if outcome.cancelled():
                         flush()
                         return  # the run is being cancelled: the join never ends on its own
                     ask()
@@ -1656,6 +2051,9 @@ class RunKernel:
                     except BaseException:
                         flush()
                         raise
+                    if n == len(unended) - 1:
+                        flush()
+                        await self.live_turn()
                     joins.append(rec)
                     if len(joins) >= SPAWN_BATCH:
                         flush()
@@ -1708,12 +2106,28 @@ class RunKernel:
                 Ok(load_value(wire)))
 
     # ---- task graphs --------------------------------------------------------------------------
-    def graph(self, tasks: Mapping[str, Task]) -> Awaitable[dict[str, Ok[Any] | Err]]:
+    def graph(self, tasks: Mapping[str, Task]) -> Handle:
         """Validate a DAG of child runs now (before any work) and allocate its path; each task runs as
         soon as its prerequisites completed."""
         nodes = graphs.validate(tasks)
-        prefix = self.scope().alloc()
-        return self._graph(prefix, nodes)
+        scope = self.scope()
+        prefix = scope.alloc()
+        return handle(self, scope.loop, self.operation, (self._graph, prefix, nodes), prefix, "ctx.graph")
+
+    async def operation(self, h: Handle, body: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """The operation of `h`: `body(*args)`, whose outcome becomes the handle's (the body records it in its
+        turn; a body made of other operations, a graph, a fan-out, a loop, has none of its own). A stop of the
+        whole run never reaches the workflow; the run's cancel arrives as `RunCancelledError`."""
+        try:
+            result = await body(*args)
+        except BaseException as exc:
+            if self.stops(exc):
+                await self.halt(exc)
+            exc = self.cancel_cut(exc, h)
+            self.failed(h, exc)
+            raise exc from None
+        self.deliver(h, result)
+        return result
 
     async def _graph(self, prefix: str, nodes: list[graphs.Node]) -> dict[str, Ok[Any] | Err]:
         shape = {n.id: {"workflow": n.workflow.name, "depends_on": list(n.depends_on)} for n in nodes}
@@ -1765,6 +2179,7 @@ class RunKernel:
         rec = self.done.get(path)
         if rec is not None:
             self.check_label(path, rec, label)
+            self.turns.take(path)
             if isinstance(rec, records.Err):
                 raise load_error(rec.error)
             return load_value(rec.value)
@@ -1871,7 +2286,7 @@ class RunKernel:
             self.write(records.Note(notes=wire, strand=strand, index=index, ts=time.time()))
 
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
-             max_iterations: int | None) -> Awaitable[Any]:
+             max_iterations: int | None) -> Handle[Any]:
         """Allocate the loop's path now; each iteration's steps live under ``<path>.<iteration>.``."""
         if not callable(reducer):
             raise ValidationError(f"ctx.loop needs a reducer function, got {reducer!r}",
@@ -1881,8 +2296,10 @@ class RunKernel:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValidationError(f"ctx.loop {name}= must be an int >= 1, got {value!r}",
                                       hint=f"Omit {name}= for the default.", docs="docs/authoring.md#loops")
-        path, replayed = self.replay_next("ctx.loop")
-        return replayed or self._loop(path, initial, reducer, snapshot_every or 1, max_iterations)
+        path, scope, replayed = self.replay_next("ctx.loop")
+        return replayed or handle(self, scope.loop, self.operation,
+                                  (self._loop, path, initial, reducer, snapshot_every or 1, max_iterations), path,
+                                  "ctx.loop")
 
     async def _loop(self, path: str, initial: Any, reducer: Callable[..., Any], every: int,
                     max_iterations: int | None) -> Any:
@@ -1911,6 +2328,7 @@ class RunKernel:
                 wire = dump_value(out.value, "loop result")
                 if self.observer is not None and path not in self.done:
                     self.observer.unrecorded(self, path, "ctx.loop", "ctx.loop")
+                await self.live_turn()
                 self.write(records.Ok(attempt=1, path=path, label="ctx.loop", value=wire, ms=0, ts=time.time()))
                 self.step_done()
                 return load_value(wire)
@@ -1926,15 +2344,15 @@ class RunKernel:
                 self.compact_loops()
             i += 1
 
-    def parallel(self, items: list[Any], concurrency: int | None) -> Awaitable[list[Ok[Any] | Err]]:
+    def parallel(self, items: list[Any], concurrency: int | None) -> Handle:
         """Allocate a path for the fan-out now; each branch runs under its own prefix."""
         items = checked_branches(items, concurrency)
         scope = self.scope()
-        prefix = None if all(type(item) is CoroutineType and item.cr_code in STEP_CODES for item in items) \
-            else scope.alloc()
+        prefix = None if all(type(item) is Handle for item in items) else scope.alloc()
         if len(items) >= 1000:
             self.advise("FANOUT_CEILING", len(items), f"ctx.parallel with {len(items)} branches")
-        return self._parallel(prefix, items, concurrency)
+        return handle(self, scope.loop, self.operation, (self._parallel, prefix, items, concurrency),
+                      prefix or "", "ctx.parallel")
 
     async def _parallel(self, prefix: str | None, items: list[Any], concurrency: int | None) -> list[Ok[Any] | Err]:
         """Run the branches; steps already allocated keep their paths, anything else gets ``<prefix>.<i>.``."""
@@ -1991,23 +2409,92 @@ class RunKernel:
             docs="docs/policies.md#compensation", run_id=self.run_id)
 
     async def run(self, ctx: object) -> Any:
-        """Execute the workflow body and record how it ended."""
+        """Execute the workflow and record how it ended.
+
+        The workflow body runs in a task of its own. This coroutine waits for the run to stop: the body ended
+        (its end is then recorded here), the run parked (it is quiet and rests on durable waits only), or it
+        stopped (a crash, a lost lease, a full disk). Whatever of the workflow is still pending then is torn
+        down (`turns.discard`): no internal exception ever completes a task or future of the workflow's."""
         self.ctx = ctx
-        current_scope.set(Scope("", asyncio.current_task()))
+        loop = asyncio.get_running_loop()
+        turns = self.turns
+        turns.loop = loop
+        turns.idle = self.at_rest
+        install_factory(loop, make_task)
+        halted = self.halted = loop.create_future()
+        self.driver = asyncio.current_task()
         RunKernel.live += 1
         try:
-            return await self._run(ctx)
+            self.root = turns.start(self._body(ctx), contextvars.copy_context())
+            if self.history.cancel is not None:
+                self.cancel_in_turn(self.history.cancel, recorded=True)
+            try:
+                kind, value = await asyncio.shield(halted)
+            except BaseException:
+                discard(turns.close())
+                raise
+            if kind in ("return", "raise"):
+                self.abandon_running()
+            discard(turns.close())
+            if kind == "park":
+                raise self.park(value)
+            if kind == "halt":
+                if value is not CLEANUP_OVER:
+                    raise value
+                kind, value = "raise", self.cancel_error
+            return await self._end(kind, value)
         finally:
             RunKernel.live -= 1
+            if self.cleanup_timer is not None:
+                self.cleanup_timer.cancel()
 
-    async def _run(self, ctx: object) -> Any:
+    def abandon_running(self) -> None:
+        """The workflow ended while steps it started still ran (nobody waited for them): each is recorded as
+        cancelled, as a replay will find it, before the tear-down stops it."""
+        for att in list(self.running):
+            if att.path not in self.done:
+                self.write(records.Err(path=att.path, label=att.label, attempt=att.number,
+                                       error=dump_error(ABANDONED), ts=time.time()))
+
+    async def _body(self, ctx: object) -> None:
+        """The workflow itself, as the run's first task: how it ends goes to `run` (`stop`)."""
+        current_scope.set(Scope("", asyncio.current_task()))
+        current_turns.set(self.turns)
         try:
-            try:
-                if self.history.paused:
-                    await self.hold()
-                result = await self.workflow(ctx, self.input)
-            except Complete as done:
-                result = done.value
+            if self.history.paused:
+                await self.hold()
+            result = await self.workflow(ctx, self.input)
+        except Complete as done:
+            self.stop(("return", done.value))
+        except GeneratorExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to `run`, which decides what the run's end is
+            self.stop(("halt", exc) if self.stops(exc) else ("raise", exc))
+        else:
+            self.stop(("return", result))
+
+    def park(self, rests: list[Rest]) -> Parked:
+        """Record what the run parks on (a join's children, a retry's wake time) and say when it is due again."""
+        for rest in rests:
+            if rest.record is not None:
+                self.write(rest.record)
+        self.sync()
+        order = ("interrupted", "paused", "waiting", "sleeping")
+        first = min(rests, key=lambda r: order.index(r.status))
+        times = [r.at for r in rests if r.at is not None]
+        names = tuple(dict.fromkeys(r.signal for r in rests if r.signal is not None))
+        children = tuple(dict.fromkeys(c for r in rests for c in r.children))
+        if first.status in ("paused", "interrupted"):
+            times, names, children = ([time.time()] if first.status == "interrupted" else []), (), ()
+        return Parked(first.status, first.detail, children, at=min(times) if times else None, names=names,
+                      path=first.path, label=first.label)
+
+    async def _end(self, kind: str, value: Any) -> Any:
+        """Record how the workflow ended: `kind` "return" with its value or "raise" with its exception."""
+        try:
+            if kind == "raise":
+                raise value
+            result = value
             if self.attached and self.cancel_error is None:
                 await self.wait_attached()
             if self.children and self.cancel_error is None:
@@ -2023,10 +2510,10 @@ class RunKernel:
             value = load_value(wire)
             if schema is not None:
                 value = schema.convert(value, "result")
-        except (Crash, asyncio.CancelledError):
+        except Parked:
             raise
-        except Exception as exc:
-            if self.dead:
+        except BaseException as exc:
+            if self.dead or isinstance(exc, Crash):
                 raise Crash() from exc
             if self.lost is not None:
                 raise self.lost from (None if exc is self.lost else exc)
@@ -2038,10 +2525,12 @@ class RunKernel:
                 raise self.replay_error from (None if exc is self.replay_error else exc)
             cancelled = self.cancel_error or (exc if isinstance(exc, RunCancelledError) else None)
             if cancelled is not None:
-                self.finish_cancelled(cancelled)
+                await self.end_cancelled(cancelled)
                 if cancelled is exc:
                     raise
-                raise cancelled from exc
+                raise cancelled from (None if isinstance(exc, asyncio.CancelledError) else exc)
+            if not isinstance(exc, Exception):
+                raise
             await self.compensate(exc)
             self.write(records.End(status="failed", error=dump_error(exc), ts=time.time()))
             if self.end_sync:
@@ -2050,12 +2539,80 @@ class RunKernel:
         if self.replay_error is not None:
             raise self.replay_error
         if self.cancel_error is not None:
-            self.finish_cancelled(self.cancel_error)
+            await self.end_cancelled(self.cancel_error)
             raise self.cancel_error
         self.write(records.End(status="completed", result=wire, ts=time.time()))
         if self.end_sync:
             self.sync()
         return value
 
+    # ---- cancellation and clean-up ------------------------------------------------------------
+    def request_cancel(self, payload: Any) -> None:
+        """A cancel request arrived: it reaches the workflow in the run's turn (`deliver_cancel`)."""
+        if self.canceller is not None or self.turns.closed:
+            return
+        options = payload if isinstance(payload, dict) else {}
+        compensate = options.get("compensate") is True
+        window = options.get("cleanup")
+        if isinstance(window, bool) or not isinstance(window, int | float) or not 0 <= window < 1e9:
+            window = self.cleanup
+        rec = records.Cancel(compensate=compensate, until=to_iso(self.clock.now() + timedelta(seconds=window)))
+        self.cancel_pending = rec
+        self.cancel_in_turn(rec, recorded=False)
 
-STEP_CODES = frozenset({RunKernel.execute.__code__, RunKernel.replay.__code__, replayed.__code__})
+    def cancel_in_turn(self, rec: records.Cancel, recorded: bool) -> None:
+        """Deliver the cancel `rec` in its turn: a recorded one where the log has it, a new one when the run is
+        next quiet."""
+
+        async def deliver() -> None:
+            if recorded:
+                await self.turns.recorded(CANCEL_PATH)
+            else:
+                await self.live_turn()
+            if self.cancel_rec is None:
+                self.deliver_cancel(rec, recorded)
+
+        self.canceller = self.turns.start(deliver(), contextvars.copy_context())
+        self.next_control = float("-inf")  # the next step boundary waits for it
+
+    def deliver_cancel(self, rec: records.Cancel, recorded: bool, here: asyncio.Task[Any] | None = None) -> None:
+        """The run is cancelled here: record it (the cancel's place in the log), cut the steps running (each
+        recorded as cancelled, its awaiter gets `RunCancelledError`), and cancel the workflow's task, which may
+        catch it (`except RunCancelledError:` / `except asyncio.CancelledError:` / `finally:`) and run clean-up
+        steps until its clean-up window ends."""
+        if self.turns.closed:
+            return
+        self.cancel_error = RunCancelledError(
+            f"run {self.run_id} was cancelled", run_id=self.run_id,
+            hint=f"Start it over with `durably restart {self.run_id}` (or run(..., fresh=True)).",
+            docs="docs/operations.md#cancel")
+        if not recorded:
+            rec = records.Cancel(compensate=rec.compensate, until=rec.until, ts=time.time())
+            self.write(rec)
+            self.sync()
+        self.cancel_rec = rec
+        targets: dict[asyncio.Task[Any], None] = {}
+        for att, task in list(self.running.items()):
+            att.cancel()
+            if task is not None:
+                targets[task] = None
+        if self.root is not None and not self.root.done():
+            targets[self.root] = None
+        if here is not None:
+            targets.pop(here, None)  # `here` raises the cancel error itself (`cut_inline`)
+        for task in targets:
+            task.cancel(CANCEL_MSG)
+        for outcome in list(self.children):
+            outcome.cancel()
+        left = (from_iso(rec.until) - self.clock.now()).total_seconds() if rec.until else self.cleanup
+        loop = asyncio.get_running_loop()
+        self.cleanup_timer = loop.call_later(max(left, 0.0), self.stop, ("halt", CLEANUP_OVER))
+
+    async def end_cancelled(self, error: BaseException) -> None:
+        """The run ends cancelled: compensations of its completed steps first when the cancel asked for them."""
+        rec = self.cancel_rec
+        if rec is not None and rec.compensate:
+            await self.compensate(error)
+        self.finish_cancelled(error)
+
+

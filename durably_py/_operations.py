@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import records as log_format
@@ -68,16 +68,28 @@ class Operation:
         """The control requests left over once the operation has taken effect."""
         return ()
 
+    def payload(self) -> Any:
+        """What the control request carries to the process that holds the run."""
+        return None
+
     def follows(self, child_status: str) -> bool:
         """Whether an attached child in `child_status` gets the same operation."""
         return True
 
 
 class Cancel(Operation):
-    """End the run as cancelled."""
+    """End the run as cancelled, after the clean-up its workflow does when it is cancelled (`compensate`: the
+    compensations of its completed steps run too; `cleanup`: seconds the clean-up may take, None: the engine's)."""
 
     name, request, docs = "cancel", "$cancel", "docs/operations.md#cancel"
     wait_hint = "cancel(run, timeout=30) waits up to 30 s for the running process to stop."
+
+    def __init__(self, compensate: bool = False, cleanup: float | None = None) -> None:
+        self.compensate = compensate
+        self.cleanup = cleanup
+
+    def payload(self) -> Any:
+        return {"compensate": self.compensate, "cleanup": self.cleanup}
 
     def settled(self, ops: Operations, run_id: str, history: History, held: bool, asked: bool, acted: bool) -> bool:
         status = history.end.status if history.end is not None else None
@@ -90,6 +102,13 @@ class Cancel(Operation):
         return status == "cancelled" and not (held and asked)  # once asked, until the holder lets go
 
     def record(self, history: History) -> log_format.Record | None:
+        """A run that did work and has not ended is cancelled by a `cancel` record (its workflow then runs its
+        clean-up, `Operations.clean_up`); one that did nothing, or failed, ends cancelled at once."""
+        if history.end is None and history.cancel is None and (history.done or history.waits or history.wakes):
+            until = None if self.cleanup is None else to_iso(datetime.now(UTC) + timedelta(seconds=self.cleanup))
+            return log_format.Cancel(compensate=self.compensate, until=until, ts=time.time())
+        if history.cancel is not None and history.end is None:
+            return None  # cancelled already: its clean-up is under way
         return _cancelled_end(history)
 
     def after_amend(self) -> tuple[str, ...]:
@@ -249,7 +268,7 @@ class Operations:
                 break
             if held:
                 if not asked:
-                    self.request(run_id, operation.request)
+                    self.request(run_id, operation.request, operation.payload())
                     asked = True
                 if time.monotonic() >= deadline:
                     if operation.cascade_on_timeout:
@@ -261,6 +280,10 @@ class Operations:
                 acted = True
                 if operation.after_amend():
                     self.drop_requests(run_id, operation.after_amend())
+                if isinstance(operation, Cancel):
+                    cancelled = self.history(run_id)
+                    if cancelled.cancel is not None and cancelled.end is None:
+                        await self.clean_up(run_id)
         if operation.after_done():
             self.drop_requests(run_id, operation.after_done())
         state = await self.engine.inspect(run_id)
@@ -269,9 +292,44 @@ class Operations:
                 await self.operate(operation, child, max(deadline - time.monotonic(), 0))
         return state
 
-    async def cancel(self, run: str, *, timeout: float = 30.0) -> RunState:
-        """Cancel a run (by id or key): end it as cancelled, asking the process running it to stop first."""
-        return await self.operate(CANCEL, run, timeout)
+    async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
+                     cleanup: float | None = None) -> RunState:
+        """Cancel a run (by id or key): its workflow gets `RunCancelledError` where it waits and may clean up,
+        then it ends as cancelled. A run some process holds is asked to (waiting up to `timeout`); one nobody
+        holds is cancelled here, its clean-up run in this process."""
+        if not isinstance(compensate, bool):
+            raise ValidationError(f"compensate= must be True or False, got {compensate!r}",
+                                  hint="cancel(run, compensate=True) runs the compensations of completed steps.",
+                                  docs=CANCEL.docs)
+        if cleanup is not None and (isinstance(cleanup, bool) or not isinstance(cleanup, int | float)
+                                    or not 0 <= cleanup < 1e9):
+            raise ValidationError(f"cleanup= must be seconds >= 0, got {cleanup!r}",
+                                  hint="cancel(run, cleanup=30) gives the workflow 30 s to clean up.",
+                                  docs=CANCEL.docs)
+        return await self.operate(Cancel(compensate, cleanup), run, timeout)
+
+    async def clean_up(self, run_id: str) -> None:
+        """A run nobody held was cancelled with a `cancel` record: run it here until it ends, its workflow
+        getting `RunCancelledError` where it stood and cleaning up. Without its code it ends cancelled."""
+        history = self.history(run_id)
+        try:
+            workflow = self.engine.code_for(history.header)
+        except ValidationError as exc:
+            return self.end_cancelled(run_id, f"its code was not found: {exc.message}")
+        try:
+            await self.engine.run(workflow, run_id=run_id)
+        except RunCancelledError:
+            return
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the clean-up broke off: the run is cancelled all the same
+            self.end_cancelled(run_id, f"it stopped with {type(exc).__name__}: {exc}")
+
+    def end_cancelled(self, run_id: str, why: str) -> None:
+        """End a cancelled run whose clean-up could not run here (saying why in its error)."""
+        error = RunCancelledError(f"run {run_id} was cancelled; its clean-up did not finish: {why}", run_id=run_id)
+        self.amend(run_id, lambda h: log_format.End(status="cancelled", error=dump_error(error), ts=time.time())
+                   if h.end is None else None)
 
     async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
         """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
@@ -388,9 +446,10 @@ class Operations:
             if message.get("name") in names:
                 self.storage.ack(run_id, message["id"])
 
-    def request(self, run_id: str, name: str) -> None:
+    def request(self, run_id: str, name: str, payload: Any = None) -> None:
         """Put control request `name` ($cancel, $pause, $resume) in the run's inbox."""
         self.storage.send(run_id, log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name,
+                                                                      payload=payload,
                                                                       at=to_iso(datetime.now(UTC)))))
 
     # ---- signal ---------------------------------------------------------------------------------
@@ -412,7 +471,7 @@ class Operations:
                                   docs="docs/authoring.md#parking", run_id=run_id)
         try:
             line = log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
-                                                       at=to_iso(datetime.now(UTC))))
+                                                       at=to_iso(self.engine.clock.now())))
         except UnicodeEncodeError:
             raise ValidationError(f"the payload of signal {name!r} holds text that is not UTF-8 (a lone surrogate)",
                                   hint="Send text that encodes as UTF-8.", docs="docs/authoring.md#parking",

@@ -26,7 +26,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._children import joined
-from ._codec import from_iso
 from ._history import History
 from ._workflow import as_workflow
 from .errors import ValidationError
@@ -61,39 +60,11 @@ def check_delay(delay: Any) -> float:
     return float(delay)
 
 
-def park_entry(history: History, status: str) -> tuple[float | None, tuple[str, ...]]:
-    """When a run parked with `status` is next due, and which signal names wake it earlier.
-
-    Sleeps wake at their earliest open wake time, a parked retry backoff at its end; waits at their earliest
-    deadline (None: only a signal);
-    a paused or stale run only when an operation moves it; a run stopped by its worker at once."""
-    if status in ("paused", "stale"):
-        return None, ()
-    if status not in ("sleeping", "waiting"):
-        return time.time(), ()
-    times: list[float] = []
-    names: list[str] = []
-    if history.park is not None and history.park.until is not None:
-        times.append(from_iso(history.park.until).timestamp())
-    for path, wake in history.wakes.items():
-        if path not in history.done:
-            times.append(from_iso(wake["at"]).timestamp())
-    for path, wait in history.waits.items():
-        if path not in history.done:
-            names.append(wait["name"])
-            if wait.get("deadline"):
-                times.append(from_iso(wait["deadline"]).timestamp())
-    if not times and not names:
-        return time.time(), ()
-    return (min(times) if times else None), tuple(dict.fromkeys(names))
-
-
 class RunQueue:
     """The durable queue as one engine works it (`Engine.queue`): enqueueing runs, this process's worker, and
     waiting for enqueued runs to end or for the queue to drain.
 
-    The kernel imports this module for `park_entry`, so what `RunQueue` needs from above it (the engine's
-    checks, `RunHandle`, `Worker`) it imports when called."""
+    What `RunQueue` needs from above it (the engine's checks, `RunHandle`, `Worker`) it imports when called."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -1071,9 +1071,15 @@ def cancel(
     status: BulkStatusOption = None,
     workflow: BulkWorkflowOption = None,
     yes: YesOption = False,
+    compensate: Annotated[bool, typer.Option(
+        "--compensate", help="Also run the compensations of the steps the run completed.")] = False,
+    cleanup: Annotated[str | None, typer.Option(
+        "--cleanup", metavar="DURATION",
+        help="How long the workflow may clean up once cancelled (e.g. 30s; default: the engine's, 60s).")] = None,
 ) -> None:
-    """Cancel a run: one no process runs ends at once; a running one stops at its next step boundary.
-    With --status/--workflow instead of RUN: every matching run, after showing how many and asking."""
+    """Cancel a run: its workflow gets RunCancelledError where it waits, may clean up, and the run ends
+    cancelled (one no process runs is cleaned up here). With --status/--workflow instead of RUN: every
+    matching run, after showing how many and asking."""
     as_json = _json_output(as_json, output, debug)
     if _one_or_many("cancel", run, status, workflow, debug):
         _not_on_restate(dir, storage, restate, "durably cancel --status/--workflow", debug)
@@ -1085,6 +1091,7 @@ def cancel(
     with _guard(debug):
         restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         seconds = parse_duration(timeout)
+        window = parse_duration(cleanup) if cleanup is not None else None
         if restate:
             client = _restate_client(restate, restate_admin)
             client.timeout = seconds
@@ -1098,7 +1105,10 @@ def cancel(
             else:
                 _err_console().print(Text(f"{before.run_id} was already cancelled", "yellow"))
             return
-        state = client.cancel(run) if restate else asyncio.run(engine.cancel(run, timeout=seconds))
+        if restate and (compensate or window is not None):
+            _not_on_restate(dir, storage, restate, "durably cancel --compensate/--cleanup", debug)
+        state = client.cancel(run) if restate else asyncio.run(engine.cancel(run, timeout=seconds,
+                                                                            compensate=compensate, cleanup=window))
         _settled(state, "cancelled", as_json, f"cancelled {state.run_id}",
                  f"asked {state.run_id} to stop, but it is still {state.status} after {timeout}; "
                  "it stops at its next step boundary")

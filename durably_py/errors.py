@@ -291,6 +291,14 @@ class RunParkedError(DurablyError):
     anchor = "runparkederror"
 
 
+class NotDurableError(DurablyError):
+    """A workflow used an asyncio form whose effect would not survive a park, a crash or a replay (a plain
+    asyncio deadline around a durable wait); the error names the durable form to use instead."""
+
+    default_hint = "Use the durable form: ctx.wait_for(name, timeout=...) or ctx.first(...) with ctx.sleep(...)."
+    anchor = "notdurableerror"
+
+
 class NotSupportedError(DurablyError):
     """A feature the current execution mode cannot provide (e.g. `stash` on Restate); `feature` and `mode` name it."""
 

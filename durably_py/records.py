@@ -22,6 +22,7 @@ __all__ = [
     "Adopt",
     "Advice",
     "Budget",
+    "Cancel",
     "Charge",
     "Claim",
     "Code",
@@ -158,6 +159,15 @@ class Pause(_Base, tag="pause"):
 class Resume(_Base, tag="resume"):
     """The run was resumed after a pause."""
 
+    ts: float | None = None
+
+
+class Cancel(_Base, tag="cancel"):
+    """The run's cancel request reached its workflow here: what the workflow does from now on is clean-up,
+    until `until` (ISO 8601); `compensate`: the compensations of its completed steps run before it ends."""
+
+    compensate: bool = False
+    until: str | None = None
     ts: float | None = None
 
 
@@ -338,7 +348,7 @@ class Note(_Base, tag="note"):
 
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
-    Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Stale, End,
+    Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Cancel, Stale, End,
     Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
 ]
 """Any record of a run's log."""

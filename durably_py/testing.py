@@ -39,7 +39,6 @@ from ._engine import Engine
 from ._events import StepEvent
 from ._history import History, RunState, path_tuple
 from ._kernel import Crash, Observer, Parked, RunHandle, RunKernel, Selector, observing, selects
-from ._queue import park_entry
 from ._schedules import Schedule, fire_due
 from ._workflow import Workflow, as_workflow
 from .errors import (
@@ -350,8 +349,9 @@ async def _replay_history(engine: Engine, history: History, paused: bool, where:
                             path=tuple(where_at) if where_at is not None else None, recorded=getattr(exc, "recorded", None),
                             called=getattr(exc, "called", None), message=str(exc))
     except Parked as parked:
-        return ReplayReport(**base, ok=True, recorded_steps=recorded_done, frontier=None, frontier_label=parked.status,
-                            message=f"the replay parked: {parked.detail}")
+        return ReplayReport(**base, ok=True, recorded_steps=recorded_done,
+                            frontier=path_tuple(parked.path) if parked.path is not None else None,
+                            frontier_label=parked.label or parked.status, message=f"the replay parked: {parked.detail}")
     except Exception as exc:  # noqa: BLE001 - the replayed workflow's own error is compared with the record
         now = exc.type_name if isinstance(exc, StepFailedError) else f"{type(exc).__module__}:{type(exc).__qualname__}"
         if recorded_end is not None and recorded_end.status in ("failed", "cancelled") and recorded_end.error \
@@ -535,15 +535,13 @@ class TestEngine:
         for info in self.storage.list_runs(state="open"):
             if info.held:
                 continue
+            entry = self.storage.entry(info.run_id)  # where the run parked: due at its earliest timer
             log = self.storage.read(info.run_id)
-            if log is None:
+            if entry is None or entry.at is None or log is None:
                 continue
             history = History(log.records, log.where)
-            status = history.parked()
-            if history.end is None and not history.paused and status is not None:
-                at, _ = park_entry(history, status)
-                if at is not None:
-                    out.append((info.run_id, at))
+            if history.end is None and not history.paused and history.parked() is not None:
+                out.append((info.run_id, entry.at))
         return out
 
     def _listener(self, user: StepListener | None) -> StepListener:

@@ -89,6 +89,19 @@ async def basics(ctx, n: int) -> dict:
 
 
 @workflow
+async def races(ctx) -> list:
+    """Handles as futures: gathered, awaited again, raced with ctx.first and with asyncio.wait."""
+    a = ctx.step(add, 1, 2)
+    both = await asyncio.gather(a, ctx.step(double, 5))
+    again = await a
+    which, value = await ctx.first(quick=ctx.step(add, 2, 2), late=ctx.sleep(30))
+    sleep = asyncio.ensure_future(ctx.sleep(60))
+    sig = asyncio.ensure_future(ctx.wait_for("go", timeout=120))
+    done, _ = await asyncio.wait([sleep, sig], return_when=asyncio.FIRST_COMPLETED)
+    return [both, again, which, value, "signal" if sig in done else "slept"]
+
+
+@workflow
 async def signals(ctx) -> list:
     got = []
     try:

@@ -424,7 +424,9 @@ def test_only_running_children_hold_tasks(tmp_path) -> None:
     engine = create_engine(FileStorage(tmp_path), concurrency=4)
     assert asyncio.run(engine.run(wide, 300, advisories="silent")) == sum(range(300))
     assert len(seen) == 300
-    assert max(seen) <= 12, max(seen)       # the parent, its heartbeat and join watcher, 4 running children, ...
+    # the parent (its task and its workflow's), its join watcher and recorder, 4 running children with their
+    # workflows' tasks, ...: a bound that does not grow with the 300 children
+    assert max(seen) <= 16, max(seen)
     assert not engine.children.pool.outcomes and not engine.children.pool.running and not engine.children.pool.asked \
         and not engine.children.pool.queued
 

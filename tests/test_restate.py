@@ -111,6 +111,19 @@ def test_wait_for_signals_park_and_queue(env: RestateEnv) -> None:
     assert [(r["run_id"], r["status"]) for r in listed] == [("sig-1", "completed")]
 
 
+def test_races_of_handles_give_the_same_answer_as_on_files(env: RestateEnv, tmp_path: Path) -> None:
+    results = []
+    for where in ("restate", "files"):
+        run = (lambda *a: cli(env, *a)) if where == "restate" else (lambda *a: on_files(tmp_path, *a))
+        parked = run("run", FLOWS, "--workflow", "races", "--key", f"race-{where}", "--no-wait")
+        assert parked.returncode == 3, parked.stderr
+        assert run("signal", f"race-{where}", "go").returncode == 0
+        done = run("run", FLOWS, "--workflow", "races", "--key", f"race-{where}")
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout))
+    assert results[0] == results[1] == [[3, 10], 3, "quick", 4, "signal"]
+
+
 def test_approval_example_runs_unchanged(env: RestateEnv) -> None:
     example = str(ROOT / "examples" / "approval.py")
     parked = cli(env, "run", example, "--workflow", "expense", "--input", '{"amount": 420}', "--key", "exp-1",

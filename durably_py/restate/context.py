@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from .._branches import checked_branches, foreign_strand, outside_workflow, run_branches
+from .._branches import First, checked_branches, first_of, foreign_strand, outside_workflow, run_branches
 from .._kernel import (
     Complete,
     RunHandle,
@@ -219,6 +219,11 @@ class RestateWorkflowContext:
         return WaitOp(self._pump, path, name, slot, timeout, compiled)
 
     # ---- recorded values --------------------------------------------------------------------------------
+    async def first(self, *operations: Awaitable[Any], **named: Awaitable[Any]) -> First:
+        """Race durable operations; the first to complete wins (Restate journals which). The losers are left
+        pending rather than cancelled: Restate cannot take back a journaled step, timer or promise."""
+        return await first_of(operations, named, cancel_losers=False)
+
     def now(self) -> datetime:
         """The current time, journaled as a `run` entry (replay returns the same instant)."""
         path = self._scope().alloc()
