@@ -29,8 +29,9 @@ from typer.core import TyperCommand
 
 from . import _config as config
 from . import _launcher as launcher
-from ._engine import Engine
+from ._engine import Engine, set_run_hook
 from ._history import RunState, StepState, path_tuple
+from ._live import when_text
 from ._run_command import (
     COLOURS,
     DOCS_DIR,
@@ -55,7 +56,6 @@ from ._run_command import (
     _settle,
     _summary,
     _when,
-    _when_text,
     interrupted_exit,
     on_sigterm,
     open_engine,
@@ -585,10 +585,10 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         line.append(f"  → waiting for {count} child run{'s' if count != 1 else ''} to end ({named})", "blue")
     elif step.status == "waiting" and isinstance(step.output, dict):
         deadline = step.output.get("deadline")
-        until = f" until {_when_text(deadline)}" if deadline else " (no deadline)"
+        until = f" until {when_text(deadline)}" if deadline else " (no deadline)"
         line.append(f"  → waiting for signal {step.output.get('signal')!r}{until}", "blue")
     elif step.status == "sleeping" and isinstance(step.output, dict):
-        line.append(f"  → sleeping until {_when_text(step.output.get('until'))}", "blue")
+        line.append(f"  → sleeping until {when_text(step.output.get('until'))}", "blue")
     elif step.error:
         line.append(f"  → {step.preview()}", "red")
     elif step.status == "ok" and not (step.label == "ctx.sleep" and step.output is None):
@@ -933,6 +933,7 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     with _guard(debug):
         engine = engine_at(dir, storage)
     watcher = Watcher(engine)
+    watcher.say = lambda line: _err_console().print(Text(line, "cyan"))
     seen: list[str] = []
 
     def found(run_id: str) -> None:
@@ -942,6 +943,7 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     code = EXIT_OK
     result: Any = None
     error: BaseException | None = None
+    set_run_hook(watcher)
     try:
         with _live(watcher, not as_json and sys.stderr.isatty()):
             result = asyncio.run(start(engine, watcher, found))
@@ -953,6 +955,8 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     except Exception as exc:  # noqa: BLE001 - the workflow's own error, reported without a traceback
         code, error = EXIT_FAILED, exc
         _report_exception(exc, debug, "the workflow")
+    finally:
+        set_run_hook(None)
     _settle(watcher, engine)
     if as_json:
         if seen or code != EXIT_USAGE:
@@ -1202,7 +1206,7 @@ def retry(
 
     async def start(engine: Engine, watcher: Watcher, found: Callable[[str], Any]) -> Any:
         try:
-            return await engine.retry(run, from_step=selector, on_step=watcher, wait=not no_wait, on_run=found)
+            return await engine.retry(run, from_step=selector, wait=not no_wait, on_run=found)
         except ValidationError as exc:
             if selector is None or not exc.message.startswith("from_step="):
                 raise
@@ -1231,7 +1235,7 @@ def restart(
     _not_on_restate(dir, storage, restate, "durably restart", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
-        run, on_step=watcher, wait=not no_wait, on_run=found))
+        run, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1252,7 +1256,7 @@ def adopt(
     _not_on_restate(dir, storage, restate, "durably adopt", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
-        run, path, on_step=watcher, wait=not no_wait, on_run=found))
+        run, path, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1325,16 +1329,16 @@ def record_line(rec: dict[str, Any]) -> Text:
         line.append(step, "bold")
         line.append(f"attempt {rec.get('a', 1)} failed: {_record_error(rec.get('e'))}", "red")
         if kind == "fail" and rec.get("next"):
-            line.append(f"  retry at {_when_text(rec['next'])}", "yellow")
+            line.append(f"  retry at {when_text(rec['next'])}", "yellow")
     elif kind == "start":
         line.append(step, "bold")
         line.append(f"attempt {rec.get('a', 1)} started", "cyan")
     elif kind == "wake":
         line.append(step, "bold")
-        line.append(f"sleeping until {_when_text(rec.get('at'))}", "blue")
+        line.append(f"sleeping until {when_text(rec.get('at'))}", "blue")
     elif kind == "wait":
         line.append(step, "bold")
-        deadline = f" (deadline {_when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
+        deadline = f" (deadline {when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
         line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
     elif kind == "end":
         status = str(rec.get("status"))
