@@ -48,6 +48,7 @@ from ._history import BUDGET_KINDS, History, path_tuple
 from ._policies import Retry, check_timeout
 from ._result import Err, Ok
 from ._schema import compile_schema
+from ._versioning import stale_hint
 from ._workflow import Workflow, as_workflow
 from .errors import (
     ArgumentError,
@@ -736,9 +737,7 @@ class RunKernel:
         if self.code_changed:
             raise self.replay_failed(StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
-                hint=f"If {label!r} is the same work as {recorded!r} under a new name, `durably adopt {self.run_id}` "
-                     "uses its recorded result and continues; else restore the old code (or wrap the change in "
-                     f"ctx.patched), or start over with fresh=True (`durably restart {self.run_id}`).",
+                hint=stale_hint(self.workflow.fn, self.run_id, recorded, label),
                 docs="docs/versioning.md#adopt", run_id=self.run_id, path=path_tuple(path), recorded=recorded,
                 called=label))
         raise self.replay_failed(PurityError(

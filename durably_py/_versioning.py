@@ -9,6 +9,7 @@ from the log, and the run continues. `ctx.patched` (the kernel) is the other hal
 from __future__ import annotations
 
 import builtins
+import inspect
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +24,27 @@ if TYPE_CHECKING:
     from ._events import StepEvent
 
 DOCS = "docs/versioning.md#adopt"
+
+
+def stale_hint(fn: Any, run_id: str, recorded: str, called: str) -> str:
+    """The hint of a `StaleRunError` where the code now calls `called` at the path of the recorded `recorded`.
+
+    When the workflow's code (`fn`) still names `recorded` (its function or its `name=`), the new step was most
+    likely inserted before it: the hint offers `ctx.patched` first, so runs recorded before the change skip the
+    new step. Otherwise the step was most likely renamed, and the hint offers `durably adopt` first."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        source = ""
+    restart = f"or start over with fresh=True (`durably restart {run_id}`)."
+    if source and re.search(rf"(?<![\w.]){re.escape(recorded)}(?!\w)", source):
+        return (f"The code still calls {recorded!r}, so {called!r} looks inserted before it: put the new step "
+                f"under `if ctx.patched(\"add-{called}\"):` so runs recorded before the change skip it, then "
+                f"`durably retry {run_id}`. If {called!r} is {recorded!r} renamed, `durably adopt {run_id}` uses its "
+                f"recorded result and continues; {restart}")
+    return (f"If {called!r} is the same work as {recorded!r} under a new name, `durably adopt {run_id}` uses its "
+            "recorded result and continues; else restore the old code (or put the change under ctx.patched), "
+            f"{restart}")
 
 
 def parse_path(path: Any) -> str:

@@ -32,6 +32,7 @@ from . import _launcher as launcher
 from ._engine import Engine, set_run_hook
 from ._history import RunState, StepState, path_tuple
 from ._live import when_text
+from ._logtext import record_segments, short_json
 from ._run_command import (
     COLOURS,
     DOCS_DIR,
@@ -546,8 +547,7 @@ def list_runs(
 
 def json_text(value: Any, limit: int = 100) -> str:
     """A value as compact JSON (what `--input` and `signal` accept), cut to `limit` characters."""
-    text = json.dumps(value, ensure_ascii=False, default=_json_default, separators=(", ", ": "))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return short_json(value, limit, _json_default)
 
 
 @dataclass
@@ -566,8 +566,8 @@ def step_extras(spans: list[Any]) -> dict[tuple[int, ...], StepExtras]:
             took = f" after {_duration(span.end - span.start)}" if span.end is not None else ""
             out.setdefault(span.path, StepExtras()).failures.append(
                 f"attempt {span.attempt} failed{took}: {span.detail or 'error'}")
-        elif span.kind in ("sleep", "wait") and span.end is not None:
-            out.setdefault(span.path, StepExtras()).seconds = span.end - span.start
+        elif span.kind in ("sleep", "wait"):  # the latest one (a retry from a step may have run it again)
+            out.setdefault(span.path, StepExtras()).seconds = None if span.end is None else span.end - span.start
     return out
 
 
@@ -608,6 +608,7 @@ def step_tree(steps: list[StepState], title: str = "steps",
 
     root = Tree(Text(title, "bold"))
     nodes: dict[tuple[int, ...], Tree] = {(): root}
+    loops = {step.path for step in steps if step.label == "ctx.loop"}
     per_branch: dict[tuple[int, ...], int] = {}
     for step in steps:
         for end in range(2, len(step.path), 2):
@@ -623,7 +624,7 @@ def step_tree(steps: list[StepState], title: str = "steps",
         if len(prefix) % 2:
             label = Text.assemble((_path(prefix), "bright_black"), " ", ("parallel", "bold"))
         else:
-            label = Text(f"branch {prefix[-1]}", "bright_black")
+            label = Text(f"{'iteration' if prefix[:-1] in loops else 'branch'} {prefix[-1]}", "bright_black")
         made = nodes[prefix] = parent.add(label)
         return made
 
@@ -705,6 +706,9 @@ def _header(state: RunState) -> Text:
         rows.append(("spent", ", ".join(_money(k, v) for k, v in spent.items())))
     for name, value in state.annotations.items():
         rows.append((f"· {name}", _preview(value, 200)))
+    if state.patches:
+        rows.append(("patches", ", ".join(f"{change}: {'the new code' if new else 'the old code'}"
+                                          for change, new in state.patches.items())))
     for adv in state.advisories:
         level = str(adv.get("level", "")).upper()
         text = Text.assemble((f"[{level}] {adv.get('code')}", "yellow" if level == "WARN" else "blue"),
@@ -1244,6 +1248,7 @@ def adopt(
     path: Annotated[str | None, typer.Option("--path", metavar="PATH",
                                              help="The recorded step to adopt (a path like 2 or 2.0.1); default: "
                                                   "where the stale run stopped.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Adopt without asking.")] = False,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1252,11 +1257,36 @@ def adopt(
     debug: DebugOption = False,
     restate: RestateOption = None,
 ) -> None:
-    """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result."""
+    """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result.
+    Says what it will map where and asks first (--yes: without asking)."""
+    from ._versioning import adoption
+
     _not_on_restate(dir, storage, restate, "durably adopt", debug)
     as_json = _json_output(as_json, output, debug)
+    with _guard(debug):
+        engine = engine_at(dir, storage)
+        run_id = engine.resolve(run)
+        history = engine.operations.history(run_id)
+        chosen = adoption(history, path)
+    recorded = history.done[chosen.path]
+    where = _path(path_tuple(chosen.path))
+    now = f"the step now called {chosen.label!r}" if chosen.label else "whatever step the code now calls"
+    result = f"its recorded result {json_text(getattr(recorded, 'value', None), 60)}"
+    plan = f"adopt {run_id}: at {where}, {now} is the recorded {chosen.recorded!r} ({result}); then the run continues"
+    if not yes:
+        if not (sys.stdin.isatty() and sys.stderr.isatty()):
+            if as_json:
+                _print_json({"run_id": run_id, "path": list(path_tuple(chosen.path)), "recorded": chosen.recorded,
+                             "called": chosen.label, "confirmed": False})
+            _err_console().print(Text(f"would {plan}; nothing was touched (no terminal to confirm on): pass --yes "
+                                      "to go ahead", "yellow"))
+            raise typer.Exit(EXIT_USAGE)
+        _err_console().print(plan)
+        if not typer.confirm("Adopt?", default=False, err=True):
+            _err_console().print(Text("nothing was touched", "yellow"))
+            raise typer.Exit(EXIT_FAILED)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
-        run, path, wait=not no_wait, on_run=found))
+        run_id, path, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1283,87 +1313,21 @@ def ui(
                       announce=lambda line: _err_console().print(Text(line, "green"), soft_wrap=True))
 
 
-def _record_time(rec: dict[str, Any]) -> str:
-    ts = rec.get("ts")
-    if isinstance(ts, int | float):
-        when: datetime | None = datetime.fromtimestamp(ts, UTC)
-    else:
-        stamp = rec.get("at") if rec.get("t") == "claim" else rec.get("created_at")
-        try:
-            when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else None
-        except ValueError:
-            when = None
-    return when.astimezone().strftime("%H:%M:%S.%f")[:-3] if when else " " * 12
-
-
-def _record_error(error: Any) -> str:
-    if not isinstance(error, dict):
-        return "error"
-    return f"{str(error.get('type', '')).rpartition(':')[2]}: {error.get('message', '')}"
-
-
 def record_line(rec: dict[str, Any]) -> Text:
     """One log record as a line of `durably logs`: its time, the step it is about, and what happened."""
-    kind = str(rec.get("t"))
-    step = f"{_path(path_tuple(rec['p']))} {rec.get('l', '')}".rstrip() + "  " if isinstance(rec.get("p"), str) \
-        and rec.get("p") else ""
-    line = Text.assemble((_record_time(rec), "bright_black"), "  ")
-    if kind == "run":
-        line.append(f"run {rec.get('run_id')} of {rec.get('workflow')} created", "bold")
-        if rec.get("key") is not None:
-            line.append(f"  key {rec['key']}")
-        if rec.get("input") is not None:
-            line.append(f"  input {json_text(rec['input'], 80)}")
-    elif kind == "claim":
-        line.append(f"attempt {rec.get('epoch')} started by {rec.get('owner')}", "cyan")
-    elif kind == "ok":
-        line.append(step, "bold")
-        line.append("ok", "green")
-        if isinstance(rec.get("ms"), int | float):
-            line.append(f"  {_duration(rec['ms'] / 1000)}", "bright_black")
-        if rec.get("sig") is not None:
-            line.append(f"  signal {rec['sig']!r}", "blue")
-        if rec.get("v") is not None:
-            line.append(f"  → {json_text(rec['v'], 80)}")
-    elif kind in ("err", "fail"):
-        line.append(step, "bold")
-        line.append(f"attempt {rec.get('a', 1)} failed: {_record_error(rec.get('e'))}", "red")
-        if kind == "fail" and rec.get("next"):
-            line.append(f"  retry at {when_text(rec['next'])}", "yellow")
-    elif kind == "start":
-        line.append(step, "bold")
-        line.append(f"attempt {rec.get('a', 1)} started", "cyan")
-    elif kind == "wake":
-        line.append(step, "bold")
-        line.append(f"sleeping until {when_text(rec.get('at'))}", "blue")
-    elif kind == "wait":
-        line.append(step, "bold")
-        deadline = f" (deadline {when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
-        line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
-    elif kind == "end":
-        status = str(rec.get("status"))
-        line.append(f"run {status}", COLOURS.get(status, "bold"))
-        if rec.get("error"):
-            line.append(f"  {_record_error(rec['error'])}", "red")
-        elif status == "completed":
-            line.append(f"  → {json_text(rec.get('result'), 80)}")
-    else:
-        rest = {k: v for k, v in rec.items() if k not in ("t", "p", "l", "ts")}
-        line.append(step, "bold")
-        line.append(kind, "yellow")
-        if rest:
-            line.append(f"  {json_text(rest, 100)}", "bright_black")
-    return line
+    return Text.assemble(*record_segments(rec))
 
 
 @app.command()
 def logs(
     run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as any process appends "
-                                                                 "them, until the run ends or parks.")] = False,
+                                                                 "them, until the run ends or parks with no "
+                                                                 "process waiting on it.")] = False,
     dir: DirOption = None,
     storage: StorageOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON record per line, as in the log.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The records as one JSON list (-o jsonl: one record per "
+                                                         "line, as they come).")] = False,
     output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
@@ -1372,13 +1336,16 @@ def logs(
         mode = output_mode(as_json, output)
         engine = engine_at(dir, storage)
         console = _out_console()
+        kept: list[dict[str, Any]] = []
 
         def show(rec: dict[str, Any]) -> None:
             if mode == "table":
                 console.print(record_line(rec), soft_wrap=True)
-            else:
+            elif mode == "jsonl":
                 sys.stdout.write(json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n")
                 sys.stdout.flush()
+            else:
+                kept.append(rec)
 
         async def tail() -> None:
             if follow:
@@ -1389,6 +1356,8 @@ def logs(
                     show(rec)
 
         asyncio.run(tail())
+        if mode == "json":
+            _print_json(kept)
 
 
 @app.command()
