@@ -69,6 +69,12 @@ def when_text(value: Any) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if isinstance(value, datetime) else str(value or "")
 
 
+def is_step(label: str) -> bool:
+    """Whether a recorded label is a step of the workflow's own (`ctx.step`), not a sleep, wait, spawn, join,
+    loop, graph or recorded value (`ctx.*`): what the end-of-run summary, `inspect` and the console count."""
+    return not label.startswith("ctx.")
+
+
 # ---- what the view shows -----------------------------------------------------------------------------------
 
 
@@ -158,7 +164,9 @@ class Watcher(RunHook):
             self.tally(run_id).over = True
 
     def on_event(self, event: StepEvent) -> None:
-        """Count one step event."""
+        """Count one step event (of a step of the workflow's own: a replayed sleep or join is not one)."""
+        if not is_step(event.label):
+            return
         with self.lock:
             tally = self.tally(event.run_id)
             tally.detail = None
@@ -216,7 +224,7 @@ class Watcher(RunHook):
             return None
         running = [(s.label, s.started_at.timestamp()) for s in state.steps
                    if s.status == "running" and s.started_at is not None]
-        steps = sum(s.status in ("ok", "failed") and not s.label.startswith("ctx.") for s in state.steps)
+        steps = sum(s.status in ("ok", "failed") and is_step(s.label) for s in state.steps)
         owner = history.claim.owner if history.claim is not None and held else None
         return Look(parked_detail(state), steps, running, owner)
 

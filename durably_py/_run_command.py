@@ -30,7 +30,7 @@ from ._engine import Engine, engine_for, set_run_hook
 from ._live import LiveTerminal, Watcher, parked_detail
 from ._live import duration_text as _duration
 from ._workflow import REGISTRY, Workflow, load_script
-from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
+from .errors import DurablyError, KeyConflictError, NotSupportedError, RunNotFoundError, RunParkedError, ValidationError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -44,7 +44,7 @@ COLOURS = {
     "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
     "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
 }
-USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
+USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError, NotSupportedError)
 
 
 class Output:
@@ -362,6 +362,25 @@ def _find_workflow(name: str, script: Path) -> Workflow:
                           hint="Pass --workflow with the name @workflow gave it (the function's name by default).")
 
 
+def check_input_given(wf: Workflow, given: bool, script: Path, command: str = "run") -> None:
+    """A usage error, before any run is created, for a workflow whose input parameter has no default when
+    no `--input` was given (it would only fail on its first use of the input)."""
+    if given or not wf.takes_input:
+        return
+    import inspect
+
+    params = [p for p in inspect.signature(wf.fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    param = params[1]
+    if param.default is not param.empty:
+        return
+    raise ValidationError(f"workflow {wf.name!r} takes an input ({param.name}) and no --input was given",
+                          hint=f"Pass it as JSON: durably {command} {script.name} -w {wf.name} --input '{{...}}' (or "
+                               f"--input @file.json); a workflow that may run without one gives it a default: "
+                               f"async def {wf.__name__}(ctx, {param.name}=None).",
+                          docs="docs/cli.md#durably-run")
+
+
 def _import_script(script: Path) -> None:
     """Import the script for `--workflow`; a script that cannot be imported is reported as such."""
     try:
@@ -403,6 +422,7 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
                         value = _parse_input(input)
                         _import_script(script)
                         wf = _find_workflow(workflow, script)
+                        check_input_given(wf, input is not None, script)
                         result = asyncio.run(open_engine(settings).run(wf, value, key=key, fresh=fresh,
                                                                        wait=not no_wait, on_run=main_run.append))
             except SystemExit as exc:

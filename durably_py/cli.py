@@ -31,7 +31,7 @@ from . import _config as config
 from . import _launcher as launcher
 from ._engine import Engine, set_run_hook
 from ._history import RunState, StepState, path_tuple
-from ._live import when_text
+from ._live import is_step, when_text
 from ._logtext import record_segments, short_json
 from ._run_command import (
     COLOURS,
@@ -57,6 +57,7 @@ from ._run_command import (
     _settle,
     _summary,
     _when,
+    check_input_given,
     interrupted_exit,
     on_sigterm,
     open_engine,
@@ -144,8 +145,19 @@ def _restate_target(dir: str | None, storage: str | None, restate: str | None,
 
 
 def engine_at(dir: str | None, storage: str | None) -> Engine:
-    """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls."""
-    return open_engine(settings_for(dir, storage))
+    """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls. These
+    commands never create a store: a SQLite file that is not there is a usage error naming the path."""
+    settings = settings_for(dir, storage)
+    if settings.storage is not None:
+        from .storage.url import parse_storage_url
+
+        kind, target = parse_storage_url(settings.storage)
+        if kind == "sqlite" and not Path(target).exists():
+            source = settings.sources.get("storage", "--storage")
+            raise ValidationError(f"no SQLite store at {os.path.abspath(target)} (from {source}); nothing was created",
+                                  hint="Check the path; `durably run`, `durably enqueue` or `durably worker` create "
+                                       "the store on first use.", docs="docs/storage.md#storage-urls")
+    return open_engine(settings)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -304,14 +316,14 @@ def _run_on_restate(script: Path, workflow: str | None, input: str | None, key: 
                     no_wait: bool, ingress: str, admin: str | None, as_json: bool, debug: bool) -> int:
     """`durably run --restate`: start the workflow on Restate and print its result; the same output shapes and
     exit codes as on files."""
-    from .restate.commands import run_workflow
-    from .restate.unsupported import unsupported
-
     started = time.monotonic()
     run_id: list[str] = []
     result: Any = None
     error: BaseException | None = None
     try:
+        from .restate.commands import run_workflow
+        from .restate.unsupported import unsupported
+
         if workflow is None:
             raise ValidationError("--restate runs a workflow: pass --workflow NAME",
                                   hint="On Restate a script's __main__ block does not run; name the workflow.")
@@ -343,12 +355,11 @@ def _not_on_restate(dir: str | None, storage: str | None, restate: str | None, c
     """Commands Restate mode cannot offer say so (exit 2) instead of acting on local files."""
     with _guard(debug):
         restate = _restate_target(dir, storage, restate, None)[0]
-    if restate:
-        from .restate.unsupported import unsupported
+        if restate:
+            from .restate.unsupported import unsupported
 
-        _report_durably_error(unsupported(command, "Restate workflows cannot be paused, retried from a step or "
-                                          "restarted by durably"), debug)
-        raise typer.Exit(EXIT_USAGE)
+            raise unsupported(command, "Restate workflows cannot be paused, retried from a step or restarted by "
+                              "durably")
 
 
 def _restate_client(ingress: str, admin: str | None) -> Any:
@@ -492,9 +503,7 @@ def list_runs(
         if restate and without_patch is not None:
             from .restate.unsupported import unsupported
 
-            _report_durably_error(unsupported("durably list --without-patch", "Restate mode has no ctx.patched"),
-                                  debug)
-            raise typer.Exit(EXIT_USAGE)
+            raise unsupported("durably list --without-patch", "Restate mode has no ctx.patched")
         past: int | None = None
         if restate:
             where = f"Restate at {restate}"
@@ -775,10 +784,21 @@ def inspect(
         from rich.console import Group
 
         extras = step_extras(asyncio.run(engine.timeline(state.run_id))) if engine is not None else {}
-        ended = sum(s.status in ("ok", "failed") for s in state.steps)
-        still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
-        title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
-        _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, title, extras)))
+        _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, steps_title(state.steps),
+                                                                       extras)))
+
+
+def steps_title(steps: list[StepState]) -> str:
+    """`steps (3 · 1 running) · ctx calls (2 · 1 waiting)`: the steps that ended, counted as the end-of-run
+    summary counts them (`ctx.step` calls), and apart from them the sleeps, waits, spawns, joins and loops."""
+    def counted(chosen: list[StepState]) -> str:
+        ended = sum(s.status in ("ok", "failed") for s in chosen)
+        still = Counter(s.status for s in chosen if s.status not in ("ok", "failed"))
+        return f"{ended}" + "".join(f" · {n} {status}" for status, n in still.items())
+
+    own = [s for s in steps if is_step(s.label)]
+    calls = [s for s in steps if not is_step(s.label)]
+    return f"steps ({counted(own)})" + (f" · ctx calls ({counted(calls)})" if calls else "")
 
 
 @app.command()
@@ -906,7 +926,7 @@ NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 
                                                                "signal (or is paused), instead of waiting.")]
 
 
-STEP_HINT = ("Pass a step path such as 2 or 2.0.1, a step label such as fetch, or label#N for the Nth step "
+STEP_HINT = ("Pass a step path such as 2, 2.0.1 or (2, 0, 1), a step label such as fetch, or label#N for the Nth step "
              "with that label; `durably inspect RUN` shows paths and labels.")
 
 
@@ -915,6 +935,8 @@ def parse_step(text: str) -> tuple[int, ...] | str | tuple[str, int]:
     spec = text.strip()
     if re.fullmatch(r"\d+(\.\d+)*", spec):
         return tuple(int(part) for part in spec.split("."))
+    if re.fullmatch(r"\(\s*\d+\s*(,\s*\d+\s*)*,?\s*\)", spec):  # as `inspect` prints paths: (3,) or (3, 1, 0)
+        return tuple(int(part) for part in spec.strip("() ").split(",") if part.strip())
     if not spec:
         raise ValidationError("--from-step is empty", hint=STEP_HINT, docs="docs/cli.md#durably-retry")
     label, hash_, nth = spec.rpartition("#")
@@ -1175,8 +1197,9 @@ def resume(
 def retry(
     run: RunOrFilterArgument = None,
     from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL[#N]",
-                                                  help="Run this step (a path like 2 or 2.0.1, a label, or "
-                                                       "label#N) and every step completed after it again.")] = None,
+                                                  help="Run this step (a path like 2, 2.0.1 or (2, 0, 1) "
+                                                       "as inspect prints it, a label, or label#N) and every "
+                                                       "step completed after it again.")] = None,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1267,7 +1290,13 @@ def adopt(
         engine = engine_at(dir, storage)
         run_id = engine.resolve(run)
         history = engine.operations.history(run_id)
-        chosen = adoption(history, path)
+        where_given = parse_step(path) if path is not None else None
+        if where_given is not None and not (isinstance(where_given, tuple) and all(
+                isinstance(i, int) for i in where_given)):
+            raise ValidationError(f"--path {path!r} is not a step path",
+                                  hint="Give a path like 2, 3.1.0 or (3, 1, 0); `durably inspect RUN` shows them.",
+                                  docs="docs/versioning.md#adopt")
+        chosen = adoption(history, where_given)
     recorded = history.done[chosen.path]
     where = _path(path_tuple(chosen.path))
     now = f"the step now called {chosen.label!r}" if chosen.label else "whatever step the code now calls"
@@ -1286,7 +1315,7 @@ def adopt(
             _err_console().print(Text("nothing was touched", "yellow"))
             raise typer.Exit(EXIT_FAILED)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
-        run_id, path, wait=not no_wait, on_run=found))
+        run_id, where_given, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1303,7 +1332,7 @@ def ui(
                                                      "sqlite:PATH or postgresql://...")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Serve the web console and its JSON API over the runs in DIR or URL (needs `pip install 'durably-py[ui]'`)."""
+    """Serve the web console and its JSON API over the runs in DIR or URL (needs `pip install 'durably-py\\[ui]'`)."""
     from . import ui as console
 
     with _guard(debug):
@@ -1487,10 +1516,26 @@ def docs_command(
         sys.stdout.write(docs_text(topic))
 
 
-@app.command()
+class ServeCommand(TyperCommand):
+    """`durably serve`: `--restate URL` names the cluster by its ingress as on every other command; a bare
+    `--restate` means the cluster the settings name ($DURABLY_RESTATE, the config), or the default admin URL."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        args = list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--restate" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                args[i] = "--restate="
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=ServeCommand)
 def serve(
-    restate: Annotated[bool, typer.Option("--restate", help="Serve the workflows to a Restate cluster "
-                                                             "(the only mode of serve today).")] = False,
+    restate: Annotated[str | None, typer.Option("--restate", metavar="[URL]", show_default=False,
+                                                help="Serve the workflows to the Restate cluster at this ingress "
+                                                     "URL (alone: the one $DURABLY_RESTATE or the config names; "
+                                                     "the only mode of serve today).")] = None,
     imports: Annotated[list[str] | None, typer.Option("--import", metavar="SCRIPT_OR_MODULE",
                                                       help="A script or module defining @workflow functions "
                                                            "(repeatable).")] = None,
@@ -1502,13 +1547,14 @@ def serve(
     debug: DebugOption = False,
 ) -> None:
     """Serve workflows as Restate workflows named durably.<workflow> and register them with Restate."""
-    from .restate.commands import serve as serve_restate
-
     with _guard(debug):
-        if not restate:
+        if restate is None:
             raise ValidationError("durably serve needs --restate",
-                                  hint="durably serve --restate --import flows.py; see docs/restate.md.")
-        admin = _restate_target(None, None, None, restate_admin)[1]
+                                  hint="durably serve --restate --import flows.py (or --restate URL, the ingress); "
+                                       "see docs/restate.md.", docs="docs/restate.md#serving")
+        admin = _restate_target(None, None, restate or None, restate_admin)[1]
+        from .restate.commands import serve as serve_restate
+
         serve_restate(list(imports or []), host=host, port=port, admin=admin, register=not no_register,
                       announce=lambda uri, services: _err_console().print(
                           Text(f"serving {', '.join(services)} at {uri}", "green")))
@@ -1648,6 +1694,7 @@ def enqueue(
         with _environment(script, settings, []):
             _import_script(script)
             wf = _find_workflow(workflow, script)
+            check_input_given(wf, input is not None, script, "enqueue")
             handle = asyncio.run(open_engine(settings).enqueue(wf, value, key=key, priority=priority,
                                                                delay=seconds))
         if as_json:

@@ -372,11 +372,11 @@ def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_mov
     assert "input     {\"n\": 1}" in shown and "status    interrupted" in shown
     assert f"next      durably retry {run_id} resumes it (cut off after (1,) ctx.sleep)" in shown
     parked = durably("run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', "--no-wait", cwd=project)
-    assert parked.returncode == 3 and "2 steps: 0 ran · 2 replayed" in parked.stderr
+    assert parked.returncode == 3 and "1 step: 0 ran · 1 replayed" in parked.stderr
     lines = durably("inspect", run_id, COLUMNS="200", cwd=project).stdout.splitlines()
     assert any(line.startswith("parked    waiting for 'approval' (deadline 20") for line in lines)
     assert f"next      durably signal {run_id} approval PAYLOAD" in lines
-    assert "steps (2 · 1 waiting)" in lines
+    assert "steps (1) · ctx calls (1 · 1 waiting)" in lines  # as the summary counts: the flaky step
     flaky = next(line for line in lines if "(0,) flaky" in line)
     assert flaky.endswith('→ {"n": 1, "ok": true}') and "3 attempts" in flaky
     assert any(line.endswith("attempt 1 failed after " + line.split("after ")[-1].split(":")[0]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import durably
 from terminal import ANSI, Terminal, interrupt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,3 +186,48 @@ def test_the_readme_first_command_shows_a_clean_view(tmp_path: Path) -> None:
         assert rows and all(re.fullmatch(r"  checkout-\w+  \d+ done( · \d+ (running|retrying))*( {2}\S.*)?", row)
                             for row in rows), rows
         assert all(len(row) < columns for row in rows)
+
+
+FAMILY = textwrap.dedent('''
+    import time
+    from durably_py import workflow
+
+    def nap(n):
+        time.sleep(0.05)
+        return n
+
+    @workflow
+    async def kid(ctx, n):
+        return await ctx.step(nap, n)
+
+    @workflow
+    async def mom(ctx, count):
+        first = await ctx.step(nap, 0)
+        await ctx.sleep(0.2)
+        handles = [await ctx.spawn(kid, n) for n in range(count)]
+        total = 0
+        for handle in handles:
+            total += await ctx.join(handle)
+        return first + total + await ctx.step(nap, 1)
+''')
+
+
+def test_the_summary_and_inspect_count_steps_alike_and_the_parent_stays_on_top(tmp_path: Path) -> None:
+    (tmp_path / "family.py").write_text(FAMILY)
+    with Terminal("run", "family.py", "-w", "mom", "-i", "14", cwd=tmp_path, rows=30) as term:
+        assert term.wait(60) == 0, term.raw[-2000:]
+        raw = term.raw
+    frames = [frame for frame in re.split(r"\r\x1b\[2K(?:\x1b\[1A\x1b\[2K)*", raw) if "durably  " in frame]
+    rows = [[ANSI.sub("", line) for line in frame.replace("\r\n", "\n").split("\n")] for frame in frames]
+    with_kids = [frame for frame in rows if any(line.startswith("  kid-") for line in frame)]
+    assert with_kids, raw[-2000:]
+    for frame in with_kids:  # however many children ran, the parent's row comes first
+        shown = [line for line in frame if line.startswith(("  kid-", "  mom-", "  … "))]
+        assert shown[0].startswith("  mom-"), frame
+    assert any(line.startswith("  … ") and line.endswith(" more runs") for frame in rows for line in frame)
+    lines = screen_lines(raw)
+    summary = next(line for line in lines if line.startswith("✓ mom-"))
+    run_id = summary.split()[1]
+    assert summary.endswith("completed  2 steps: 2 ran · 0 replayed"), summary
+    shown = durably("inspect", run_id, cwd=tmp_path).stdout
+    assert "steps (2) · ctx calls (29)" in shown, shown  # a sleep, 14 spawns and 14 joins apart
