@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._engine import RunHook
 from ._events import StepEvent
-from ._runs import owner_alive, owner_text
+from ._runs import owner_text
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -115,7 +115,6 @@ class Look:
     detail: str | None
     steps: int
     running: list[tuple[str, float]]
-    owner: str | None
 
 
 class Watcher(RunHook):
@@ -145,19 +144,17 @@ class Watcher(RunHook):
             self.tally(run_id)
 
     def started(self, run_id: str, workflow: str = "", *, joined: bool = False) -> None:
-        owner = self.owner(run_id) if joined else None
+        holder = self.holder(run_id) if joined else {}
         with self.lock:
             tally = self.tally(run_id)
-            first = joined and tally.joined is None
-            tally.joined = owner_text(owner) if joined else None
+            first = joined and tally.joined is None and bool(holder)
+            tally.joined = owner_text(holder.get("owner")) if joined else None
+            tally.lease = None
             tally.over = False
         if first:
-            alive = owner_alive(owner)
-            if alive is False:
-                self.say(f"{run_id} is held by {owner_text(owner)}, which is not running; this process "
-                         "continues the run once that lease expires")
-            else:
-                self.say(f"joined {run_id} (running in {owner_text(owner)})")
+            note = lease_note(holder)
+            self.say(f"{run_id} is held by {note}" if note else
+                     f"joined {run_id} (running in {owner_text(holder.get('owner'))})")
 
     def ended(self, run_id: str, status: str, error: BaseException | None) -> None:
         with self.lock:
@@ -200,17 +197,17 @@ class Watcher(RunHook):
                                 "logged_running": list(t.logged_running)}) for t in self.runs.values()]
 
     # ---- the reader thread: what a run waits for, and a joined run's progress ---------------------
-    def owner(self, run_id: str) -> str | None:
-        """Who holds a run's lease now, as its log's last claim says (None when it cannot be read)."""
+    def holder(self, run_id: str) -> dict[str, Any]:
+        """Who holds a run's lease now (`Runs.holder`; {} when no one does or it cannot be read)."""
         if self.engine is None:
-            return None
+            return {}
         try:
-            return self.engine.runs.holder(run_id).get("owner")
-        except Exception:  # noqa: BLE001 - the line says "another process" then
-            return None
+            return self.engine.runs.holder(run_id)
+        except Exception:  # noqa: BLE001 - then it is said without the owner
+            return {}
 
     def look(self, run_id: str) -> Look | None:
-        """Read one run's log: what it waits for, how many steps ended, which run (None: unreadable)."""
+        """Read one run's log: what it waits for, how many steps ended, which are running (None: unreadable)."""
         from ._history import describe
 
         if self.engine is None:
@@ -225,8 +222,7 @@ class Watcher(RunHook):
         running = [(s.label, s.started_at.timestamp()) for s in state.steps
                    if s.status == "running" and s.started_at is not None]
         steps = sum(s.status in ("ok", "failed") and is_step(s.label) for s in state.steps)
-        owner = history.claim.owner if history.claim is not None and held else None
-        return Look(parked_detail(state), steps, running, owner)
+        return Look(parked_detail(state), steps, running)
 
     def start_reading(self) -> None:
         """Start the reader thread (once); it ends with `stop_reading`."""
@@ -258,18 +254,20 @@ class Watcher(RunHook):
                         tally.detail = found.detail
                     if tally.joined:
                         tally.logged, tally.logged_running = found.steps, found.running
-                        tally.lease = self.lease_note(run_id, found.owner)
+                if tally.joined:
+                    note = lease_note(self.holder(run_id))
+                    with self.lock:
+                        tally.lease = note
 
-    def lease_note(self, run_id: str, owner: str | None) -> str | None:
-        """`owner unresponsive: lease expires in 12s` while the process holding the run no longer runs."""
-        if owner is None or owner_alive(owner) is not False or self.engine is None:
-            return None
-        try:
-            expires = self.engine.runs.holder(run_id).get("expires")
-        except Exception:  # noqa: BLE001 - said without the time left then
-            expires = None
-        left = f"; its lease expires in {duration_text(max(expires - time.time(), 0))}" if expires else ""
-        return f"{owner_text(owner)} is not running{left}, then this process continues the run"
+
+def lease_note(holder: dict[str, Any]) -> str | None:
+    """`pid 4242 on vm, which is not running; its lease expires in 12.0s, then this process continues the run`
+    while the process holding a run no longer runs (None while it runs, or where that cannot be told)."""
+    if not holder or holder.get("alive") is not False:
+        return None
+    expires = holder.get("expires")
+    left = f"; its lease expires in {duration_text(max(expires - time.time(), 0))}" if expires else ""
+    return f"{owner_text(holder.get('owner'))}, which is not running{left}, then this process continues the run"
 
 
 def parked_detail(state: RunState) -> str | None:

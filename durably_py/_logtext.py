@@ -229,6 +229,11 @@ def record_segments(rec: dict[str, Any]) -> list[Segment]:
         label = {"wake": "ctx.sleep", "wait": "ctx.wait_for", "snap": "ctx.loop", "graph": "ctx.graph"}.get(kind) \
             or (rec.get("l") if isinstance(rec.get("l"), str) and kind != "adopt" else "")
         out.append((f"{where} {label}".rstrip() + "  ", "bold"))
+    if kind == "signal":  # not a record: a signal waiting unread in the run's inbox (`durably logs` shows them)
+        payload = f"  payload {short_json(rec.get('payload'), 60)}" if rec.get("payload") is not None else ""
+        return [(record_time({"t": "claim", "at": rec.get("at")}), "bright_black"), ("  ", ""),
+                (f"signal {rec.get('name')!r} sent, unread: it waits in the run's inbox", "yellow"),
+                (payload, "bright_black")]
     describe = LINES.get(kind)
     if describe is not None:
         try:

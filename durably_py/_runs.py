@@ -37,6 +37,7 @@ from .storage.catalog import ENDED, OPEN
 
 CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
 FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)
+ENDS = ("completed", "failed", "cancelled", CORRUPT)  # `follow` stops at these; at a park only when no process waits
 STATUSES = ("pending", "running", "sleeping", "waiting", "paused", "stale", "interrupted", "completed", "failed",
             "cancelled", CORRUPT)
 _PAGE = 500  # catalog rows read at a time when statuses must be checked against the logs
@@ -226,13 +227,18 @@ class Runs:
             return {}
         return {"owner": owner, "expires": expires, "alive": owner_alive(owner)}
 
+    def unread(self, run_id: str) -> builtins.list[dict[str, Any]]:
+        """The signals waiting in a run's inbox that no step has read yet, oldest first, as stored (`t`, `id`,
+        `name`, `payload` in wire form, `at`); control requests ($cancel ...) are not signals."""
+        return [m for m in self.storage.inbox(run_id) if not str(m.get("name", "")).startswith("$")]
+
     def situate(self, state: RunState, history: History, held: bool) -> None:
         """Add to a described run what its log alone does not tell: unread signals, who holds it (and whether
         that process still runs), a pending run's due time and priority, and what a parked run no process
         holds received already (`ready`)."""
         run_id = state.run_id
-        unread = [m for m in self.storage.inbox(run_id) if not str(m.get("name", "")).startswith("$")]
-        state.signals = [{"name": m.get("name"), "at": m.get("at"), "payload": load_value(m.get("payload"))}
+        unread = self.unread(run_id)
+        state.signals = [{"name": m["name"], "at": m.get("at"), "payload": load_value(m.get("payload"))}
                          for m in unread]
         if held:
             owner = self.holder(run_id, history)
@@ -336,6 +342,10 @@ class Runs:
             state = describe(brief, held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
+            if state.status == "running":  # whether the process holding it still runs, as inspect tells it
+                owner = self.holder(info.run_id, brief)
+                if owner.get("alive") is False:
+                    state.owner = {**owner, "since": state.updated_at.isoformat()}
         return state
 
     def status(self, run_id: str) -> str:
@@ -415,7 +425,8 @@ class Runs:
 
     async def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
         """A run's records (by id or key) as plain JSON objects, then each record appended later by any
-        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
+        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused) with no
+        process holding it (a process waiting in the park goes on, and so does the following)."""
         run_id = self.resolve(run)
         seen = 0
         last = False
@@ -429,7 +440,8 @@ class Runs:
             seen = len(found)
             if last:
                 return
-            if self.status(run_id) in FOLLOW_STOPS:
+            status = self.status(run_id)
+            if status in FOLLOW_STOPS and (status in ENDS or not self.storage.held(run_id)):
                 last = True  # one more read: the end may have been appended after the one above
                 continue
             await asyncio.sleep(poll)

@@ -68,7 +68,7 @@ from ._run_command import (
     to_json,
     user_frame,
 )
-from ._runs import check_retention
+from ._runs import check_retention, owner_text
 from ._worker import Worker
 from ._workflow import REGISTRY
 from .errors import DurablyError, ValidationError
@@ -371,6 +371,15 @@ def _restate_client(ingress: str, admin: str | None) -> Any:
 ListColumn = tuple[str, Callable[[RunState], Text | str], dict[str, Any]]
 
 
+def _status_cell(state: RunState) -> Text:
+    """A run's status in `list`: `running (owner unresponsive since 10:02:13)` when the process holding it is gone."""
+    if state.owner and state.owner.get("alive") is False:
+        since = datetime.fromisoformat(state.owner["since"]) if state.owner.get("since") else None
+        return Text(f"running (owner unresponsive since {since.astimezone():%H:%M:%S})" if since else
+                    "running (owner unresponsive)", "yellow")
+    return _status(state.status)
+
+
 def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
     """The columns of `durably list` that fit `width`: the run id always whole, then the most useful others."""
     id_width = max(len(s.run_id) for s in states)
@@ -379,7 +388,7 @@ def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
         "run id": ("run id", lambda s: s.run_id, {"no_wrap": True, "min_width": id_width}),
         "workflow": ("workflow", lambda s: s.workflow, {"overflow": "fold"}),
         "key": ("key", lambda s: s.key or "", {"overflow": "fold"}),
-        "status": ("status", lambda s: _status(s.status), {"no_wrap": True}),
+        "status": ("status", _status_cell, {"no_wrap": True}),
         "attempt": ("attempt", lambda s: str(s.attempt or "-"), {"justify": "right", "no_wrap": True}),
         "created": ("created", lambda s: _when(s.created_at), {"no_wrap": True}),
         "updated": ("updated", lambda s: _when(s.updated_at or s.created_at), {"no_wrap": True}),
@@ -387,7 +396,7 @@ def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
     def widest(name: str, cells: list[str], cap: int = 24) -> int:
         return min(max([len(name), *map(len, cells)]), cap)
 
-    widths = {"run id": id_width, "status": widest("status", [s.status for s in states]), "updated": 19,
+    widths = {"run id": id_width, "status": widest("status", [_status_cell(s).plain for s in states], 48), "updated": 19,
               "key": widest("key", [s.key or "" for s in states]),
               "workflow": widest("workflow", [s.workflow for s in states]), "attempt": 7, "created": 19}
     if not key_width:
@@ -596,6 +605,8 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         deadline = step.output.get("deadline")
         until = f" until {when_text(deadline)}" if deadline else " (no deadline)"
         line.append(f"  → waiting for signal {step.output.get('signal')!r}{until}", "blue")
+    elif step.status == "running" and step.started_at is not None:
+        line.append(f"  running for {_duration(max(time.time() - step.started_at.timestamp(), 0))}", "cyan")
     elif step.status == "sleeping" and isinstance(step.output, dict):
         line.append(f"  → sleeping until {when_text(step.output.get('until'))}", "blue")
     elif step.error:
@@ -656,6 +667,12 @@ def _money(kind: str, value: float) -> str:
 def _next_move(state: RunState) -> str | None:
     """The command that moves a run on from where it stands (None for a finished or running run)."""
     run_id = state.run_id
+    if state.ready:
+        return f"durably retry {run_id} continues it now, or the next worker does ({state.ready})"
+    if state.status == "pending":
+        code = f" --import {state.script}" if state.script else ""
+        return (f"a worker: nothing runs it until `durably worker{code}` (or `durably retry {run_id}`) claims it; "
+                "none has yet")
     if state.status == "waiting":
         names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)
                  and "signal" in s.output]
@@ -680,6 +697,18 @@ def _next_move(state: RunState) -> str | None:
     if state.status == "stale":
         return f"deploy code that matches the log again, then durably retry {run_id}; or durably restart {run_id}"
     return None
+
+
+def owner_line(owner: dict[str, Any]) -> Text:
+    """Who holds a running run: `pid 4242 on build-7`, and when that process no longer runs, since when and how
+    long its lease still keeps the run from any other process."""
+    text = Text(owner_text(owner.get("owner")))
+    if owner.get("alive") is False:
+        expires = owner.get("expires")
+        left = f"; its lease lapses in {_duration(max(expires - time.time(), 0))}, then any process may continue " \
+               "the run" if expires else ""
+        text.append(f"  not responding since {when_text(owner.get('since'))}{left}", "yellow")
+    return text
 
 
 def stale_text(stale: dict[str, Any]) -> str:
@@ -738,6 +767,16 @@ def _header(state: RunState) -> Text:
     detail = parked_detail(state)
     if detail is not None:
         rows.append(("parked", Text(detail, "blue")))
+    if state.queued is not None:
+        due = state.queued.get("due")
+        rows.append(("queued", f"due {when_text(due) if due is not None else 'when woken'} · priority "
+                               f"{state.queued.get('priority', 0)}"))
+    if state.owner:
+        rows.append(("owner", owner_line(state.owner)))
+    for sig in state.signals:
+        rows.append(("signal", Text(f"{sig['name']!r} unread since {when_text(sig.get('at'))}"
+                                    + (f"  payload {json_text(sig.get('payload'), 60)}" if sig.get("payload")
+                                       is not None else ""), "yellow")))
     if state.stale:
         rows.append(("stale", Text(stale_text(state.stale), "red")))
     next_move = _next_move(state)
@@ -902,23 +941,44 @@ def signal(
     debug: DebugOption = False,
     restate: RestateOption = None,
     restate_admin: RestateAdminOption = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse (exit 2, nothing sent) a signal that the run's "
+                                                          "waits do not wait for.")] = False,
 ) -> None:
-    """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
+    """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs.
+    An ended run is refused (exit 2); a run waiting for another name gets a warning (--strict: exit 2)."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         value = _parse_input(payload, "PAYLOAD")
+        sent: Any = None
         if restate:
+            if strict:
+                from .restate.unsupported import unsupported
+
+                raise unsupported("durably signal --strict", "Restate does not tell which signals a run waits for")
             _restate_client(restate, restate_admin).signal(run, name, value)
             run_id = run
         else:
             engine = engine_at(dir, storage)
-            asyncio.run(engine.signal(run, name, value))
-            run_id = engine.resolve(run)
+            sent = asyncio.run(engine.signal(run, name, value, strict=strict))
+            run_id = sent.run_id
+        warning = None
+        if sent is not None and sent.mismatched:
+            warning = (f"{run_id} waits for {' or '.join(map(repr, sent.awaited))}, not {name!r}: {name!r} stays in "
+                       f"its inbox until a ctx.wait_for({name!r}) reads it (--strict refuses such a signal)")
         if as_json:
-            _print_json({"run_id": run_id, "signal": name, "payload": value, "sent": True})
-        else:
-            _err_console().print(Text(f"sent {name!r} to {run}", "green"))
+            _print_json({"run_id": run_id, "signal": name, "payload": value, "sent": True,
+                         "status": sent.status if sent else None, "awaited": sent.awaited if sent else None,
+                         "warning": warning})
+            return
+        console = _err_console()
+        console.print(Text(f"sent {name!r} to {run_id}", "green"))
+        if warning:
+            console.print(Text(f"warning: {warning}", "yellow"))
+        elif sent is not None and sent.status == "waiting" and name in sent.awaited:
+            console.print(Text("the process waiting on it continues it" if sent.held else
+                               f"signal received; due for the next worker or re-run (`durably retry {run_id}` "
+                               "continues it now)", "bright_black"))
 
 
 RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)]
@@ -1360,7 +1420,8 @@ def logs(
     output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end); --follow tails it live."""
+    """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end), then the signals waiting unread
+    in its inbox; --follow tails it live."""
     with _guard(debug):
         mode = output_mode(as_json, output)
         engine = engine_at(dir, storage)
@@ -1385,6 +1446,8 @@ def logs(
                     show(rec)
 
         asyncio.run(tail())
+        for message in engine.runs.unread(engine.resolve(run)):  # signals are not in the log: they wait beside it
+            show({"t": "signal", **message})
         if mode == "json":
             _print_json(kept)
 
@@ -1701,6 +1764,11 @@ def enqueue(
             _print_json({"run_id": handle.run_id})
         else:
             sys.stdout.write(handle.run_id + "\n")
+            if sys.stderr.isatty():
+                when = "now" if not seconds else f"in {_duration(seconds)}"
+                _err_console().print(Text(f"{handle.run_id} is pending (due {when}, priority {priority}): nothing "
+                                          f"runs it until a worker does: `durably worker --import {script.name}`",
+                                          "bright_black"))
 
 
 @app.command()

@@ -357,7 +357,7 @@ def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
     bad = durably("retry", run_id, "--from-step", "inc#3", cwd=project)
     assert bad.returncode == 2
     assert f"--from-step inc#3 matches no recorded step of run {run_id}; its steps: 0 inc, 1 inc, 2 last" in bad.stderr
-    assert "a step path such as 2 or 2.0.1" in bad.stderr and "label#N" in bad.stderr
+    assert "a step path such as 2, 2.0.1 or (2, 0, 1)" in bad.stderr and "label#N" in bad.stderr
     assert "(3, 1, 0)" not in bad.stderr
 
 
