@@ -228,6 +228,19 @@ def _resolve_restate(settings: Settings, layers: list[tuple[dict[str, str], dict
         settings.sources["restate_admin"] = "default: the ingress host, port 9070"
 
 
+def ignore_in_git(state: Path) -> Path | None:
+    """Before a run makes the state dir `state` inside a git work tree, write there the self-ignoring `.gitignore`
+    that `durably init` writes, so run logs never show in `git status`; the file written, else None (the dir
+    exists already, or no `.git` above it)."""
+    parent = state.resolve().parent
+    if state.exists() or not any((folder / ".git").exists() for folder in (parent, *parent.parents)):
+        return None
+    state.mkdir(parents=True, exist_ok=True)
+    target = state / ".gitignore"
+    target.write_text(EXAMPLE_GITIGNORE, encoding="utf-8")
+    return target
+
+
 def init_project(folder: Path) -> list[Path]:
     """Create `.durably/` with an example `config.toml` and a `.gitignore` in `folder`; return what was created."""
     state = folder / STATE_DIR
@@ -243,4 +256,5 @@ def init_project(folder: Path) -> list[Path]:
     return made
 
 
-__all__ = ["Settings", "find_state_dir", "init_project", "read_config", "resolve", "user_config_file"]
+__all__ = ["Settings", "find_state_dir", "ignore_in_git", "init_project", "read_config", "resolve",
+           "user_config_file"]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _config as config
+from ._docs import docs_location
 from ._engine import Engine, engine_for, set_run_hook
 from ._live import LiveTerminal, Watcher, parked_detail
 from ._live import duration_text as _duration
@@ -154,19 +155,6 @@ def _exit_code(exc: BaseException, started: bool) -> int:
     if isinstance(exc, USAGE_ERRORS) and not started:
         return EXIT_USAGE
     return EXIT_FAILED
-
-
-DOCS_DIR = Path(__file__).parent / "docs"
-
-
-def docs_location(pointer: str) -> str:
-    """A `docs/page.md#anchor` pointer as the installed page's path and the command that prints it."""
-    page, _, anchor = pointer.partition("#")
-    target = DOCS_DIR / Path(page).name
-    if not page.endswith(".md") or not target.is_file():
-        return pointer
-    topic = target.stem + (f"#{anchor}" if anchor else "")
-    return f"{target}  (`durably docs {topic}` prints it)"
 
 
 def _report_durably_error(exc: DurablyError, debug: bool) -> None:
@@ -402,6 +390,9 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
     """Run `script` as __main__ (or its `workflow`) with the live view when stderr is a terminal, print the
     result and the summary, and return the exit code. `script` is resolved and checked by the caller."""
     engine: Engine | None = None
+    if settings.storage is None and settings.dir is not None:
+        with contextlib.suppress(OSError):  # a state dir that cannot be made is reported by the run itself
+            config.ignore_in_git(Path(settings.dir))
     with contextlib.suppress(DurablyError):
         engine = open_engine(settings)
     watcher = Watcher(engine)

@@ -29,13 +29,13 @@ from typer.core import TyperCommand
 
 from . import _config as config
 from . import _launcher as launcher
+from ._docs import DOCS_DIR, docs_location
 from ._engine import Engine, set_run_hook
 from ._history import RunState, StepState, path_tuple
 from ._live import is_step, when_text
-from ._logtext import record_segments, short_json
+from ._logtext import money, record_segments, short_json
 from ._run_command import (
     COLOURS,
-    DOCS_DIR,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -266,6 +266,55 @@ class RunCommand(TyperCommand):
             raise
 
 
+# ---- completion of values: statuses, run ids and keys, workflow names ----------------------------------------
+
+
+def complete_status(incomplete: str) -> list[str]:
+    """`--status` values for shell completion."""
+    return [status for status in STATUSES if status.startswith(incomplete)]
+
+
+def _completing_engine(ctx: typer.Context) -> Engine | None:
+    try:
+        return engine_at(ctx.params.get("dir"), ctx.params.get("storage"))
+    except Exception:  # noqa: BLE001 - no candidates, never an error, while a shell completes
+        return None
+
+
+def complete_run(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Run ids and keys of the store the command line names, most recently active first."""
+    engine = _completing_engine(ctx)
+    if engine is None:
+        return []
+    try:
+        states = asyncio.run(engine.list(limit=200))
+    except Exception:  # noqa: BLE001 - as above
+        return []
+    found = dict.fromkeys(value for state in states for value in (state.run_id, state.key)
+                          if value and value.startswith(incomplete))
+    return list(found)[:100]
+
+
+def complete_workflow(ctx: typer.Context, args: list[str], incomplete: str) -> list[str]:
+    """Workflow names: those the command's SCRIPT defines (it is imported), else those of the store's runs."""
+    script = ctx.params.get("script") or next((arg for arg in [*ctx.args, *args] if arg.endswith(".py")), None)
+    if script is not None and Path(script).is_file():
+        try:
+            with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
+                _import_script(Path(script).resolve())
+        except Exception:  # noqa: BLE001 - a script that does not import completes nothing
+            return []
+        return sorted(name for name in REGISTRY if name.startswith(incomplete))
+    engine = _completing_engine(ctx)
+    if engine is None:
+        return []
+    try:
+        states = asyncio.run(engine.list(limit=500))
+    except Exception:  # noqa: BLE001 - as above
+        return []
+    return sorted({state.workflow for state in states if state.workflow.startswith(incomplete)})
+
+
 # ---- commands ------------------------------------------------------------------------------------
 
 
@@ -274,7 +323,7 @@ def run(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The Python script to run.", show_default=False)],
     args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", show_default=False,
                                                      help="Arguments for the script, after `--`.")] = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Run this workflow of the script (its __main__ block "
                                                       "does not run) and print its result as JSON.")] = None,
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
@@ -462,14 +511,14 @@ def _emit(value: Any, mode: str) -> None:
 
 
 StatusOption = Annotated[list[str] | None, typer.Option(
-    "--status", "-s", metavar="STATUS", show_default=False,
+    "--status", "-s", metavar="STATUS", show_default=False, autocompletion=complete_status,
     help=f"Only runs with this status; repeat for any of several ({', '.join(STATUSES)}).")]
 
 
 @app.command("list")
 def list_runs(
     status: StatusOption = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Only runs of this workflow.")] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="PREFIX",
                                             help="Only runs whose key starts with PREFIX.")] = None,
@@ -660,10 +709,6 @@ def step_tree(steps: list[StepState], title: str = "steps",
     return root
 
 
-def _money(kind: str, value: float) -> str:
-    return f"${value:,.4g}" if kind == "usd" else f"{value:,.6g} {kind}"
-
-
 def _next_move(state: RunState) -> str | None:
     """The command that moves a run on from where it stands (None for a finished or running run)."""
     run_id = state.run_id
@@ -738,10 +783,10 @@ def _header(state: RunState) -> Text:
         rows.append(("children", "\n".join(state.children)))
     spent = {k: v for k, v in state.spent.items() if v}
     if state.budget:
-        rows.append(("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
+        rows.append(("budget", ", ".join(f"{money(k, state.spent.get(k, 0.0))} of {money(k, limit)}"
                                          for k, limit in state.budget.items())))
     elif spent:
-        rows.append(("spent", ", ".join(_money(k, v) for k, v in spent.items())))
+        rows.append(("spent", ", ".join(money(k, v) for k, v in spent.items())))
     for name, value in state.annotations.items():
         rows.append((f"· {name}", _preview(value, 200)))
     if state.patches:
@@ -757,7 +802,7 @@ def _header(state: RunState) -> Text:
         if adv.get("hint"):
             text.append(f"\nhint: {adv['hint']}", "bright_black")
         if adv.get("docs"):
-            text.append(f"\ndocs: {adv['docs']}", "bright_black")
+            text.append(f"\ndocs: {docs_location(str(adv['docs']))}", "bright_black")
         rows.append(("advisory", text))
     if state.error:
         rows.append(("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
@@ -798,7 +843,7 @@ def _header(state: RunState) -> Text:
 
 @app.command()
 def inspect(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
@@ -842,7 +887,7 @@ def steps_title(steps: list[StepState]) -> str:
 
 @app.command()
 def graph(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
@@ -929,7 +974,7 @@ def schedules(
 
 @app.command()
 def signal(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     name: Annotated[str, typer.Argument(metavar="NAME", help="The signal the workflow waits for.",
                                         show_default=False)],
     payload: Annotated[str | None, typer.Argument(metavar="PAYLOAD", show_default=False,
@@ -981,7 +1026,7 @@ def signal(
                                "continues it now)", "bright_black"))
 
 
-RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)]
+RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)]
 NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or a "
                                                                "signal (or is paused), instead of waiting.")]
 
@@ -1071,12 +1116,13 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
 
 
 RunOrFilterArgument = Annotated[str | None, typer.Argument(
-    metavar="RUN", show_default=False, help="A run id or a run key; or select runs with --status/--workflow.")]
+    metavar="RUN", show_default=False, autocompletion=complete_run,
+    help="A run id or a run key; or select runs with --status/--workflow.")]
 BulkStatusOption = Annotated[list[str] | None, typer.Option(
-    "--status", "-s", metavar="STATUS", show_default=False,
+    "--status", "-s", metavar="STATUS", show_default=False, autocompletion=complete_status,
     help="Act on every run with this status (repeat for several) instead of one RUN; asks first.")]
 BulkWorkflowOption = Annotated[str | None, typer.Option(
-    "--workflow", "-w", metavar="NAME", show_default=False,
+    "--workflow", "-w", metavar="NAME", show_default=False, autocompletion=complete_workflow,
     help="Act on every run of this workflow (with --status: both must match) instead of one RUN; asks first.")]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="With --status/--workflow: act without asking.")]
 _BULK_DONE = {"cancel": "cancelled", "resume": "resumed", "retry": "retried"}
@@ -1409,7 +1455,7 @@ def record_line(rec: dict[str, Any]) -> Text:
 
 @app.command()
 def logs(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as any process appends "
                                                                  "them, until the run ends or parks with no "
                                                                  "process waiting on it.")] = False,
@@ -1454,7 +1500,7 @@ def logs(
 
 @app.command()
 def export(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     debug: DebugOption = False,
@@ -1470,7 +1516,8 @@ def export(
 def replay_check(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script with the new workflow code.",
                                            show_default=False)],
-    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to check.")],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to check.",
+                                               autocompletion=complete_workflow)],
     status: StatusOption = None,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1732,7 +1779,8 @@ async def _serve(loop_worker: Worker, say: Any) -> None:
 def enqueue(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script defining the workflow.",
                                            show_default=False)],
-    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to enqueue.")],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to enqueue.",
+                                               autocompletion=complete_workflow)],
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
                                               help="Workflow input: JSON text or @file.json.")] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Run key.")] = None,
@@ -1778,7 +1826,7 @@ def prune(
     status: Annotated[list[str] | None, typer.Option(
         "--status", "-s", metavar="STATUS", show_default=False,
         help="Only runs that ended so (completed, failed, cancelled; repeatable). Default: all three.")] = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Only runs of this workflow.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
     dir: DirOption = None,

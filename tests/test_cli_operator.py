@@ -433,7 +433,10 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
     durably("run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate", cwd=project)
     run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
     sent = as_json(durably("signal", "gate", "other", "1", "--json", cwd=project))
-    assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True}
+    assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True, "status": "waiting",
+                    "awaited": ["approval"],
+                    "warning": f"{run_id} waits for 'approval', not 'other': 'other' stays in its inbox until a "
+                               "ctx.wait_for('other') reads it (--strict refuses such a signal)"}
     first = durably("cancel", "gate", "--json", cwd=project)
     assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True}
     second = durably("cancel", "gate", cwd=project)
@@ -503,7 +506,7 @@ def test_logs_follow_prints_what_another_process_appends_until_the_run_ends(proj
         time.sleep(0.05)
     run_id = next(runs.glob("napper-*.jsonl")).stem
     started = time.time()
-    followed = durably("logs", run_id, "--follow", "--json", cwd=project)
+    followed = durably("logs", run_id, "--follow", "-o", "jsonl", cwd=project)
     writer.communicate(timeout=30)
     assert followed.returncode == 0, followed.stderr
     records = [json.loads(line) for line in followed.stdout.splitlines()]
