@@ -274,23 +274,17 @@ def complete_status(incomplete: str) -> list[str]:
     return [status for status in STATUSES if status.startswith(incomplete)]
 
 
-def _completing_engine(ctx: typer.Context) -> Engine | None:
+def _completing_runs(ctx: typer.Context, limit: int) -> list[RunState]:
+    """The most recently active runs of the store the command line names ([] on any error: a shell completes)."""
     try:
-        return engine_at(ctx.params.get("dir"), ctx.params.get("storage"))
+        return asyncio.run(engine_at(ctx.params.get("dir"), ctx.params.get("storage")).list(limit=limit))
     except Exception:  # noqa: BLE001 - no candidates, never an error, while a shell completes
-        return None
+        return []
 
 
 def complete_run(ctx: typer.Context, incomplete: str) -> list[str]:
     """Run ids and keys of the store the command line names, most recently active first."""
-    engine = _completing_engine(ctx)
-    if engine is None:
-        return []
-    try:
-        states = asyncio.run(engine.list(limit=200))
-    except Exception:  # noqa: BLE001 - as above
-        return []
-    found = dict.fromkeys(value for state in states for value in (state.run_id, state.key)
+    found = dict.fromkeys(value for state in _completing_runs(ctx, 200) for value in (state.run_id, state.key)
                           if value and value.startswith(incomplete))
     return list(found)[:100]
 
@@ -305,14 +299,7 @@ def complete_workflow(ctx: typer.Context, args: list[str], incomplete: str) -> l
         except Exception:  # noqa: BLE001 - a script that does not import completes nothing
             return []
         return sorted(name for name in REGISTRY if name.startswith(incomplete))
-    engine = _completing_engine(ctx)
-    if engine is None:
-        return []
-    try:
-        states = asyncio.run(engine.list(limit=500))
-    except Exception:  # noqa: BLE001 - as above
-        return []
-    return sorted({state.workflow for state in states if state.workflow.startswith(incomplete)})
+    return sorted({state.workflow for state in _completing_runs(ctx, 500) if state.workflow.startswith(incomplete)})
 
 
 # ---- commands ------------------------------------------------------------------------------------
