@@ -382,7 +382,7 @@ class Engine:
         if run_id is None:
             run_id = await self._identify(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
-        told = joining is None
+        told = False
         while True:
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check)
             if lease is not None:
@@ -392,7 +392,7 @@ class Engine:
                     return None, history, None, lease.torn
                 return lease, history, history.header.input, lease.torn
             while self.storage.held(run_id):
-                if not told and joining is not None:
+                if joining is not None and not told:
                     told = True
                     joining(run_id)
                 await asyncio.sleep(JOIN_POLL)

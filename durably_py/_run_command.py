@@ -31,7 +31,14 @@ from ._engine import Engine, engine_for, set_run_hook
 from ._live import LiveTerminal, Watcher, parked_detail
 from ._live import duration_text as _duration
 from ._workflow import REGISTRY, Workflow, load_script
-from .errors import DurablyError, KeyConflictError, NotSupportedError, RunNotFoundError, RunParkedError, ValidationError
+from .errors import (
+    DurablyError,
+    KeyConflictError,
+    NotSupportedError,
+    RunNotFoundError,
+    RunParkedError,
+    ValidationError,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1

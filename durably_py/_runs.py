@@ -30,7 +30,7 @@ from . import records as log_format
 from ._codec import dump_error, load_value
 from ._graphs import GraphState
 from ._history import History, RunState, describe, path_tuple, run_status
-from ._timeline import Span, spans
+from ._timeline import Span, epoch, spans
 from .errors import CorruptLogError, DurablyError, RunNotFoundError, ValidationError
 from .storage import RunInfo, Storage, validate_run_id
 from .storage.catalog import ENDED, OPEN
@@ -133,7 +133,7 @@ def ready(state: RunState, history: History, arrived: set[Any], status: Any) -> 
         if step.status == "waiting" and "signal" in out:
             if out["signal"] in arrived:
                 return f"signal {out['signal']!r} received"
-            deadline = _epoch(out.get("deadline"))
+            deadline = epoch(out.get("deadline"))
             if deadline is not None and deadline <= now:
                 return f"the wait for {out['signal']!r} timed out"
         elif step.status == "waiting" and "children" in out:
@@ -142,21 +142,14 @@ def ready(state: RunState, history: History, arrived: set[Any], status: Any) -> 
                     and all(status(child) in ENDED for child in children):
                 return f"its {len(children)} child run{'s' if len(children) != 1 else ''} ended"
         elif step.status == "sleeping":
-            until = _epoch(out.get("until"))
+            until = epoch(out.get("until"))
             if until is not None and until <= now:
                 return "its wake time passed"
         elif step.status == "retrying":
-            at = _epoch(out.get("retry_at"))
+            at = epoch(out.get("retry_at"))
             if at is not None and at <= now:
                 return f"the retry time of {step.label!r} came"
     return None
-
-
-def _epoch(iso: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(iso).timestamp() if isinstance(iso, str) else None
-    except ValueError:
-        return None
 
 
 @dataclass

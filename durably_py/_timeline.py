@@ -41,7 +41,8 @@ class Span:
                 "attempt": self.attempt, "start": self.start, "end": self.end, "detail": self.detail}
 
 
-def _epoch(iso: Any) -> float | None:
+def epoch(iso: Any) -> float | None:
+    """A recorded ISO 8601 time as epoch seconds (None when it is not one)."""
     try:
         return datetime.fromisoformat(iso).timestamp() if isinstance(iso, str) else None
     except ValueError:
@@ -108,7 +109,7 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                 detail = f"child {rec['v'].get('run_id')}"
             out.append(Span(where, label, "attempt", status, int(rec.get("a", 1)), start, ts, detail))
             if t == "fail":
-                until = _epoch(rec.get("next"))
+                until = epoch(rec.get("next"))
                 if until is not None:
                     out.append(Span(where, label, "backoff", "retrying", int(rec.get("a", 1)), ts, max(until, ts),
                                     f"retry {int(rec.get('a', 1)) + 1} at {rec.get('next')}"))
