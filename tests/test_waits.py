@@ -119,7 +119,7 @@ def test_a_rerun_waiting_for_a_dead_process_lease_says_so_on_postgres(project: P
 def test_a_second_process_says_whose_run_it_joined_and_shows_its_progress(project: Path) -> None:
     env = {"DURABLY_DIR": str(project / ".durably")}
     first = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "4"], cwd=project,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "4", **env},
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         wait_until(lambda: bool(first_run(project)) and any(
@@ -136,7 +136,7 @@ def test_a_second_process_says_whose_run_it_joined_and_shows_its_progress(projec
         first.kill()
         first.wait()
     piped = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "2"], cwd=project,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "8", **env},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len(durably("list", "-q", cwd=project).stdout.split()) == 2 and any(
