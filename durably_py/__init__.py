@@ -15,7 +15,7 @@ from ._graphs import GraphState, NodeState, Task
 from ._handles import Handle
 from ._history import RunState, StepState
 from ._kernel import RunHandle
-from ._operations import BulkResult
+from ._operations import BulkResult, SignalSent
 from ._policies import Retry
 from ._resources import Breaker, RateLimit, Resource, resource
 from ._result import Err, Ok, is_ok, partition
@@ -111,6 +111,7 @@ __all__ = [
     "RunState",
     "Schedule",
     "SerializationError",
+    "SignalSent",
     "SqliteStorage",
     "StaleRunError",
     "StepEvent",

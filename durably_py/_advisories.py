@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal, TextIO, cast
 
+from ._docs import docs_location
 from .errors import ValidationError
 
 __all__ = [
@@ -263,7 +264,8 @@ class Advisory:
 
     def line(self) -> str:
         """The one readable line printed to stderr."""
-        return f"durably advisory [{self.level.upper()}] {self.code}: {self.msg} (hint: {self.hint}; docs: {self.docs})"
+        return f"durably advisory [{self.level.upper()}] {self.code}: {self.msg} (hint: {self.hint}; docs: " \
+               f"{docs_location(self.docs)})"
 
     def to_dict(self) -> dict[str, Any]:
         """The advisory as JSON types, for the run log and the CLI."""

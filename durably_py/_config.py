@@ -342,6 +342,17 @@ def project_root(settings: Settings) -> str:
     """The folder holding the project's `.durably/` (where recorded code may come from by default), else the
     current directory."""
     return str(settings.project.parent if settings.project is not None else Path.cwd())
+def ignore_in_git(state: Path) -> Path | None:
+    """Before a run makes the state dir `state` inside a git work tree, write there the self-ignoring `.gitignore`
+    that `durably init` writes, so run logs never show in `git status`; the file written, else None (the dir
+    exists already, or no `.git` above it)."""
+    parent = state.resolve().parent
+    if state.exists() or not any((folder / ".git").exists() for folder in (parent, *parent.parents)):
+        return None
+    state.mkdir(parents=True, exist_ok=True)
+    target = state / ".gitignore"
+    target.write_text(EXAMPLE_GITIGNORE, encoding="utf-8")
+    return target
 
 
 def init_project(folder: Path) -> list[Path]:
@@ -359,4 +370,5 @@ def init_project(folder: Path) -> list[Path]:
     return made
 
 
-__all__ = ["Settings", "find_state_dir", "init_project", "read_config", "resolve", "user_config_file"]
+__all__ = ["Settings", "find_state_dir", "ignore_in_git", "init_project", "read_config", "resolve",
+           "user_config_file"]

@@ -30,7 +30,7 @@ from ._graphs import GraphState
 from ._heartbeat import Heartbeat
 from ._history import BUDGET_KINDS, History, RunState
 from ._kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunHandle, RunKernel, Selector, Spawned
-from ._operations import BulkResult, Operations
+from ._operations import BulkResult, Operations, SignalSent
 from ._queue import RunQueue
 from ._resources import Gates, Resource
 from ._runs import PruneReport, Runs, check_retention
@@ -281,11 +281,13 @@ class Engine:
     def _brief(self, info: RunInfo) -> History:
         return self.runs.brief(info)
 
-    async def signal(self, run: str, name: str, payload: Any = None) -> None:
+    async def signal(self, run: str, name: str, payload: Any = None, *, strict: bool = False) -> SignalSent:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
 
-        The run need not be live: the signal waits in the run's inbox until the run reads it."""
-        await self.operations.signal(run, name, payload)
+        The run need not be live: the signal waits in the run's inbox until the run reads it. An ended run is a
+        `ValidationError` naming its status; `strict` also refuses a waiting run whose waits are all for other
+        names (else `SignalSent.mismatched` tells it). See `Operations.signal`."""
+        return await self.operations.signal(run, name, payload, strict=strict)
 
     # ---- running --------------------------------------------------------------------------------
     async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
@@ -310,7 +312,11 @@ class Engine:
         hooks = run_hooks()
         for hook in hooks:
             on_step = hook.chain(on_step)
-        lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id)
+        def joining(held: str) -> None:  # another process runs it: this one waits (and watchers say so)
+            for hook in hooks:
+                hook.started(held, workflow.name, joined=True)
+
+        lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id, joining)
         if lease is None:
             for hook in hooks:
                 hook.started(history.header.run_id, workflow.name, joined=True)
@@ -390,19 +396,26 @@ class Engine:
         try:
             history, _ = self._read(run_id)
             names = [w.name for p, w in history.waits.items() if p not in history.done]
+            came = [n for n in names if any(m.get("name") == n for m in self.storage.inbox(run_id))]
         except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
-            names = []
+            names = came = []
+        if came:
+            return f"Signal {came[0]!r} received; due for the next worker or re-run: `durably retry {run_id}` " \
+                   "continues it now."
         sends = " or ".join(f"`durably signal {run_id} {name} PAYLOAD`" for name in names or ["NAME"])
         return f"Send the signal with {sends} (then run it again if no process waits for it); " \
                "nothing is lost meanwhile."
 
     async def _acquire(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
-                       budget: dict[str, float] | None, run_id: str | None) -> tuple[Any, History, Any, str | None]:
-        """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease."""
+                       budget: dict[str, float] | None, run_id: str | None,
+                       joining: Callable[[str], None] | None = None) -> tuple[Any, History, Any, str | None]:
+        """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease
+        (`joining(run_id)` is told once, when the wait begins)."""
         if run_id is None:
             run_id = await self._identify(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
         reopen = False  # a run that had failed before this call is run again; one that ends meanwhile is not
+        told = False
         while True:
             lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check, reopen=reopen)
             if lease is not None:
@@ -420,6 +433,9 @@ class Engine:
                     return None, history, None, torn
                 continue  # released between the claim and the look
             while self.storage.held(run_id):
+                if joining is not None and not told:
+                    told = True
+                    joining(run_id)
                 await asyncio.sleep(JOIN_POLL)
             history, torn = self._read(run_id)
             if history.end is not None:

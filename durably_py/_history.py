@@ -375,12 +375,14 @@ class StepState:
     stashed: Any = None
     finished_at: datetime | None = None
     compensation: str | None = None
+    started_at: datetime | None = None  # when a step still running (or cut off) began, as its start record says
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`), values shared with the step."""
         data = dict(vars(self))
         data["path"] = list(self.path)
-        data["finished_at"] = self.finished_at.isoformat() if self.finished_at else None
+        for key in ("finished_at", "started_at"):
+            data[key] = data[key].isoformat() if data[key] else None
         return data
 
     def preview(self) -> str:
@@ -415,6 +417,10 @@ class RunState:
     warnings: list[str] = field(default_factory=list)
     patches: dict[str, bool] = field(default_factory=dict)
     stale: dict[str, Any] | None = None
+    signals: list[dict[str, Any]] = field(default_factory=list)  # unread signals in the inbox (name, at, payload)
+    ready: str | None = None  # what a parked run no process holds received: it continues on its next claim
+    queued: dict[str, Any] | None = None  # a pending run's place in the queue: due (epoch seconds), priority
+    owner: dict[str, Any] | None = None  # who holds a running run's lease (see `Runs.holder`)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -500,7 +506,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         else:
             start = history.starts[path]
             step = StepState(path_tuple(path), start.label, "running" if held else "interrupted", start.attempt,
-                             error=fail.error if fail is not None else None)
+                             error=fail.error if fail is not None else None, started_at=_ts(start.ts))
         park = history.park
         if park is not None and park.path == path and park.until is not None and step.status == "retrying":
             step.output = {"retry_at": park.until}

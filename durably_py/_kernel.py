@@ -51,6 +51,7 @@ from ._policies import Retry, check_timeout
 from ._result import Err, Ok
 from ._schema import compile_schema
 from ._turns import Turns, current_turns, deadline_over, discard, guarded, install_factory, raw_timers
+from ._versioning import stale_hint
 from ._workflow import Workflow, as_workflow
 from .errors import (
     ArgumentError,
@@ -669,6 +670,7 @@ class RunKernel:
         self.event_thread = 0  # and its thread
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}
         self.marked: set[Attempt] = set()  # running attempts whose start the heartbeat recorded
+        self.began: dict[Attempt, float] = {}  # when each of those started (as near as the heartbeat can tell)
         self.step_running_since: float | None = None
         self.next_yield = 0.0
         self.branches = 0
@@ -750,17 +752,26 @@ class RunKernel:
             if att in self.marked:
                 continue
             self.marked.add(att)
+            # the time it started when it is the only step running (else: now, the latest it can have started)
+            ts = time.time() - (time.monotonic() - since) if len(running) == 1 and since is not None else time.time()
+            self.began[att] = ts
             recorded = self.history.starts.get(att.path)
             if recorded is not None and recorded.attempt == att.number:  # an unsafe step's start, fsynced
                 continue
-            # the time it started when it is the only step running (else: now, the latest it can have started)
-            ts = time.time() - (time.monotonic() - since) if len(running) == 1 and since is not None else time.time()
             data = records.encode(records.Start(path=att.path, label=att.label, attempt=att.number, ts=ts))
             with self.lock:
                 if self.dead or self.lost is not None or att not in self.running:
                     continue
                 self.storage.append(self.lease, data)
         self.marked.intersection_update(running)
+        for att in [att for att in self.began if att not in self.marked]:
+            del self.began[att]
+        timed = {att for _, _, att in list(self.watchdog.running.values())}
+        now = time.time()
+        for att, began in list(self.began.items()):  # a slow step with no timeout= is advised while it runs
+            if att not in timed and level_for("SLOW_STEP_NO_TIMEOUT", now - began) is not None:
+                self.advise("SLOW_STEP_NO_TIMEOUT", now - began,
+                            f"step {att.label!r} has run {now - began:.0f}s with no timeout= and still runs")
 
     def compact_loops(self) -> None:
         """After a loop snapshot: rewrite the log without the records snapshots cover, every
@@ -857,9 +868,7 @@ class RunKernel:
         if self.code_changed:
             raise self.replay_failed(StaleRunError(
                 f"run {self.run_id} was recorded by other code of workflow {self.workflow.name!r}; at {where}",
-                hint=f"If {label!r} is the same work as {recorded!r} under a new name, `durably adopt {self.run_id}` "
-                     "uses its recorded result and continues; else restore the old code (or wrap the change in "
-                     f"ctx.patched), or start over with fresh=True (`durably restart {self.run_id}`).",
+                hint=stale_hint(self.workflow.fn, self.run_id, recorded, label),
                 docs="docs/versioning.md#adopt", run_id=self.run_id, path=path_tuple(path), recorded=recorded,
                 called=label))
         raise self.replay_failed(PurityError(

@@ -179,6 +179,23 @@ BULK_STATUSES = {
 
 
 @dataclass
+class SignalSent:
+    """What `Engine.signal` delivered: to which run, the run's status then, the names its open waits wait for,
+    and whether a process held it (and so reads the signal by itself)."""
+
+    run_id: str
+    name: str
+    status: str
+    awaited: list[str]
+    held: bool
+
+    @property
+    def mismatched(self) -> bool:
+        """The run waits for signals, none of them this one: it stays in the inbox until a wait for it."""
+        return self.status == "waiting" and bool(self.awaited) and self.name not in self.awaited
+
+
+@dataclass
 class BulkResult:
     """What an operation by filter did: the runs it selected, those it acted on (their state afterwards) and,
     for each run it could not act on, why (a run that changed status meanwhile, a damaged log, ...). With
@@ -453,10 +470,13 @@ class Operations:
                                                                       at=to_iso(datetime.now(UTC)))))
 
     # ---- signal ---------------------------------------------------------------------------------
-    async def signal(self, run: str, name: str, payload: Any = None) -> None:
+    async def signal(self, run: str, name: str, payload: Any = None, *, strict: bool = False) -> SignalSent:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
 
-        The run need not be live: the signal waits in the run's inbox until the run reads it."""
+        The run need not be live: the signal waits in the run's inbox until the run reads it. A run that ended
+        (completed, failed, cancelled) reads no signal: `ValidationError` naming its status, nothing sent. A
+        waiting run whose waits are all for other names gets it all the same (a later `ctx.wait_for(name)`
+        may read it; `SignalSent.mismatched` says so), unless `strict`: then `ValidationError`, nothing sent."""
         if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
             raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
                                   hint="Use the name the workflow waits for: ctx.wait_for('approval').",
@@ -464,11 +484,22 @@ class Operations:
         validate_name(name)
         run_id = self.engine.resolve(run)
         wire = dump_value(payload, "payload")
-        info = self.storage.info(run_id)
-        if info is not None and info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
-            raise ValidationError(f"run {run_id} has {info.last['status']}; no step will read signal {name!r}",
-                                  hint="Signal a run that is still waiting (`durably list --status waiting`).",
-                                  docs="docs/authoring.md#parking", run_id=run_id)
+        history = self.history(run_id)
+        held = self.storage.held(run_id)
+        status = run_status(history, held)
+        if status in ("completed", "failed", "cancelled"):
+            again = f"`durably retry {run_id}` resumes it; signal it once it waits again" if status == "failed" \
+                else f"`durably restart {run_id}` runs it again; signal the new run once it waits"
+            raise ValidationError(f"run {run_id} is {status}; no step will read signal {name!r}, so nothing was sent",
+                                  hint=f"Signal a run that has not ended (`durably list --status waiting`); {again}.",
+                                  docs="docs/authoring.md#parking", run_id=run_id, status=status)
+        awaited = list(dict.fromkeys(w.name for p, w in history.waits.items() if p not in history.done))
+        sent = SignalSent(run_id, name, status, awaited, held)
+        if strict and sent.mismatched:
+            raise ValidationError(f"run {run_id} waits for {' or '.join(map(repr, awaited))}, not {name!r}; nothing "
+                                  "was sent", hint=f"Send {awaited[0]!r}, or leave out strict (--strict) to leave "
+                                  f"{name!r} in its inbox for a later ctx.wait_for({name!r}).",
+                                  docs="docs/authoring.md#parking", run_id=run_id, awaited=awaited)
         try:
             line = log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
                                                        at=to_iso(self.engine.clock.now())))
@@ -477,6 +508,7 @@ class Operations:
                                   hint="Send text that encodes as UTF-8.", docs="docs/authoring.md#parking",
                                   run_id=run_id) from None
         self.storage.send(run_id, line)
+        return sent
 
     # ---- retry and restart ----------------------------------------------------------------------
     async def retry(self, run: str, *, from_step: Selector | None = None,

@@ -18,26 +18,27 @@ import runpy
 import signal as signals
 import sys
 import sysconfig
-import threading
-import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _config as config
-from ._engine import Engine, RunHook, engine_for, set_run_hook
-from ._events import StepEvent
-from ._history import RunState
+from ._docs import docs_location
+from ._engine import Engine, engine_for, set_run_hook
+from ._live import LiveTerminal, Watcher, parked_detail
+from ._live import duration_text as _duration
 from ._workflow import REGISTRY, Workflow, load_script
-from .errors import DurablyError, KeyConflictError, RunNotFoundError, RunParkedError, ValidationError
-
-if TYPE_CHECKING:
-    from rich.console import RenderableType
-    from rich.spinner import Spinner
+from .errors import (
+    DurablyError,
+    KeyConflictError,
+    NotSupportedError,
+    RunNotFoundError,
+    RunParkedError,
+    ValidationError,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -52,7 +53,7 @@ COLOURS = {
     "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
     "compensated": "yellow",
 }
-USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError)
+USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError, NotSupportedError)
 
 
 class Output:
@@ -155,17 +156,6 @@ def print_json(value: Any, jsonl: bool = False) -> None:
     sys.stdout.flush()
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    if seconds < 1:
-        return f"{seconds * 1000:.1f}ms"
-    if seconds < 60:
-        return f"{seconds:.2f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
-
-
 def _when(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else ""
 
@@ -177,19 +167,6 @@ def _exit_code(exc: BaseException, started: bool) -> int:
     if isinstance(exc, USAGE_ERRORS) and not started:
         return EXIT_USAGE
     return EXIT_FAILED
-
-
-DOCS_DIR = Path(__file__).parent / "docs"
-
-
-def docs_location(pointer: str) -> str:
-    """A `docs/page.md#anchor` pointer as the installed page's path and the command that prints it."""
-    page, _, anchor = pointer.partition("#")
-    target = DOCS_DIR / Path(page).name
-    if not page.endswith(".md") or not target.is_file():
-        return pointer
-    topic = target.stem + (f"#{anchor}" if anchor else "")
-    return f"{target}  (`durably docs {topic}` prints it)"
 
 
 def _report_durably_error(exc: DurablyError, debug: bool) -> None:
@@ -259,167 +236,6 @@ def _report_exception(exc: BaseException, debug: bool, source: str = "durably") 
 # ---- watching runs -----------------------------------------------------------------------------
 
 
-@dataclass
-class RunTally:
-    """What one run's step events added up to."""
-
-    run_id: str
-    ran: int = 0
-    replayed: int = 0
-    failed: int = 0
-    retries: int = 0
-    running: dict[tuple[int, ...], str] = field(default_factory=dict)
-    retrying: dict[tuple[int, ...], str] = field(default_factory=dict)
-    status: str | None = None
-    detail: str | None = None
-
-    @property
-    def steps(self) -> int:
-        """Steps that ended (ran or replayed, ok or failed) in this process."""
-        return self.ran + self.replayed + self.failed
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form for `durably run --json`."""
-        return {"run_id": self.run_id, "status": self.status, "detail": self.detail, "ran": self.ran,
-                "replayed": self.replayed, "failed": self.failed, "retries": self.retries}
-
-
-def parked_detail(state: RunState) -> str | None:
-    """What a parked run waits for: `waiting for 'approval' (deadline ...)`, `sleeping until ...`, `paused`."""
-    if state.status == "paused":
-        return "paused"
-    if state.status == "waiting":
-        waits = [s.output for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
-        parts = []
-        for wait in waits:
-            if "children" in wait:
-                count = wait.get("count") or len(wait["children"])
-                parts.append(f"{count} child run{'s' if count != 1 else ''} to end")
-                continue
-            deadline = wait.get("deadline")
-            parts.append(f"{wait.get('signal')!r} (deadline {_when_text(deadline)})" if deadline
-                         else f"{wait.get('signal')!r} (no deadline)")
-        return "waiting for " + ", ".join(parts) if parts else "waiting"
-    if state.status == "sleeping":
-        wakes = [str(s.output.get("until")) for s in state.steps
-                 if s.status == "sleeping" and isinstance(s.output, dict)]
-        wakes += [f"{s.output['retry_at']}" for s in state.steps
-                  if s.status == "retrying" and isinstance(s.output, dict) and s.output.get("retry_at")]
-        return f"sleeping until {_when_text(min(wakes))}" if wakes else "sleeping"
-    return None
-
-
-def _when_text(value: Any) -> str:
-    """A recorded ISO time (or datetime) in local time, as the rest of the CLI shows times."""
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            return value
-    return _when(value) if isinstance(value, datetime) else str(value)
-
-
-class Watcher:
-    """Receives every step event of the process and renders the live view from them."""
-
-    POLL = 0.5
-
-    def __init__(self, engine: Engine | None = None) -> None:
-        self.runs: dict[str, RunTally] = {}
-        self.lock = threading.Lock()
-        self.started = time.monotonic()
-        self.spinner: Spinner | None = None
-        self.engine = engine
-        self.polled = 0.0
-
-    def found(self, run_id: str) -> None:
-        """A run was found or created: it shows even before (or without) a step of its own."""
-        with self.lock:
-            self.runs.setdefault(run_id, RunTally(run_id))
-
-    def __call__(self, event: StepEvent) -> None:
-        with self.lock:
-            tally = self.runs.get(event.run_id)
-            if tally is None:
-                tally = self.runs[event.run_id] = RunTally(event.run_id)
-            tally.detail = None
-            path = event.path
-            if event.status == "running":
-                tally.retrying.pop(path, None)
-                tally.running[path] = event.label
-            elif event.status == "ok":
-                tally.running.pop(path, None)
-                tally.ran += 1
-            elif event.status == "replayed":
-                tally.replayed += 1
-            elif event.status == "retrying":
-                tally.running.pop(path, None)
-                tally.retrying[path] = event.label
-                tally.retries += 1
-            elif event.status == "failed":
-                tally.running.pop(path, None)
-                tally.retrying.pop(path, None)
-                tally.failed += 1
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds since the command started."""
-        return time.monotonic() - self.started
-
-    def poll(self) -> None:
-        """Read the parked state (waiting, sleeping, paused) of the runs with no step in flight, twice a second."""
-        if self.engine is None or time.monotonic() - self.polled < self.POLL:
-            return
-        self.polled = time.monotonic()
-        with self.lock:
-            idle = [t for t in self.runs.values() if not t.running and not t.retrying]
-        for tally in idle[-8:]:
-            try:
-                state = asyncio.run(self.engine.inspect(tally.run_id))
-            except Exception:  # noqa: BLE001 - a run not readable yet shows without its parked state
-                continue
-            tally.detail = parked_detail(state)
-
-    def __rich__(self) -> RenderableType:
-        from rich.spinner import Spinner
-        from rich.table import Table
-        from rich.text import Text
-
-        if self.spinner is None:
-            self.spinner = Spinner("dots", style="cyan")
-        self.poll()
-        with self.lock:
-            tallies = list(self.runs.values())
-            rows = []
-            for t in tallies[-8:]:
-                line = Text.assemble((t.run_id, "bold"), "  ", (f"{t.ran} done", "green"))
-                if t.replayed:
-                    line.append(f" · {t.replayed} replayed", "green")
-                if t.running:
-                    line.append(f" · {len(t.running)} running", "cyan")
-                if t.retrying:
-                    line.append(f" · {len(t.retrying)} retrying", "yellow")
-                if t.failed:
-                    line.append(f" · {t.failed} failed", "red")
-                labels = list(dict.fromkeys([*t.running.values(), *t.retrying.values()]))
-                if labels:
-                    shown = ", ".join(labels[:3]) + (f" +{len(labels) - 3}" if len(labels) > 3 else "")
-                    line.append(f"  {shown}", "bright_black")
-                elif t.detail:
-                    line.append(f"  {t.detail}", "blue")
-                rows.append(line)
-        if len(tallies) > 8:
-            rows.insert(0, Text(f"… {len(tallies) - 8} earlier runs", "bright_black"))
-        grid = Table.grid(padding=(0, 1))
-        grid.add_column()
-        grid.add_column()
-        parked = bool(tallies) and all(t.detail for t in tallies[-8:])
-        grid.add_row(Text("⏸", "blue") if parked else self.spinner, Text(f"durably  {_duration(self.elapsed)}", "bold"))
-        for row in rows:
-            grid.add_row("", row)
-        return grid
-
-
 def _settle(watcher: Watcher, engine: Engine | None) -> None:
     """Read back the final status of every run the watcher saw (and what a parked one waits for)."""
     for tally in watcher.runs.values():
@@ -475,27 +291,17 @@ def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error
 
 @contextmanager
 def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
-    """Show the live view on stderr while the body runs (stdout is redirected above it only on a terminal)."""
+    """Show the live view on stderr while the body runs; what the body prints goes above it (stdout too, when it
+    is the terminal). See `durably_py._live`."""
     if not enabled:
         yield
         return
-    from rich.console import Console
-    from rich.live import Live
-
-    console = Console(file=sys.stderr)
-    both_tty = sys.stdout.isatty()
-    live = Live(watcher, console=console, refresh_per_second=8, transient=True,
-                redirect_stdout=both_tty, redirect_stderr=True)
-    live.start()
+    terminal = LiveTerminal(watcher, color=Output.color)
+    terminal.start()
     try:
         yield
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream does not stop the summary
-                pass
-        live.stop()
+        terminal.stop()
 
 
 @contextmanager
@@ -556,6 +362,25 @@ def _find_workflow(name: str, script: Path) -> Workflow:
                           hint="Pass --workflow with the name @workflow gave it (the function's name by default).")
 
 
+def check_input_given(wf: Workflow, given: bool, script: Path, command: str = "run") -> None:
+    """A usage error, before any run is created, for a workflow whose input parameter has no default when
+    no `--input` was given (it would only fail on its first use of the input)."""
+    if given or not wf.takes_input:
+        return
+    import inspect
+
+    params = [p for p in inspect.signature(wf.fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    param = params[1]
+    if param.default is not param.empty:
+        return
+    raise ValidationError(f"workflow {wf.name!r} takes an input ({param.name}) and no --input was given",
+                          hint=f"Pass it as JSON: durably {command} {script.name} -w {wf.name} --input '{{...}}' (or "
+                               f"--input @file.json); a workflow that may run without one gives it a default: "
+                               f"async def {wf.__name__}(ctx, {param.name}=None).",
+                          docs="docs/cli.md#durably-run")
+
+
 def _import_script(script: Path) -> None:
     """Import the script for `--workflow`; a script that cannot be imported is reported as such."""
     try:
@@ -577,12 +402,16 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
     """Run `script` as __main__ (or its `workflow`) with the live view when stderr is a terminal, print the
     result and the summary, and return the exit code. `script` is resolved and checked by the caller."""
     engine: Engine | None = None
+    if settings.storage is None and settings.dir is not None:
+        with contextlib.suppress(OSError):  # a state dir that cannot be made is reported by the run itself
+            config.ignore_in_git(Path(settings.dir))
     with contextlib.suppress(DurablyError):
         engine = open_engine(settings)
     watcher = Watcher(engine)
     live = not as_json and sys.stderr.isatty()
     main_run: list[str] = []
-    set_run_hook(RunHook(watcher, watcher.found))
+    watcher.say = lambda line: err_print([(line, "cyan")])
+    set_run_hook(watcher)
     code = EXIT_OK
     result: Any = None
     error: BaseException | None = None
@@ -596,6 +425,7 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
                         value = _parse_input(input)
                         _import_script(script)
                         wf = _find_workflow(workflow, script)
+                        check_input_given(wf, input is not None, script)
                         result = asyncio.run(open_engine(settings).run(wf, value, key=key, fresh=fresh,
                                                                        wait=not no_wait, on_run=main_run.append))
             except SystemExit as exc:

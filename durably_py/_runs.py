@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -25,21 +27,44 @@ import msgspec
 
 from . import _graphs as graphs
 from . import records as log_format
-from ._codec import dump_error
+from ._codec import dump_error, load_value
 from ._graphs import GraphState
 from ._history import History, RunState, describe, path_tuple, run_status
-from ._timeline import Span, spans
+from ._timeline import Span, epoch, spans
 from .errors import CorruptLogError, DurablyError, RunNotFoundError, ValidationError
 from .storage import RunInfo, Storage, validate_run_id
 from .storage.catalog import ENDED, OPEN
 
 CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
 FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)
+ENDS = ("completed", "failed", "cancelled", CORRUPT)  # `follow` stops at these; at a park only when no process waits
 STATUSES = ("pending", "running", "sleeping", "waiting", "paused", "stale", "interrupted", "completed", "failed",
             "cancelled", CORRUPT)
 _PAGE = 500  # catalog rows read at a time when statuses must be checked against the logs
 EXACT = frozenset({"completed", "cancelled"})  # statuses the catalog's state alone decides (a failed run may be
                                                # paused since: its state stays "failed", its status is "paused")
+
+
+def owner_text(owner: str | None) -> str:
+    """A lease owner (`host:pid:token`) as people read it: `pid 4242 on build-7`."""
+    host, _, rest = (owner or "").partition(":")
+    pid = rest.partition(":")[0]
+    return f"pid {pid} on {host}" if pid.isdigit() else (owner or "another process")
+
+
+def owner_alive(owner: str | None) -> bool | None:
+    """Whether the process owning a lease (`host:pid:token`) still runs: known on its own machine only."""
+    host, _, rest = (owner or "").partition(":")
+    pid = rest.partition(":")[0]
+    if not pid.isdigit() or host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
 
 
 def check_page(limit: Any, offset: Any, since: Any = None, until: Any = None) -> None:
@@ -98,6 +123,35 @@ def catalog_states(statuses: set[str]) -> tuple[str, ...] | None:
     return tuple(sorted(states))
 
 
+def ready(state: RunState, history: History, arrived: set[Any], status: Any) -> str | None:
+    """What a parked run got already that it waited for (None: nothing yet): a signal it waits for is in its
+    inbox, a wait's deadline or a sleep's wake time passed, or the children of the join it parked in ended.
+    `status(run_id)` tells a child's status."""
+    now = time.time()
+    for step in state.steps:
+        out = step.output if isinstance(step.output, dict) else {}
+        if step.status == "waiting" and "signal" in out:
+            if out["signal"] in arrived:
+                return f"signal {out['signal']!r} received"
+            deadline = epoch(out.get("deadline"))
+            if deadline is not None and deadline <= now:
+                return f"the wait for {out['signal']!r} timed out"
+        elif step.status == "waiting" and "children" in out:
+            children = out["children"]
+            if (out.get("count") or len(children)) == len(children) and children \
+                    and all(status(child) in ENDED for child in children):
+                return f"its {len(children)} child run{'s' if len(children) != 1 else ''} ended"
+        elif step.status == "sleeping":
+            until = epoch(out.get("until"))
+            if until is not None and until <= now:
+                return "its wake time passed"
+        elif step.status == "retrying":
+            at = epoch(out.get("retry_at"))
+            if at is not None and at <= now:
+                return f"the retry time of {step.label!r} came"
+    return None
+
+
 @dataclass
 class PruneReport:
     """What `Engine.prune` removed (or, with `dry_run`, would remove)."""
@@ -142,10 +196,53 @@ class Runs:
         return run
 
     async def inspect(self, run: str) -> RunState:
-        """The state of a run (by id or key): status, steps, advisories, result or error."""
+        """The state of a run (by id or key): status, steps, advisories, result or error, unread signals, who
+        holds it, its place in the queue, and whether a parked run got what it waits for."""
         run_id = self.resolve(run)
         history, torn = self.read(run_id)
-        return describe(history, held=self.storage.held(run_id), warnings=[torn] if torn else [])
+        held = self.storage.held(run_id)
+        state = describe(history, held=held, warnings=[torn] if torn else [])
+        self.situate(state, history, held)
+        return state
+
+    def holder(self, run_id: str, history: History | None = None) -> dict[str, Any]:
+        """Who holds a run's lease: `owner` (`host:pid:token`), `expires` (epoch seconds the lease lapses unless
+        renewed; None where the lease is a lock that ends with its process), `alive` (whether that process runs:
+        known on its own machine only, else None); {} while no process holds the run."""
+        lease_of = getattr(self.storage, "lease_of", None)  # storages whose leases expire say who and until when
+        found = lease_of(run_id) if lease_of is not None else None
+        if found is not None:
+            owner, expires = found
+        elif self.storage.held(run_id):
+            history = history or self.read(run_id)[0]
+            owner, expires = (history.claim.owner if history.claim else None), None
+        else:
+            return {}
+        return {"owner": owner, "expires": expires, "alive": owner_alive(owner)}
+
+    def unread(self, run_id: str) -> builtins.list[dict[str, Any]]:
+        """The signals waiting in a run's inbox that no step has read yet, oldest first, as stored (`t`, `id`,
+        `name`, `payload` in wire form, `at`); control requests ($cancel ...) are not signals."""
+        return [m for m in self.storage.inbox(run_id) if not str(m.get("name", "")).startswith("$")]
+
+    def situate(self, state: RunState, history: History, held: bool) -> None:
+        """Add to a described run what its log alone does not tell: unread signals, who holds it (and whether
+        that process still runs), a pending run's due time and priority, and what a parked run no process
+        holds received already (`ready`)."""
+        run_id = state.run_id
+        unread = self.unread(run_id)
+        state.signals = [{"name": m["name"], "at": m.get("at"), "payload": load_value(m.get("payload"))}
+                         for m in unread]
+        if held:
+            owner = self.holder(run_id, history)
+            if owner:
+                state.owner = {**owner, "since": state.updated_at.isoformat() if state.updated_at else None}
+        if state.status == "pending":
+            entry = self.storage.entry(run_id)
+            if entry is not None:
+                state.queued = {"due": entry.at, "priority": entry.priority}
+        if not held and state.status in ("waiting", "sleeping"):
+            state.ready = ready(state, history, {m.get("name") for m in unread}, self.status)
 
     # ---- many runs ----------------------------------------------------------------------------
     def _where(self, workflow: str | None, key: str | None, key_prefix: str | None, search: str | None,
@@ -238,6 +335,10 @@ class Runs:
             state = describe(brief, held=info.held, steps=False)
             state.updated_at = datetime.fromtimestamp(info.updated_at, UTC)
             state.attempt = info.epoch
+            if state.status == "running":  # whether the process holding it still runs, as inspect tells it
+                owner = self.holder(info.run_id, brief)
+                if owner.get("alive") is False:
+                    state.owner = {**owner, "since": state.updated_at.isoformat()}
         return state
 
     def status(self, run_id: str) -> str:
@@ -317,7 +418,8 @@ class Runs:
 
     async def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
         """A run's records (by id or key) as plain JSON objects, then each record appended later by any
-        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
+        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused) with no
+        process holding it (a process waiting in the park goes on, and so does the following)."""
         run_id = self.resolve(run)
         seen = 0
         last = False
@@ -331,7 +433,8 @@ class Runs:
             seen = len(found)
             if last:
                 return
-            if self.status(run_id) in FOLLOW_STOPS:
+            status = self.status(run_id)
+            if status in FOLLOW_STOPS and (status in ENDS or not self.storage.held(run_id)):
                 last = True  # one more read: the end may have been appended after the one above
                 continue
             await asyncio.sleep(poll)

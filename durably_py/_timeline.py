@@ -21,7 +21,8 @@ class Span:
     """One stretch of a run's time.
 
     `kind` is "attempt" (a step attempt ran), "backoff" (waiting to retry: status "retrying", `end` the
-    retry time), "sleep" (`ctx.sleep`) or "wait" (`ctx.wait_for`). An attempt is "ok" or "failed"; a
+    retry time), "sleep" (`ctx.sleep`), "wait" (`ctx.wait_for`) or "snapshot" (a `ctx.loop`'s latest snapshot,
+    an instant: its loop's row, its iteration in `detail`). An attempt is "ok" or "failed"; a
     sleep, a wait or a begun `replay="unsafe"` step is "sleeping", "waiting" or "running" while it is
     open (`end` is None). Times are seconds since the epoch."""
 
@@ -40,7 +41,8 @@ class Span:
                 "attempt": self.attempt, "start": self.start, "end": self.end, "detail": self.detail}
 
 
-def _epoch(iso: Any) -> float | None:
+def epoch(iso: Any) -> float | None:
+    """A recorded ISO 8601 time as epoch seconds (None when it is not one)."""
     try:
         return datetime.fromisoformat(iso).timestamp() if isinstance(iso, str) else None
     except ValueError:
@@ -58,6 +60,7 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
     """The spans of a run's log (header first), ordered by start time then path."""
     out: list[Span] = []
     open_: dict[str, Span] = {}  # sleeps, waits and begun unsafe steps still without their result
+    snapshots: dict[str, Span] = {}  # each loop's latest snapshot (one span per loop, however many iterations)
 
     def finish(path: str, ts: float, status: str) -> bool:
         span = open_.pop(path, None)
@@ -76,7 +79,10 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
             where = path_tuple(path)
         except ValueError:
             continue
-        if t == "wake":
+        if t == "snap":
+            snapshots[path] = Span(where, "ctx.loop", "snapshot", "ok", 1, ts, ts,
+                                   f"iteration {rec.get('i')} done (snapshot)")
+        elif t == "wake":
             span = Span(where, "ctx.sleep", "sleep", "sleeping", 1, ts, None, f"until {rec.get('at')}")
             open_[path] = span
             out.append(span)
@@ -103,9 +109,10 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
                 detail = f"child {rec['v'].get('run_id')}"
             out.append(Span(where, label, "attempt", status, int(rec.get("a", 1)), start, ts, detail))
             if t == "fail":
-                until = _epoch(rec.get("next"))
+                until = epoch(rec.get("next"))
                 if until is not None:
                     out.append(Span(where, label, "backoff", "retrying", int(rec.get("a", 1)), ts, max(until, ts),
                                     f"retry {int(rec.get('a', 1)) + 1} at {rec.get('next')}"))
+    out.extend(snapshots.values())
     out.sort(key=lambda s: (s.start, s.path))
     return out

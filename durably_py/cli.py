@@ -30,11 +30,13 @@ from typer.core import TyperCommand
 from . import _config as config
 from . import _launcher as launcher
 from ._code import CodeSource, unserved_notes
-from ._engine import Engine
+from ._docs import DOCS_DIR, docs_location
+from ._engine import Engine, set_run_hook
 from ._history import RunState, StepState, path_tuple
+from ._live import is_step, when_text
+from ._logtext import money, record_segments, short_json
 from ._run_command import (
     COLOURS,
-    DOCS_DIR,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -56,7 +58,7 @@ from ._run_command import (
     _settle,
     _summary,
     _when,
-    _when_text,
+    check_input_given,
     interrupted_exit,
     on_sigterm,
     open_engine,
@@ -67,6 +69,7 @@ from ._run_command import (
     to_json,
     user_frame,
 )
+from ._runs import owner_text
 from ._worker import Worker
 from ._workflow import REGISTRY
 from .errors import DurablyError, ValidationError
@@ -143,8 +146,19 @@ def _restate_target(dir: str | None, storage: str | None, restate: str | None,
 
 
 def engine_at(dir: str | None, storage: str | None) -> Engine:
-    """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls."""
-    return open_engine(settings_for(dir, storage))
+    """`open_engine(settings_for(dir, storage))`: what every command that reads or operates runs calls. These
+    commands never create a store: a SQLite file that is not there is a usage error naming the path."""
+    settings = settings_for(dir, storage)
+    if settings.storage is not None:
+        from .storage.url import parse_storage_url
+
+        kind, target = parse_storage_url(settings.storage)
+        if kind == "sqlite" and not Path(target).exists():
+            source = settings.sources.get("storage", "--storage")
+            raise ValidationError(f"no SQLite store at {os.path.abspath(target)} (from {source}); nothing was created",
+                                  hint="Check the path; `durably run`, `durably enqueue` or `durably worker` create "
+                                       "the store on first use.", docs="docs/storage.md#storage-urls")
+    return open_engine(settings)
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -244,6 +258,42 @@ class RunCommand(TyperCommand):
             raise
 
 
+# ---- completion of values: statuses, run ids and keys, workflow names ----------------------------------------
+
+
+def complete_status(incomplete: str) -> list[str]:
+    """`--status` values for shell completion."""
+    return [status for status in STATUSES if status.startswith(incomplete)]
+
+
+def _completing_runs(ctx: typer.Context, limit: int) -> list[RunState]:
+    """The most recently active runs of the store the command line names ([] on any error: a shell completes)."""
+    try:
+        return asyncio.run(engine_at(ctx.params.get("dir"), ctx.params.get("storage")).list(limit=limit))
+    except Exception:  # noqa: BLE001 - no candidates, never an error, while a shell completes
+        return []
+
+
+def complete_run(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Run ids and keys of the store the command line names, most recently active first."""
+    found = dict.fromkeys(value for state in _completing_runs(ctx, 200) for value in (state.run_id, state.key)
+                          if value and value.startswith(incomplete))
+    return list(found)[:100]
+
+
+def complete_workflow(ctx: typer.Context, args: list[str], incomplete: str) -> list[str]:
+    """Workflow names: those the command's SCRIPT defines (it is imported), else those of the store's runs."""
+    script = ctx.params.get("script") or next((arg for arg in [*ctx.args, *args] if arg.endswith(".py")), None)
+    if script is not None and Path(script).is_file():
+        try:
+            with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
+                _import_script(Path(script).resolve())
+        except Exception:  # noqa: BLE001 - a script that does not import completes nothing
+            return []
+        return sorted(name for name in REGISTRY if name.startswith(incomplete))
+    return sorted({state.workflow for state in _completing_runs(ctx, 500) if state.workflow.startswith(incomplete)})
+
+
 # ---- commands ------------------------------------------------------------------------------------
 
 
@@ -252,7 +302,7 @@ def run(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The Python script to run.", show_default=False)],
     args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", show_default=False,
                                                      help="Arguments for the script, after `--`.")] = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Run this workflow of the script (its __main__ block "
                                                       "does not run) and print its result as JSON.")] = None,
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
@@ -294,14 +344,14 @@ def _run_on_restate(script: Path, workflow: str | None, input: str | None, key: 
                     no_wait: bool, ingress: str, admin: str | None, as_json: bool, debug: bool) -> int:
     """`durably run --restate`: start the workflow on Restate and print its result; the same output shapes and
     exit codes as on files."""
-    from .restate.commands import run_workflow
-    from .restate.unsupported import unsupported
-
     started = time.monotonic()
     run_id: list[str] = []
     result: Any = None
     error: BaseException | None = None
     try:
+        from .restate.commands import run_workflow
+        from .restate.unsupported import unsupported
+
         if workflow is None:
             raise ValidationError("--restate runs a workflow: pass --workflow NAME",
                                   hint="On Restate a script's __main__ block does not run; name the workflow.")
@@ -333,12 +383,11 @@ def _not_on_restate(dir: str | None, storage: str | None, restate: str | None, c
     """Commands Restate mode cannot offer say so (exit 2) instead of acting on local files."""
     with _guard(debug):
         restate = _restate_target(dir, storage, restate, None)[0]
-    if restate:
-        from .restate.unsupported import unsupported
+        if restate:
+            from .restate.unsupported import unsupported
 
-        _report_durably_error(unsupported(command, "Restate workflows cannot be paused, retried from a step or "
-                                          "restarted by durably"), debug)
-        raise typer.Exit(EXIT_USAGE)
+            raise unsupported(command, "Restate workflows cannot be paused, retried from a step or restarted by "
+                              "durably")
 
 
 def _restate_client(ingress: str, admin: str | None) -> Any:
@@ -350,6 +399,15 @@ def _restate_client(ingress: str, admin: str | None) -> Any:
 ListColumn = tuple[str, Callable[[RunState], Text | str], dict[str, Any]]
 
 
+def _status_cell(state: RunState) -> Text:
+    """A run's status in `list`: `running (owner unresponsive since 10:02:13)` when the process holding it is gone."""
+    if state.owner and state.owner.get("alive") is False:
+        since = datetime.fromisoformat(state.owner["since"]) if state.owner.get("since") else None
+        return Text(f"running (owner unresponsive since {since.astimezone():%H:%M:%S})" if since else
+                    "running (owner unresponsive)", "yellow")
+    return _status(state.status)
+
+
 def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
     """The columns of `durably list` that fit `width`: the run id always whole, then the most useful others."""
     id_width = max(len(s.run_id) for s in states)
@@ -358,7 +416,7 @@ def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
         "run id": ("run id", lambda s: s.run_id, {"no_wrap": True, "min_width": id_width}),
         "workflow": ("workflow", lambda s: s.workflow, {"overflow": "fold"}),
         "key": ("key", lambda s: s.key or "", {"overflow": "fold"}),
-        "status": ("status", lambda s: _status(s.status), {"no_wrap": True}),
+        "status": ("status", _status_cell, {"no_wrap": True}),
         "attempt": ("attempt", lambda s: str(s.attempt or "-"), {"justify": "right", "no_wrap": True}),
         "created": ("created", lambda s: _when(s.created_at), {"no_wrap": True}),
         "updated": ("updated", lambda s: _when(s.updated_at or s.created_at), {"no_wrap": True}),
@@ -366,7 +424,7 @@ def _list_columns(width: int, states: list[RunState]) -> list[ListColumn]:
     def widest(name: str, cells: list[str], cap: int = 24) -> int:
         return min(max([len(name), *map(len, cells)]), cap)
 
-    widths = {"run id": id_width, "status": widest("status", [s.status for s in states]), "updated": 19,
+    widths = {"run id": id_width, "status": widest("status", [_status_cell(s).plain for s in states], 48), "updated": 19,
               "key": widest("key", [s.key or "" for s in states]),
               "workflow": widest("workflow", [s.workflow for s in states]), "attempt": 7, "created": 19}
     if not key_width:
@@ -432,14 +490,14 @@ def _emit(value: Any, mode: str) -> None:
 
 
 StatusOption = Annotated[list[str] | None, typer.Option(
-    "--status", "-s", metavar="STATUS", show_default=False,
+    "--status", "-s", metavar="STATUS", show_default=False, autocompletion=complete_status,
     help=f"Only runs with this status; repeat for any of several ({', '.join(STATUSES)}).")]
 
 
 @app.command("list")
 def list_runs(
     status: StatusOption = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Only runs of this workflow.")] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="PREFIX",
                                             help="Only runs whose key starts with PREFIX.")] = None,
@@ -482,9 +540,7 @@ def list_runs(
         if restate and without_patch is not None:
             from .restate.unsupported import unsupported
 
-            _report_durably_error(unsupported("durably list --without-patch", "Restate mode has no ctx.patched"),
-                                  debug)
-            raise typer.Exit(EXIT_USAGE)
+            raise unsupported("durably list --without-patch", "Restate mode has no ctx.patched")
         past: int | None = None
         if restate:
             where = f"Restate at {restate}"
@@ -540,8 +596,7 @@ def list_runs(
 
 def json_text(value: Any, limit: int = 100) -> str:
     """A value as compact JSON (what `--input` and `signal` accept), cut to `limit` characters."""
-    text = json.dumps(value, ensure_ascii=False, default=_json_default, separators=(", ", ": "))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return short_json(value, limit, _json_default)
 
 
 @dataclass
@@ -560,8 +615,8 @@ def step_extras(spans: list[Any]) -> dict[tuple[int, ...], StepExtras]:
             took = f" after {_duration(span.end - span.start)}" if span.end is not None else ""
             out.setdefault(span.path, StepExtras()).failures.append(
                 f"attempt {span.attempt} failed{took}: {span.detail or 'error'}")
-        elif span.kind in ("sleep", "wait") and span.end is not None:
-            out.setdefault(span.path, StepExtras()).seconds = span.end - span.start
+        elif span.kind in ("sleep", "wait"):  # the latest one (a retry from a step may have run it again)
+            out.setdefault(span.path, StepExtras()).seconds = None if span.end is None else span.end - span.start
     return out
 
 
@@ -579,10 +634,12 @@ def _step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         line.append(f"  → waiting for {count} child run{'s' if count != 1 else ''} to end ({named})", "blue")
     elif step.status == "waiting" and isinstance(step.output, dict):
         deadline = step.output.get("deadline")
-        until = f" until {_when_text(deadline)}" if deadline else " (no deadline)"
+        until = f" until {when_text(deadline)}" if deadline else " (no deadline)"
         line.append(f"  → waiting for signal {step.output.get('signal')!r}{until}", "blue")
+    elif step.status == "running" and step.started_at is not None:
+        line.append(f"  running for {_duration(max(time.time() - step.started_at.timestamp(), 0))}", "cyan")
     elif step.status == "sleeping" and isinstance(step.output, dict):
-        line.append(f"  → sleeping until {_when_text(step.output.get('until'))}", "blue")
+        line.append(f"  → sleeping until {when_text(step.output.get('until'))}", "blue")
     elif step.error:
         line.append(f"  → {step.preview()}", "red")
     elif step.status in ("ok", "compensated") and not (step.label == "ctx.sleep" and step.output is None):
@@ -601,6 +658,7 @@ def step_tree(steps: list[StepState], title: str = "steps",
 
     root = Tree(Text(title, "bold"))
     nodes: dict[tuple[int, ...], Tree] = {(): root}
+    loops = {step.path for step in steps if step.label == "ctx.loop"}
     per_branch: dict[tuple[int, ...], int] = {}
     for step in steps:
         for end in range(2, len(step.path), 2):
@@ -616,7 +674,7 @@ def step_tree(steps: list[StepState], title: str = "steps",
         if len(prefix) % 2:
             label = Text.assemble((_path(prefix), "bright_black"), " ", ("parallel", "bold"))
         else:
-            label = Text(f"branch {prefix[-1]}", "bright_black")
+            label = Text(f"{'iteration' if prefix[:-1] in loops else 'branch'} {prefix[-1]}", "bright_black")
         made = nodes[prefix] = parent.add(label)
         return made
 
@@ -632,13 +690,15 @@ def step_tree(steps: list[StepState], title: str = "steps",
     return root
 
 
-def _money(kind: str, value: float) -> str:
-    return f"${value:,.4g}" if kind == "usd" else f"{value:,.6g} {kind}"
-
-
 def _next_move(state: RunState) -> str | None:
     """The command that moves a run on from where it stands (None for a finished or running run)."""
     run_id = state.run_id
+    if state.ready:
+        return f"durably retry {run_id} continues it now, or the next worker does ({state.ready})"
+    if state.status == "pending":
+        code = f" --import {state.script}" if state.script else ""
+        return (f"a worker: nothing runs it until `durably worker{code}` (or `durably retry {run_id}`) claims it; "
+                "none has yet")
     if state.status == "waiting":
         names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)
                  and "signal" in s.output]
@@ -663,6 +723,18 @@ def _next_move(state: RunState) -> str | None:
     if state.status == "stale":
         return f"deploy code that matches the log again, then durably retry {run_id}; or durably restart {run_id}"
     return None
+
+
+def owner_line(owner: dict[str, Any]) -> Text:
+    """Who holds a running run: `pid 4242 on build-7`, and when that process no longer runs, since when and how
+    long its lease still keeps the run from any other process."""
+    text = Text(owner_text(owner.get("owner")))
+    if owner.get("alive") is False:
+        expires = owner.get("expires")
+        left = f"; its lease lapses in {_duration(max(expires - time.time(), 0))}, then any process may continue " \
+               "the run" if expires else ""
+        text.append(f"  not responding since {when_text(owner.get('since'))}{left}", "yellow")
+    return text
 
 
 def stale_text(stale: dict[str, Any]) -> str:
@@ -692,12 +764,15 @@ def _header(state: RunState) -> Text:
         rows.append(("children", "\n".join(state.children)))
     spent = {k: v for k, v in state.spent.items() if v}
     if state.budget:
-        rows.append(("budget", ", ".join(f"{_money(k, state.spent.get(k, 0.0))} of {_money(k, limit)}"
+        rows.append(("budget", ", ".join(f"{money(k, state.spent.get(k, 0.0))} of {money(k, limit)}"
                                          for k, limit in state.budget.items())))
     elif spent:
-        rows.append(("spent", ", ".join(_money(k, v) for k, v in spent.items())))
+        rows.append(("spent", ", ".join(money(k, v) for k, v in spent.items())))
     for name, value in state.annotations.items():
         rows.append((f"· {name}", _preview(value, 200)))
+    if state.patches:
+        rows.append(("patches", ", ".join(f"{change}: {'the new code' if new else 'the old code'}"
+                                          for change, new in state.patches.items())))
     for adv in state.advisories:
         level = str(adv.get("level", "")).upper()
         text = Text.assemble((f"[{level}] {adv.get('code')}", "yellow" if level == "WARN" else "blue"),
@@ -708,7 +783,7 @@ def _header(state: RunState) -> Text:
         if adv.get("hint"):
             text.append(f"\nhint: {adv['hint']}", "bright_black")
         if adv.get("docs"):
-            text.append(f"\ndocs: {adv['docs']}", "bright_black")
+            text.append(f"\ndocs: {docs_location(str(adv['docs']))}", "bright_black")
         rows.append(("advisory", text))
     if state.error:
         rows.append(("error", Text(f"{str(state.error.get('type', '')).rpartition(':')[2]}: "
@@ -718,6 +793,16 @@ def _header(state: RunState) -> Text:
     detail = parked_detail(state)
     if detail is not None:
         rows.append(("parked", Text(detail, "blue")))
+    if state.queued is not None:
+        due = state.queued.get("due")
+        rows.append(("queued", f"due {when_text(due) if due is not None else 'when woken'} · priority "
+                               f"{state.queued.get('priority', 0)}"))
+    if state.owner:
+        rows.append(("owner", owner_line(state.owner)))
+    for sig in state.signals:
+        rows.append(("signal", Text(f"{sig['name']!r} unread since {when_text(sig.get('at'))}"
+                                    + (f"  payload {json_text(sig.get('payload'), 60)}" if sig.get("payload")
+                                       is not None else ""), "yellow")))
     if state.stale:
         rows.append(("stale", Text(stale_text(state.stale), "red")))
     next_move = _next_move(state)
@@ -739,7 +824,7 @@ def _header(state: RunState) -> Text:
 
 @app.command()
 def inspect(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
@@ -764,18 +849,29 @@ def inspect(
         from rich.console import Group
 
         extras = step_extras(asyncio.run(engine.timeline(state.run_id))) if engine is not None else {}
-        ended = sum(s.status in ("ok", "failed") for s in state.steps)
-        still = Counter(s.status for s in state.steps if s.status not in ("ok", "failed"))
-        title = f"steps ({ended}" + "".join(f" · {n} {status}" for status, n in still.items()) + ")"
-        _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, title, extras)))
+        _out_console().print(Group(_header(state), Text(""), step_tree(state.steps, steps_title(state.steps),
+                                                                       extras)))
         if engine is not None:
             for note in unserved_notes(engine.storage, [(state.run_id, state.workflow, state.status)], time.time()):
                 _out_console().print(Text(note, "yellow"))
 
 
+def steps_title(steps: list[StepState]) -> str:
+    """`steps (3 · 1 running) · ctx calls (2 · 1 waiting)`: the steps that ended, counted as the end-of-run
+    summary counts them (`ctx.step` calls), and apart from them the sleeps, waits, spawns, joins and loops."""
+    def counted(chosen: list[StepState]) -> str:
+        ended = sum(s.status in ("ok", "failed") for s in chosen)
+        still = Counter(s.status for s in chosen if s.status not in ("ok", "failed"))
+        return f"{ended}" + "".join(f" · {n} {status}" for status, n in still.items())
+
+    own = [s for s in steps if is_step(s.label)]
+    calls = [s for s in steps if not is_step(s.label)]
+    return f"steps ({counted(own)})" + (f" · ctx calls ({counted(calls)})" if calls else "")
+
+
 @app.command()
 def graph(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
@@ -862,7 +958,7 @@ def schedules(
 
 @app.command()
 def signal(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     name: Annotated[str, typer.Argument(metavar="NAME", help="The signal the workflow waits for.",
                                         show_default=False)],
     payload: Annotated[str | None, typer.Argument(metavar="PAYLOAD", show_default=False,
@@ -874,31 +970,52 @@ def signal(
     debug: DebugOption = False,
     restate: RestateOption = None,
     restate_admin: RestateAdminOption = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse (exit 2, nothing sent) a signal that the run's "
+                                                          "waits do not wait for.")] = False,
 ) -> None:
-    """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs."""
+    """Send signal NAME to a run: its ctx.wait_for(NAME) returns PAYLOAD, now or whenever it next runs.
+    An ended run is refused (exit 2); a run waiting for another name gets a warning (--strict: exit 2)."""
     as_json = _json_output(as_json, output, debug)
     with _guard(debug):
         restate, restate_admin = _restate_target(dir, storage, restate, restate_admin)
         value = _parse_input(payload, "PAYLOAD")
+        sent: Any = None
         if restate:
+            if strict:
+                from .restate.unsupported import unsupported
+
+                raise unsupported("durably signal --strict", "Restate does not tell which signals a run waits for")
             _restate_client(restate, restate_admin).signal(run, name, value)
             run_id = run
         else:
             engine = engine_at(dir, storage)
-            asyncio.run(engine.signal(run, name, value))
-            run_id = engine.resolve(run)
+            sent = asyncio.run(engine.signal(run, name, value, strict=strict))
+            run_id = sent.run_id
+        warning = None
+        if sent is not None and sent.mismatched:
+            warning = (f"{run_id} waits for {' or '.join(map(repr, sent.awaited))}, not {name!r}: {name!r} stays in "
+                       f"its inbox until a ctx.wait_for({name!r}) reads it (--strict refuses such a signal)")
         if as_json:
-            _print_json({"run_id": run_id, "signal": name, "payload": value, "sent": True})
-        else:
-            _err_console().print(Text(f"sent {name!r} to {run}", "green"))
+            _print_json({"run_id": run_id, "signal": name, "payload": value, "sent": True,
+                         "status": sent.status if sent else None, "awaited": sent.awaited if sent else None,
+                         "warning": warning})
+            return
+        console = _err_console()
+        console.print(Text(f"sent {name!r} to {run_id}", "green"))
+        if warning:
+            console.print(Text(f"warning: {warning}", "yellow"))
+        elif sent is not None and sent.status == "waiting" and name in sent.awaited:
+            console.print(Text("the process waiting on it continues it" if sent.held else
+                               f"signal received; due for the next worker or re-run (`durably retry {run_id}` "
+                               "continues it now)", "bright_black"))
 
 
-RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)]
+RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)]
 NoWaitOption = Annotated[bool, typer.Option("--no-wait", help="Exit with code 3 when the run parks on a sleep or a "
                                                                "signal (or is paused), instead of waiting.")]
 
 
-STEP_HINT = ("Pass a step path such as 2 or 2.0.1, a step label such as fetch, or label#N for the Nth step "
+STEP_HINT = ("Pass a step path such as 2, 2.0.1 or (2, 0, 1), a step label such as fetch, or label#N for the Nth step "
              "with that label; `durably inspect RUN` shows paths and labels.")
 
 
@@ -907,6 +1024,8 @@ def parse_step(text: str) -> tuple[int, ...] | str | tuple[str, int]:
     spec = text.strip()
     if re.fullmatch(r"\d+(\.\d+)*", spec):
         return tuple(int(part) for part in spec.split("."))
+    if re.fullmatch(r"\(\s*\d+\s*(,\s*\d+\s*)*,?\s*\)", spec):  # as `inspect` prints paths: (3,) or (3, 1, 0)
+        return tuple(int(part) for part in spec.strip("() ").split(",") if part.strip())
     if not spec:
         raise ValidationError("--from-step is empty", hint=STEP_HINT, docs="docs/cli.md#durably-retry")
     label, hash_, nth = spec.rpartition("#")
@@ -929,6 +1048,7 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     with _guard(debug):
         engine = engine_at(dir, storage)
     watcher = Watcher(engine)
+    watcher.say = lambda line: _err_console().print(Text(line, "cyan"))
     seen: list[str] = []
 
     def found(run_id: str) -> None:
@@ -938,6 +1058,7 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     code = EXIT_OK
     result: Any = None
     error: BaseException | None = None
+    set_run_hook(watcher)
     try:
         with _live(watcher, not as_json and sys.stderr.isatty()):
             result = asyncio.run(start(engine, watcher, found))
@@ -949,6 +1070,8 @@ def _operate(dir: str | None, storage: str | None, as_json: bool, debug: bool,
     except Exception as exc:  # noqa: BLE001 - the workflow's own error, reported without a traceback
         code, error = EXIT_FAILED, exc
         _report_exception(exc, debug, "the workflow")
+    finally:
+        set_run_hook(None)
     _settle(watcher, engine)
     if as_json:
         if seen or code != EXIT_USAGE:
@@ -977,12 +1100,13 @@ def _settled(state: RunState, target: str, as_json: bool, done: str, pending: st
 
 
 RunOrFilterArgument = Annotated[str | None, typer.Argument(
-    metavar="RUN", show_default=False, help="A run id or a run key; or select runs with --status/--workflow.")]
+    metavar="RUN", show_default=False, autocompletion=complete_run,
+    help="A run id or a run key; or select runs with --status/--workflow.")]
 BulkStatusOption = Annotated[list[str] | None, typer.Option(
-    "--status", "-s", metavar="STATUS", show_default=False,
+    "--status", "-s", metavar="STATUS", show_default=False, autocompletion=complete_status,
     help="Act on every run with this status (repeat for several) instead of one RUN; asks first.")]
 BulkWorkflowOption = Annotated[str | None, typer.Option(
-    "--workflow", "-w", metavar="NAME", show_default=False,
+    "--workflow", "-w", metavar="NAME", show_default=False, autocompletion=complete_workflow,
     help="Act on every run of this workflow (with --status: both must match) instead of one RUN; asks first.")]
 YesOption = Annotated[bool, typer.Option("--yes", "-y", help="With --status/--workflow: act without asking.")]
 _BULK_DONE = {"cancel": "cancelled", "resume": "resumed", "retry": "retried"}
@@ -1173,8 +1297,9 @@ def resume(
 def retry(
     run: RunOrFilterArgument = None,
     from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL[#N]",
-                                                  help="Run this step (a path like 2 or 2.0.1, a label, or "
-                                                       "label#N) and every step completed after it again.")] = None,
+                                                  help="Run this step (a path like 2, 2.0.1 or (2, 0, 1) "
+                                                       "as inspect prints it, a label, or label#N) and every "
+                                                       "step completed after it again.")] = None,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1208,7 +1333,7 @@ def retry(
 
     async def start(engine: Engine, watcher: Watcher, found: Callable[[str], Any]) -> Any:
         try:
-            return await engine.retry(run, from_step=selector, on_step=watcher, wait=not no_wait, on_run=found)
+            return await engine.retry(run, from_step=selector, wait=not no_wait, on_run=found)
         except ValidationError as exc:
             if selector is None or not exc.message.startswith("from_step="):
                 raise
@@ -1237,7 +1362,7 @@ def restart(
     _not_on_restate(dir, storage, restate, "durably restart", debug)
     as_json = _json_output(as_json, output, debug)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.restart(
-        run, on_step=watcher, wait=not no_wait, on_run=found))
+        run, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1246,6 +1371,7 @@ def adopt(
     path: Annotated[str | None, typer.Option("--path", metavar="PATH",
                                              help="The recorded step to adopt (a path like 2 or 2.0.1); default: "
                                                   "where the stale run stopped.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Adopt without asking.")] = False,
     no_wait: NoWaitOption = False,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1254,11 +1380,42 @@ def adopt(
     debug: DebugOption = False,
     restate: RestateOption = None,
 ) -> None:
-    """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result."""
+    """Continue a stale run: the step now called at PATH is the recorded one under a new name; print the result.
+    Says what it will map where and asks first (--yes: without asking)."""
+    from ._versioning import adoption
+
     _not_on_restate(dir, storage, restate, "durably adopt", debug)
     as_json = _json_output(as_json, output, debug)
+    with _guard(debug):
+        engine = engine_at(dir, storage)
+        run_id = engine.resolve(run)
+        history = engine.operations.history(run_id)
+        where_given = parse_step(path) if path is not None else None
+        if where_given is not None and not (isinstance(where_given, tuple) and all(
+                isinstance(i, int) for i in where_given)):
+            raise ValidationError(f"--path {path!r} is not a step path",
+                                  hint="Give a path like 2, 3.1.0 or (3, 1, 0); `durably inspect RUN` shows them.",
+                                  docs="docs/versioning.md#adopt")
+        chosen = adoption(history, where_given)
+    recorded = history.done[chosen.path]
+    where = _path(path_tuple(chosen.path))
+    now = f"the step now called {chosen.label!r}" if chosen.label else "whatever step the code now calls"
+    result = f"its recorded result {json_text(getattr(recorded, 'value', None), 60)}"
+    plan = f"adopt {run_id}: at {where}, {now} is the recorded {chosen.recorded!r} ({result}); then the run continues"
+    if not yes:
+        if not (sys.stdin.isatty() and sys.stderr.isatty()):
+            if as_json:
+                _print_json({"run_id": run_id, "path": list(path_tuple(chosen.path)), "recorded": chosen.recorded,
+                             "called": chosen.label, "confirmed": False})
+            _err_console().print(Text(f"would {plan}; nothing was touched (no terminal to confirm on): pass --yes "
+                                      "to go ahead", "yellow"))
+            raise typer.Exit(EXIT_USAGE)
+        _err_console().print(plan)
+        if not typer.confirm("Adopt?", default=False, err=True):
+            _err_console().print(Text("nothing was touched", "yellow"))
+            raise typer.Exit(EXIT_FAILED)
     _operate(dir, storage, as_json, debug, lambda engine, watcher, found: engine.adopt(
-        run, path, on_step=watcher, wait=not no_wait, on_run=found))
+        run_id, where_given, wait=not no_wait, on_run=found))
 
 
 @app.command()
@@ -1275,7 +1432,7 @@ def ui(
                                                      "sqlite:PATH or postgresql://...")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Serve the web console and its JSON API over the runs in DIR or URL (needs `pip install 'durably-py[ui]'`)."""
+    """Serve the web console and its JSON API over the runs in DIR or URL (needs `pip install 'durably-py\\[ui]'`)."""
     from . import ui as console
 
     with _guard(debug):
@@ -1285,110 +1442,40 @@ def ui(
                       announce=lambda line: _err_console().print(Text(line, "green"), soft_wrap=True))
 
 
-def _record_time(rec: dict[str, Any]) -> str:
-    ts = rec.get("ts")
-    if isinstance(ts, int | float):
-        when: datetime | None = datetime.fromtimestamp(ts, UTC)
-    else:
-        stamp = rec.get("at") if rec.get("t") == "claim" else rec.get("created_at")
-        try:
-            when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else None
-        except ValueError:
-            when = None
-    return when.astimezone().strftime("%H:%M:%S.%f")[:-3] if when else " " * 12
-
-
-def _record_error(error: Any) -> str:
-    if not isinstance(error, dict):
-        return "error"
-    return f"{str(error.get('type', '')).rpartition(':')[2]}: {error.get('message', '')}"
-
-
 def record_line(rec: dict[str, Any]) -> Text:
     """One log record as a line of `durably logs`: its time, the step it is about, and what happened."""
-    kind = str(rec.get("t"))
-    step = f"{_path(path_tuple(rec['p']))} {rec.get('l', '')}".rstrip() + "  " if isinstance(rec.get("p"), str) \
-        and rec.get("p") else ""
-    line = Text.assemble((_record_time(rec), "bright_black"), "  ")
-    if kind == "run":
-        line.append(f"run {rec.get('run_id')} of {rec.get('workflow')} created", "bold")
-        if rec.get("key") is not None:
-            line.append(f"  key {rec['key']}")
-        if rec.get("input") is not None:
-            line.append(f"  input {json_text(rec['input'], 80)}")
-    elif kind == "claim":
-        line.append(f"attempt {rec.get('epoch')} started by {rec.get('owner')}", "cyan")
-    elif kind == "ok":
-        line.append(step, "bold")
-        line.append("ok", "green")
-        if isinstance(rec.get("ms"), int | float):
-            line.append(f"  {_duration(rec['ms'] / 1000)}", "bright_black")
-        if rec.get("sig") is not None:
-            line.append(f"  signal {rec['sig']!r}", "blue")
-        if rec.get("v") is not None:
-            line.append(f"  → {json_text(rec['v'], 80)}")
-    elif kind in ("err", "fail"):
-        line.append(step, "bold")
-        line.append(f"attempt {rec.get('a', 1)} failed: {_record_error(rec.get('e'))}", "red")
-        if kind == "fail" and rec.get("next"):
-            line.append(f"  retry at {_when_text(rec['next'])}", "yellow")
-    elif kind == "start":
-        line.append(step, "bold")
-        line.append(f"attempt {rec.get('a', 1)} started", "cyan")
-    elif kind == "wake":
-        line.append(step, "bold")
-        line.append(f"sleeping until {_when_text(rec.get('at'))}", "blue")
-    elif kind == "wait":
-        line.append(step, "bold")
-        deadline = f" (deadline {_when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
-        line.append(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")
-    elif kind == "comp":
-        line.append(step, "bold")
-        if rec.get("ok"):
-            line.append("compensated", "yellow")
-        else:
-            line.append(f"compensation failed: {_record_error(rec.get('e'))}", "red")
-    elif kind == "reopen":
-        line.append("run reopened: its failed and compensated steps run again", "cyan")
-    elif kind == "end":
-        status = str(rec.get("status"))
-        line.append(f"run {status}", COLOURS.get(status, "bold"))
-        if rec.get("error"):
-            line.append(f"  {_record_error(rec['error'])}", "red")
-        elif status == "completed":
-            line.append(f"  → {json_text(rec.get('result'), 80)}")
-    else:
-        rest = {k: v for k, v in rec.items() if k not in ("t", "p", "l", "ts")}
-        line.append(step, "bold")
-        line.append(kind, "yellow")
-        if rest:
-            line.append(f"  {json_text(rest, 100)}", "bright_black")
-    return line
+    return Text.assemble(*record_segments(rec))
 
 
 @app.command()
 def logs(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as any process appends "
-                                                                 "them, until the run ends or parks.")] = False,
+                                                                 "them, until the run ends or parks with no "
+                                                                 "process waiting on it.")] = False,
     dir: DirOption = None,
     storage: StorageOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON record per line, as in the log.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The records as one JSON list (-o jsonl: one record per "
+                                                         "line, as they come).")] = False,
     output: OutputOption = None,
     debug: DebugOption = False,
 ) -> None:
-    """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end); --follow tails it live."""
+    """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end), then the signals waiting unread
+    in its inbox; --follow tails it live."""
     with _guard(debug):
         mode = output_mode(as_json, output)
         engine = engine_at(dir, storage)
         console = _out_console()
+        kept: list[dict[str, Any]] = []
 
         def show(rec: dict[str, Any]) -> None:
             if mode == "table":
                 console.print(record_line(rec), soft_wrap=True)
-            else:
+            elif mode == "jsonl":
                 sys.stdout.write(json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n")
                 sys.stdout.flush()
+            else:
+                kept.append(rec)
 
         async def tail() -> None:
             if follow:
@@ -1399,11 +1486,15 @@ def logs(
                     show(rec)
 
         asyncio.run(tail())
+        for message in engine.runs.unread(engine.resolve(run)):  # signals are not in the log: they wait beside it
+            show({"t": "signal", **message})
+        if mode == "json":
+            _print_json(kept)
 
 
 @app.command()
 def export(
-    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False)],
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False, autocompletion=complete_run)],
     dir: DirOption = None,
     storage: StorageOption = None,
     debug: DebugOption = False,
@@ -1419,7 +1510,8 @@ def export(
 def replay_check(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script with the new workflow code.",
                                            show_default=False)],
-    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to check.")],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to check.",
+                                               autocompletion=complete_workflow)],
     status: StatusOption = None,
     dir: DirOption = None,
     storage: StorageOption = None,
@@ -1532,10 +1624,26 @@ def docs_command(
         sys.stdout.write(docs_text(topic))
 
 
-@app.command()
+class ServeCommand(TyperCommand):
+    """`durably serve`: `--restate URL` names the cluster by its ingress as on every other command; a bare
+    `--restate` means the cluster the settings name ($DURABLY_RESTATE, the config), or the default admin URL."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        args = list(args)
+        for i, arg in enumerate(args):
+            if arg == "--":
+                break
+            if arg == "--restate" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                args[i] = "--restate="
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=ServeCommand)
 def serve(
-    restate: Annotated[bool, typer.Option("--restate", help="Serve the workflows to a Restate cluster "
-                                                             "(the only mode of serve today).")] = False,
+    restate: Annotated[str | None, typer.Option("--restate", metavar="[URL]", show_default=False,
+                                                help="Serve the workflows to the Restate cluster at this ingress "
+                                                     "URL (alone: the one $DURABLY_RESTATE or the config names; "
+                                                     "the only mode of serve today).")] = None,
     imports: Annotated[list[str] | None, typer.Option("--import", metavar="SCRIPT_OR_MODULE",
                                                       help="A script or module defining @workflow functions "
                                                            "(repeatable).")] = None,
@@ -1547,13 +1655,14 @@ def serve(
     debug: DebugOption = False,
 ) -> None:
     """Serve workflows as Restate workflows named durably.<workflow> and register them with Restate."""
-    from .restate.commands import serve as serve_restate
-
     with _guard(debug):
-        if not restate:
+        if restate is None:
             raise ValidationError("durably serve needs --restate",
-                                  hint="durably serve --restate --import flows.py; see docs/restate.md.")
-        admin = _restate_target(None, None, None, restate_admin)[1]
+                                  hint="durably serve --restate --import flows.py (or --restate URL, the ingress); "
+                                       "see docs/restate.md.", docs="docs/restate.md#serving")
+        admin = _restate_target(None, None, restate or None, restate_admin)[1]
+        from .restate.commands import serve as serve_restate
+
         serve_restate(list(imports or []), host=host, port=port, admin=admin, register=not no_register,
                       announce=lambda uri, services: _err_console().print(
                           Text(f"serving {', '.join(services)} at {uri}", "green")))
@@ -1704,7 +1813,8 @@ async def _serve(loop_worker: Worker, say: Any) -> None:
 def enqueue(
     script: Annotated[Path, typer.Argument(metavar="SCRIPT", help="The script defining the workflow.",
                                            show_default=False)],
-    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to enqueue.")],
+    workflow: Annotated[str, typer.Option("--workflow", "-w", metavar="NAME", help="The workflow to enqueue.",
+                                               autocompletion=complete_workflow)],
     input: Annotated[str | None, typer.Option("--input", "-i", metavar="JSON|@FILE",
                                               help="Workflow input: JSON text or @file.json.")] = None,
     key: Annotated[str | None, typer.Option("--key", metavar="KEY", help="Run key.")] = None,
@@ -1729,12 +1839,18 @@ def enqueue(
         with _environment(script, settings, []):
             _import_script(script)
             wf = _find_workflow(workflow, script)
+            check_input_given(wf, input is not None, script, "enqueue")
             handle = asyncio.run(open_engine(settings).enqueue(wf, value, key=key, priority=priority,
                                                                delay=seconds))
         if as_json:
             _print_json({"run_id": handle.run_id})
         else:
             sys.stdout.write(handle.run_id + "\n")
+            if sys.stderr.isatty():
+                when = "now" if not seconds else f"in {_duration(seconds)}"
+                _err_console().print(Text(f"{handle.run_id} is pending (due {when}, priority {priority}): nothing "
+                                          f"runs it until a worker does: `durably worker --import {script.name}`",
+                                          "bright_black"))
 
 
 @app.command()
@@ -1744,7 +1860,7 @@ def prune(
     status: Annotated[list[str] | None, typer.Option(
         "--status", "-s", metavar="STATUS", show_default=False,
         help="Only runs that ended so (completed, failed, cancelled; repeatable). Default: all three.")] = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME",
+    workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
                                                  help="Only runs of this workflow.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be deleted; delete nothing.")] = False,
     dir: DirOption = None,

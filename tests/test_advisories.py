@@ -12,6 +12,7 @@ import pytest
 
 from durably_py import _advisories as adv
 from durably_py._advisories import CODES, Advisory, AdvisoryTracker, RetryStormWindow, level_for
+from durably_py._docs import DOCS_DIR
 from durably_py.errors import ValidationError
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
@@ -214,7 +215,8 @@ def test_stderr_printed_once_per_level(capsys: pytest.CaptureFixture[str]) -> No
     lines = captured.err.splitlines()
     assert lines == [
         "durably advisory [INFO] SLOW_STEP_NO_TIMEOUT: step 'fetch' took 75s and has no timeout= "
-        f"(hint: {CODES['SLOW_STEP_NO_TIMEOUT'].hint}; docs: docs/advisories.md#slow_step_no_timeout)"
+        f"(hint: {CODES['SLOW_STEP_NO_TIMEOUT'].hint}; docs: {DOCS_DIR / 'advisories.md'}  "
+        "(`durably docs advisories#slow_step_no_timeout` prints it))"  # the installed page, as errors say
     ]
     t.report("SLOW_STEP_NO_TIMEOUT", "warn", "took 400s")
     t.report("SLOW_STEP_NO_TIMEOUT", "warn", "took 500s")

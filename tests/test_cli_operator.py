@@ -357,7 +357,7 @@ def test_from_step_takes_paths_labels_and_label_nth(project: Path) -> None:
     bad = durably("retry", run_id, "--from-step", "inc#3", cwd=project)
     assert bad.returncode == 2
     assert f"--from-step inc#3 matches no recorded step of run {run_id}; its steps: 0 inc, 1 inc, 2 last" in bad.stderr
-    assert "a step path such as 2 or 2.0.1" in bad.stderr and "label#N" in bad.stderr
+    assert "a step path such as 2, 2.0.1 or (2, 0, 1)" in bad.stderr and "label#N" in bad.stderr
     assert "(3, 1, 0)" not in bad.stderr
 
 
@@ -372,11 +372,11 @@ def test_inspect_shows_json_values_waits_sleeps_failed_attempts_and_the_next_mov
     assert "input     {\"n\": 1}" in shown and "status    interrupted" in shown
     assert f"next      durably retry {run_id} resumes it (cut off after (1,) ctx.sleep)" in shown
     parked = durably("run", "wf.py", "--workflow", "inspected", "--input", '{"n": 1}', "--no-wait", cwd=project)
-    assert parked.returncode == 3 and "2 steps: 0 ran · 2 replayed" in parked.stderr
+    assert parked.returncode == 3 and "1 step: 0 ran · 1 replayed" in parked.stderr
     lines = durably("inspect", run_id, COLUMNS="200", cwd=project).stdout.splitlines()
     assert any(line.startswith("parked    waiting for 'approval' (deadline 20") for line in lines)
     assert f"next      durably signal {run_id} approval PAYLOAD" in lines
-    assert "steps (2 · 1 waiting)" in lines
+    assert "steps (1) · ctx calls (1 · 1 waiting)" in lines  # as the summary counts: the flaky step
     flaky = next(line for line in lines if "(0,) flaky" in line)
     assert flaky.endswith('→ {"n": 1, "ok": true}') and "3 attempts" in flaky
     assert any(line.endswith("attempt 1 failed after " + line.split("after ")[-1].split(":")[0]
@@ -433,7 +433,10 @@ def test_signal_json_cancel_twice_and_usage_errors(project: Path) -> None:
     durably("run", "wf.py", "--workflow", "waiter", "--no-wait", "--key", "gate", cwd=project)
     run_id = json.loads(durably("list", "--json", cwd=project).stdout)[0]["run_id"]
     sent = as_json(durably("signal", "gate", "other", "1", "--json", cwd=project))
-    assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True}
+    assert sent == {"run_id": run_id, "signal": "other", "payload": 1, "sent": True, "status": "waiting",
+                    "awaited": ["approval"],
+                    "warning": f"{run_id} waits for 'approval', not 'other': 'other' stays in its inbox until a "
+                               "ctx.wait_for('other') reads it (--strict refuses such a signal)"}
     first = durably("cancel", "gate", "--json", cwd=project)
     assert as_json(first) == {"run_id": run_id, "status": "cancelled", "cancelled": True}
     second = durably("cancel", "gate", cwd=project)
@@ -503,7 +506,7 @@ def test_logs_follow_prints_what_another_process_appends_until_the_run_ends(proj
         time.sleep(0.05)
     run_id = next(runs.glob("napper-*.jsonl")).stem
     started = time.time()
-    followed = durably("logs", run_id, "--follow", "--json", cwd=project)
+    followed = durably("logs", run_id, "--follow", "-o", "jsonl", cwd=project)
     writer.communicate(timeout=30)
     assert followed.returncode == 0, followed.stderr
     records = [json.loads(line) for line in followed.stdout.splitlines()]

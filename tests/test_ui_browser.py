@@ -251,3 +251,119 @@ def test_runs_page_filters_and_searches(page: Any, server: str, tmp_path: Path) 
     playwright_api.expect(page.locator(".heading > span.muted")).to_have_text("runs 1–5 of 5 (last page)")
     page.set_viewport_size({"width": 390, "height": 800})
     assert fits(page)
+
+
+# ---- every record kind, every wait explained ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, dict[str, str]]]:
+    """`durably ui` over a store holding a record of every kind (log_kinds.py); its URL, folder and run ids."""
+    from log_kinds import make_every_kind
+
+    project = tmp_path_factory.mktemp("kinds")
+    runs = make_every_kind(project)
+    proc = subprocess.Popen(cli("ui", "--dir", str(project / ".durably"), "--port", "0"), stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    found = re.search(r"http://\S+", proc.stderr.readline())
+    assert found
+    yield found.group(0).rstrip("/"), project, runs
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def log_kinds_of(page: Any, url: str, run_id: str) -> set[str]:
+    page.goto(f"{url}/runs/{run_id}")
+    page.wait_for_selector(".runhead .badge")
+    page.locator("details[data-log] summary").click()
+    page.wait_for_selector("ol.log li")
+    return {page.locator("ol.log li").nth(i).get_attribute("data-kind") for i in range(page.locator("ol.log li").count())}
+
+
+def test_the_log_panel_reads_every_record_kind(page: Any, kinds: tuple[str, Path, dict[str, str]]) -> None:
+    from durably_py import records
+
+    url, project, runs = kinds
+    seen: set[str] = set()
+    for run_id in runs.values():
+        seen |= log_kinds_of(page, url, run_id)
+        assert "Traceback" not in page.locator("ol.log").inner_text()
+    assert seen >= set(records.KINDS), set(records.KINDS) - seen
+    log_kinds_of(page, url, runs["everything"])
+    text = page.locator("ol.log").inner_text()
+    assert "charged $0.25, 10 tokens" in text and "ctx.patched('v2') takes the new code" in text
+
+
+def test_loop_iterations_steps_and_ctx_calls_are_told_apart(page: Any, kinds: tuple[str, Path, dict[str, str]]) -> None:
+    url, _, runs = kinds
+    page.goto(f"{url}/runs/{runs['everything']}")
+    page.wait_for_selector(".wf-row[data-path='4.1']")
+    assert "iteration 0" in page.locator(".wf-row[data-path='4.0']").inner_text()
+    assert "iteration 1" in page.locator(".wf-row[data-path='4.1']").inner_text()
+    assert "branch 0" in page.locator(".wf-row[data-path='3.0']").inner_text()  # a graph's branches stay branches
+    facts = page.locator(".facts").inner_text()
+    shown = durably_inspect(runs["everything"], project=kinds[1])
+    own = re.search(r"steps \((\d+)", shown)
+    assert own and f"steps done\n{own.group(1)} of {own.group(1)} · " in facts, (facts, shown)
+
+
+def durably_inspect(run_id: str, *, project: Path) -> str:
+    done = subprocess.run(cli("inspect", run_id), cwd=project, capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_unread_signals_and_a_ready_run_are_shown(page: Any, kinds: tuple[str, Path, dict[str, str]]) -> None:
+    url, project, runs = kinds
+    run_id = runs["renamed"]  # waits for "later", no process holds it
+    for name in ("sooner", "later"):
+        subprocess.run(cli("signal", run_id, name, '{"n": 1}'), cwd=project, check=True, capture_output=True)
+    page.goto(f"{url}/runs/{run_id}")
+    page.wait_for_selector("[data-ready]")
+    assert "ready: signal 'later' received; a worker or durably retry" in page.locator("[data-ready]").inner_text()
+    signals = page.locator("[data-signals] [data-signal]")
+    assert [signals.nth(i).get_attribute("data-signal") for i in range(signals.count())] == ["sooner", "later"]
+    assert 'payload {"n":1}' in page.locator("[data-signal='sooner']").inner_text()
+    page.locator("details[data-log] summary").click()
+    page.wait_for_selector("ol.log li[data-kind='signal']")
+    assert page.locator("ol.log li[data-kind='signal']").count() == 2
+
+
+def test_a_running_step_shows_its_time_and_the_process_holding_it(page: Any, server: str, state: Path) -> None:
+    proc = run_flow(state, "slow", {"n": 1, "delay": 8}, "--key", "long-1")
+    try:
+        wait_until(lambda: exists(state, "long-1", "running"), every=0.1)
+        page.goto(f"{server}/runs/long-1")
+        wait_for_status(page, "running")
+        page.wait_for_selector(".wf-row[data-path='0'] [data-elapsed]", timeout=15000)  # its start is recorded
+        first = page.locator(".wf-row[data-path='0'] [data-elapsed]").inner_text()
+        assert re.fullmatch(r"\d+\.\d+ s", first), first
+        assert f"running in\npid {proc.pid} on " in page.locator(".facts").inner_text()
+        page.locator(".wf-row[data-path='0']").click()
+        assert re.fullmatch(r"\d+\.\d+ s", page.locator("[data-running-for]").inner_text())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_pending_run_says_a_worker_runs_it_and_a_parked_run_stops_its_clock(page: Any, server: str,
+                                                                              state: Path) -> None:
+    done = subprocess.run(cli("enqueue", str(FLOWS), "-w", "slow", "-i", '{"n": 1, "delay": 0}', "--priority", "3",
+                              "--delay", "1h", "--dir", str(state)), capture_output=True, text=True, check=True)
+    run_id = done.stdout.strip()
+    page.goto(f"{server}/runs/{run_id}")
+    wait_for_status(page, "pending")
+    assert "nothing runs it until a worker claims it" in page.locator("[data-pending]").inner_text()
+    facts = page.locator(".facts").inner_text()
+    assert "priority\n3" in facts and "due\n" in facts
+    page.goto(f"{server}/runs/expense-11")  # parked since the module began: its clock stopped then
+    wait_for_status(page, "waiting")
+    duration = page.locator(".facts").inner_text().split("duration\n", 1)[1].split("\n", 1)[0]
+    assert duration.endswith("ms") or float(duration.split()[0]) < 2, duration
+    page.goto(f"{server}/?q=expense-11")
+    row = page.locator("tr[data-run]", has_text="expense-11")
+    playwright_api.expect(row).to_have_count(1)
+    cell = row.locator("td").nth(5).inner_text()
+    assert cell.endswith("ms") or float(cell.split()[0]) < 2, cell

@@ -378,7 +378,12 @@ def test_a_renamed_step_makes_the_run_stale_and_adopt_continues_it_through_the_c
     text = _cli(tmp_path, "2", "inspect", "inv-1", COLUMNS="200").stdout
     assert "recorded as 'compute total', now called 'total'" in text and f"durably adopt {run_id}" in text
 
-    done = _cli(tmp_path, "2", "adopt", "inv-1", "--json")
+    refused = _cli(tmp_path, "2", "adopt", "inv-1")  # no terminal to confirm on, no --yes: nothing changes
+    assert refused.returncode == 2
+    assert (f"would adopt {run_id}: at (0,), the step now called 'total' is the recorded 'compute total' (its "
+            "recorded result \"compute inv-1\"); then the run continues; nothing was touched") in refused.stderr
+    assert _status(tmp_path, "inv-1") == "stale"
+    done = _cli(tmp_path, "2", "adopt", "inv-1", "--json", "--yes")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["result"] == ["compute inv-1", "send inv-1"]
     assert _effects(tmp_path) == ["compute inv-1", "send inv-1"]  # the adopted step did not run again
@@ -387,7 +392,7 @@ def test_a_renamed_step_makes_the_run_stale_and_adopt_continues_it_through_the_c
     assert {"t": "adopt", "p": "0", "recorded": "compute total", "l": "total"}.items() <= \
         next(r for r in records if r["t"] == "adopt").items()
 
-    again = _cli(tmp_path, "2", "adopt", "inv-1")
+    again = _cli(tmp_path, "2", "adopt", "inv-1", "--yes")
     assert again.returncode == 2
     assert "is completed, not stale; there is nothing to adopt" in again.stderr and "hint:" in again.stderr
 

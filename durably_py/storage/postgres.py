@@ -558,6 +558,15 @@ class PostgresStorage:
         )
         self._synced.pop((lease.run_id, lease.epoch), None)
 
+    def lease_of(self, run_id: str) -> tuple[str, float] | None:
+        """The owner of the run's unexpired lease and when it lapses unless renewed (epoch seconds, this
+        machine's clock; the database's clock decides how much is left), or None while no owner holds it."""
+        validate_run_id(run_id)
+        rows = self._fetch(
+            f"SELECT owner, extract(epoch from lease_expires - clock_timestamp()) FROM {self._runs} "
+            "WHERE run_id = %s AND owner IS NOT NULL AND lease_expires >= clock_timestamp()", (run_id,))
+        return (rows[0][0], time.time() + float(rows[0][1])) if rows else None
+
     def held(self, run_id: str) -> bool:
         """True while an owner holds an unexpired lease (database clock)."""
         validate_run_id(run_id)

@@ -315,6 +315,16 @@ class SqliteStorage:
             )
             self._synced.pop((lease.run_id, lease.epoch), None)
 
+    def lease_of(self, run_id: str) -> tuple[str, float] | None:
+        """The owner of the run's unexpired lease and when it lapses unless renewed (epoch seconds), or None
+        while no owner holds it."""
+        validate_run_id(run_id)
+        with self._lock:
+            row = self._db().execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None or row[0] is None or row[1] is None or row[1] < time.time():
+            return None
+        return str(row[0]), float(row[1])
+
     def held(self, run_id: str) -> bool:
         """True while an owner holds an unexpired lease."""
         validate_run_id(run_id)

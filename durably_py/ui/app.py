@@ -28,6 +28,8 @@ from starlette.staticfiles import StaticFiles
 
 from .._engine import Engine
 from .._history import RunState
+from .._live import is_step
+from .._logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
 
 STATIC = Path(__file__).parent / "static"
@@ -40,6 +42,7 @@ MAX_CHILDREN = 200  # child runs whose status a run page shows
 FIRST_STEPS = 300  # a big run page paints from its first steps while the rest is read and sent
 MAX_BODY = 1_048_576
 """Bytes a POST body (and so a signal's payload) may take; a longer one is refused with 413 as it arrives."""
+LOG_LINES = 2000  # the log panel shows a run's last this many records
 
 
 # ---- JSON ----------------------------------------------------------------------------------------
@@ -255,7 +258,7 @@ class Console:
         if cached is not None and cached[0] == updated:
             return cached[1]
         try:
-            done: int | None = sum(s.status == "ok" for s in (await self.engine.inspect(run_id)).steps)
+            done: int | None = sum(s.status == "ok" and is_step(s.label) for s in (await self.engine.inspect(run_id)).steps)
         except DurablyError:
             done = None
         if len(self.steps_done) >= STEPS_CACHE:
@@ -304,6 +307,15 @@ class Console:
 
     async def graph(self, request: Request) -> Response:
         return await self._read_one(request, lambda run: self.engine.graph(run), lambda gs: [g.to_dict() for g in gs])
+
+    async def log(self, request: Request) -> Response:
+        """The run's log as `durably logs` prints it (the last `LOG_LINES` records), then its unread signals."""
+        async def lines(run: str) -> dict[str, Any]:
+            records = await self.engine.records(run)
+            unread = self.engine.runs.unread(self.engine.resolve(run))
+            shown = [*records[-LOG_LINES:], *({"t": "signal", **m} for m in unread)]
+            return {"records": len(records), "lines": [{"t": rec.get("t"), "text": record_text(rec)} for rec in shown]}
+        return await self._read_one(request, lines, lambda found: found)
 
     async def _read_one(self, request: Request, call: Callable[[str], Awaitable[Any]],
                         shape: Callable[[Any], Any]) -> Response:
@@ -515,6 +527,7 @@ def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> 
         Route("/api/runs/{run}", console.run),
         Route("/api/runs/{run}/timeline", console.timeline),
         Route("/api/runs/{run}/graph", console.graph),
+        Route("/api/runs/{run}/log", console.log),
         Route("/api/runs/{run}/events", console.run_events),
         Route("/api/runs/{run}/{op}", console.operate, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),

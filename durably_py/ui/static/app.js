@@ -61,6 +61,14 @@ function json(value) {
   if (text === undefined) text = "null";
   return text.length > 20000 ? text.slice(0, 20000) + "\n… (truncated)" : text;
 }
+// A run's duration runs on while it runs; otherwise (parked, ended, cut off) it stops at its last activity.
+function lastActivity(run) { return Date.parse(run.updated_at || run.created_at); }
+// A step of the workflow's own (ctx.step), as the CLI counts them; sleeps, waits, spawns, joins and loops apart.
+const isStep = (st) => !st.label.startsWith("ctx.");
+function ownerText(owner) {
+  const [host, pid] = String(owner.owner || "").split(":");
+  return /^\d+$/.test(pid || "") ? `pid ${pid} on ${host}` : (owner.owner || "another process");
+}
 function setLive(state, text) { live.className = `live ${state}`; live.textContent = text; }
 
 async function api(path, body) {
@@ -190,8 +198,7 @@ function runsPage() {
     const now = Date.now();
     tbody.replaceChildren(...shown.map((r) => {
       const start = Date.parse(r.created_at);
-      const end = ENDED.has(r.status) || !r.updated_at ? Date.parse(r.updated_at || r.created_at) : now;
-      const dur = ["running", "waiting", "sleeping"].includes(r.status) ? (now - start) / 1000 : (end - start) / 1000;
+      const dur = r.status === "running" ? (now - start) / 1000 : (lastActivity(r) - start) / 1000;
       return h("tr", { "data-run": r.run_id },
         h("td", { class: "id" }, h("a", { href: `/runs/${encodeURIComponent(r.run_id)}` }, r.run_id)),
         h("td", {}, r.workflow), h("td", { class: "wide" }, r.key || h("span", { class: "muted" }, "—")),
@@ -230,7 +237,24 @@ function runPage(runRef) {
     };
   }
   const parts = { head: h("section", { class: "panel" }), steps: h("section", { class: "panel" }),
-    detail: h("aside", { class: "panel detail" }), graph: h("section", { class: "panel" }) };
+    detail: h("aside", { class: "panel detail" }), graph: h("section", { class: "panel" }), log: h("section", { class: "panel" }) };
+  // The log as `durably logs` prints it, read when the panel is opened and again at each change while it is open.
+  const logList = h("ol", { class: "log" });
+  const logNote = h("span", { class: "muted" });
+  const logBox = h("details", { "data-log": "", ontoggle: () => { if (logBox.open) loadLog(); } },
+    h("summary", {}, h("b", {}, "Log"), " ", logNote), logList);
+  parts.log.append(logBox);
+  let logAsked = 0;
+  async function loadLog() {
+    const ask = ++logAsked;
+    try {
+      const data = await api(`/api/runs/${encodeURIComponent(view.snap.run.run_id)}/log`);
+      if (ask !== logAsked) return;
+      const shown = data.lines.filter((l) => l.t !== "signal").length;
+      logNote.textContent = data.records > shown ? `(the last ${shown} of ${data.records} records; durably logs shows all)` : `(${data.records} records)`;
+      logList.replaceChildren(...data.lines.map((l) => h("li", { "data-kind": l.t }, l.text)));
+    } catch (err) { logList.replaceChildren(h("li", {}, errorBanner(err))); }
+  }
   const waterfall = makeWaterfall((row) => { view.selected = row.key; renderDetail(); waterfall.select(row.key); });
   let built = false;
 
@@ -248,9 +272,10 @@ function runPage(runRef) {
           h("span", {}, h("i", { style: "background: var(--sleep)" }), "sleep"),
           h("span", {}, h("i", { style: "background: var(--wait)" }), "wait for signal"))),
         waterfall.el);
-      main.replaceChildren(parts.head, h("div", { class: "split" }, parts.steps, parts.detail), parts.graph);
+      main.replaceChildren(parts.head, h("div", { class: "split" }, parts.steps, parts.detail), parts.graph, parts.log);
     }
     renderHead();
+    if (logBox.open && !view.snap.partial) loadLog();
     // A big run's first event holds its first steps only (no timeline): rows paint now, bars when the rest comes.
     waterfall.update(rowsOf(view.snap), view.snap);
     if (view.snap.partial) return;
@@ -263,18 +288,22 @@ function runPage(runRef) {
   function renderHead() {
     const run = view.snap.run;
     const created = Date.parse(run.created_at);
-    const updated = run.updated_at ? Date.parse(run.updated_at) : created;
-    const dur = ENDED.has(run.status) || run.status === "interrupted" ? (updated - created) / 1000 : view.snap.now - created / 1000;
+    const dur = run.status === "running" ? view.snap.now - created / 1000 : (lastActivity(run) - created) / 1000;
     const fact = (label, value, wide) => value === null || value === undefined || value === "" ? null : h("div", { class: wide ? "wide" : null }, h("span", {}, label), h("b", {}, value));
     const partial = view.snap.partial;
-    const done = partial ? partial.done : run.steps.filter((st) => st.status === "ok").length;
+    const own = run.steps.filter(isStep), calls = run.steps.length - own.length;
+    const done = partial ? partial.done : own.filter((st) => st.status === "ok").length;
     const spent = run.spent && Object.entries(run.spent).filter(([, v]) => v).map(([k, v]) => `${k} ${v}`).join(", ");
     const budget = run.budget && Object.entries(run.budget).map(([k, v]) => `${k} ${v}`).join(", ");
     fill(parts.head, 
       h("div", { class: "runhead" }, h("h1", {}, run.workflow), badge(run.status), h("code", { class: "muted" }, run.run_id)),
       h("div", { class: "facts" },
         fact("key", run.key), fact("started", fmtTime(run.created_at)), fact("last activity", fmtTime(run.updated_at)),
-        fact("duration", fmtDuration(dur)), fact("steps done", `${done} of ${partial ? partial.steps : run.steps.length}`),
+        fact("duration", fmtDuration(dur)),
+        fact("steps done", partial ? `${done} of ${partial.steps}` : `${done} of ${own.length}` + (calls ? ` · ${calls} ctx calls` : "")),
+        run.queued ? fact("due", run.queued.due === null ? "when woken" : fmtTime(new Date(run.queued.due * 1000).toISOString())) : null,
+        run.queued ? fact("priority", String(run.queued.priority)) : null,
+        run.owner ? fact("running in", ownerText(run.owner)) : null,
         fact("workflow attempt", run.attempt ? String(run.attempt) : null),
         run.parent ? h("div", {}, h("span", {}, "parent run"), h("a", { href: `/runs/${encodeURIComponent(run.parent)}` }, run.parent)) : null,
         fact("budget", budget), fact("spent", spent), fact("script", run.script, true)),
@@ -285,6 +314,12 @@ function runPage(runRef) {
       (run.advisories || []).length ? h("div", {}, h("h2", { style: "margin-top: 10px" }, "Advisories"),
         run.advisories.map((a) => h("div", { class: "advice" }, h("code", {}, a.code), " ", a.message || "", a.hint ? h("div", { class: "muted" }, a.hint) : null))) : null,
       (run.warnings || []).map((w) => h("div", { class: "banner bad" }, w)),
+      run.ready ? h("div", { class: "banner good", "data-ready": "" }, `ready: ${run.ready}; a worker or `, h("code", {}, `durably retry ${run.run_id}`), " continues it") : null,
+      run.status === "pending" && !run.ready ? h("div", { class: "banner", "data-pending": "" }, "pending: nothing runs it until a worker claims it (", h("code", {}, "durably worker"), ")") : null,
+      run.owner && run.owner.alive === false ? h("div", { class: "banner bad", "data-unresponsive": "" }, `the process holding it (${ownerText(run.owner)}) is not running; its lease lapses ${run.owner.expires ? "in " + fmtDuration(run.owner.expires - view.snap.now) : "soon"}, then any process may continue it`) : null,
+      (run.signals || []).length ? h("div", { class: "signals", "data-signals": "" }, h("h2", { style: "margin-top: 10px" }, "Unread signals"),
+        run.signals.map((sg) => h("div", { class: "advice", "data-signal": sg.name }, h("code", {}, sg.name), ` sent ${fmtTime(sg.at)}, unread: it waits in the run's inbox`,
+          sg.payload === null || sg.payload === undefined ? null : h("div", { class: "muted" }, `payload ${JSON.stringify(sg.payload)}`)))) : null,
       operations(run), view.opBanner);
   }
 
@@ -295,7 +330,7 @@ function runPage(runRef) {
     const canCancel = !ENDED.has(st), canPause = !ENDED.has(st) && st !== "paused", canResume = st === "paused";
     const canRetry = st !== "running", canRestart = st !== "running";  // a refusal explains itself, with its hint
     return h("div", { class: "ops" },
-      h("button", { type: "button", class: waitingFor.length ? "primary" : "", disabled: ENDED.has(st) && st !== "failed", "data-op": "signal",
+      h("button", { type: "button", class: waitingFor.length ? "primary" : "", disabled: ENDED.has(st), "data-op": "signal",
         onclick: () => signalDialog(run, waitingFor[0] || "") }, "Signal…"),
       h("button", { type: "button", disabled: !canPause, "data-op": "pause",
         onclick: () => confirmOp("pause", `Pause ${run.run_id}?`, "A run no process holds pauses at once; a running one pauses at its next step boundary.", {}) }, "Pause"),
@@ -401,6 +436,7 @@ function runPage(runRef) {
       h("dt", {}, "attempts"), h("dd", {}, String(st.attempts || row.spans.filter((x) => x.kind === "attempt").length || "")),
       st.ms !== null && st.ms !== undefined ? [h("dt", {}, "last attempt"), h("dd", {}, fmtDuration(st.ms / 1000))] : null,
       st.finished_at ? [h("dt", {}, "finished"), h("dd", {}, fmtTime(st.finished_at))] : null,
+      st.status === "running" && st.started_at ? [h("dt", {}, "running for"), h("dd", { "data-running-for": "" }, fmtDuration(view.snap.now - Date.parse(st.started_at) / 1000))] : null,
       st.compensation ? [h("dt", {}, "compensation"), h("dd", {}, st.compensation)] : null,
       child ? [h("dt", {}, "child run"), h("dd", {}, h("a", { href: `/runs/${encodeURIComponent(child)}` }, child))] : null);
     fill(parts.detail, h("h2", {}, row.label), dl,
@@ -524,7 +560,9 @@ function rowsOf(snap) {
     const direct = new Set(g.members.map((m) => pathText(m.path.slice(0, depth + 1))));
     const branches = [...direct].filter((k) => groups.has(k)).length;
     g.children = direct.size;
-    g.label = branches === direct.size ? `${branches} branches` : `branch ${g.path[depth - 1]}`;
+    const owner = rows.get(pathText(g.path.slice(0, -1)));
+    g.label = owner && owner.label === "ctx.loop" ? `iteration ${g.path[depth - 1]}`
+      : branches === direct.size ? `${branches} branches` : `branch ${g.path[depth - 1]}`;
     const statuses = new Set(g.members.map((m) => m.status));
     g.status = rank.find((x) => statuses.has(x)) || (statuses.has("ok") ? "ok" : [...statuses][0] || "");
     let start = Infinity, end = -Infinity, open = false;
@@ -632,7 +670,8 @@ function makeWaterfall(onPick) {
         h("span", { class: "name", style: `padding-left: ${(r.path.length - 1) * 14}px`, title: `${r.key} ${r.label}` }, twisty, h("span", { class: "path" }, r.key), r.label),
         h("span", {}, badge(r.status)),
         h("span", { class: "num" }, st.attempts > 1 ? String(st.attempts) : ""),
-        h("span", { class: "num" }, r.group ? (r.spans.length && r.spans[0].end !== null ? fmtDuration(r.spans[0].end - r.spans[0].start) : "")
+        h("span", { class: "num", "data-elapsed": st.status === "running" && st.started_at ? "" : null }, r.group ? (r.spans.length && r.spans[0].end !== null ? fmtDuration(r.spans[0].end - r.spans[0].start) : "")
+          : st.status === "running" && st.started_at ? fmtDuration(wf.now - Date.parse(st.started_at) / 1000)
           : total ? fmtDuration(total) : st.ms ? fmtDuration(st.ms / 1000) : "")),
       track);
     return node;
