@@ -175,7 +175,7 @@ async def enqueue_all(engine: Any, wf: Any, inputs: list[Any], prefix: str) -> l
     """Enqueue one run per input: `enqueue_many` where the engine has it, else one `enqueue` each."""
     keys = [f"{prefix}-{uuid.uuid4().hex}" for _ in inputs]
     if hasattr(engine, "enqueue_many"):
-        handles = await engine.enqueue_many([(wf, value) for value in inputs], keys=keys)
+        handles = await engine.enqueue_many([(wf, value, key) for value, key in zip(inputs, keys, strict=True)])
         return [h.run_id for h in handles]
     return [(await engine.enqueue(wf, value, key=key)).run_id for value, key in zip(inputs, keys, strict=True)]
 
@@ -421,7 +421,7 @@ def backlog(url: str) -> tuple[float, float]:
     storage = open_storage(url)
 
     def fill(count: int) -> None:
-        for n in range(count):
+        for _ in range(count):
             run_id = f"pending-{uuid.uuid4().hex[:12]}"
             storage.create(run_id, HEADER % run_id.encode())
 

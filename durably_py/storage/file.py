@@ -79,6 +79,7 @@ from .base import (
     validate_identity,
     validate_limit,
     validate_lines,
+    validate_new_runs,
     validate_owner,
     validate_priority,
     validate_rewrite,
@@ -91,6 +92,7 @@ from .base import (
     validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, validate_page
+from .wakeup import LocalWakeups
 
 try:
     import fcntl
@@ -303,6 +305,7 @@ class FileStorage:
         self._catalog: FileCatalog | None = None
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
+        self.wakeups = LocalWakeups(self.dir / "wake")
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -358,6 +361,7 @@ class FileStorage:
         # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
         # between leaves a log without a row, which the next listing finds (``runs/`` changed)
         self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
+        self.wakeups.notify()
 
     def _new_entry(self, entry: QueueEntry) -> bool:
         """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
@@ -453,7 +457,7 @@ class FileStorage:
             self._dir_durable.discard(run_id)
             held.dir_synced = True
         self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held}, records, torn, path)
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn, path, held.size)
 
     def _lock_run(self, run_id: str, log: Path) -> _Held | None:
         """Take the run's lock (registered in this process); None while another owner holds it."""
@@ -747,7 +751,7 @@ class FileStorage:
         call for all its files; without it each binding is fsynced before its rename and the directories once.
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
-        fields = [header_fields(validate_header(validate_run_id(run.run_id), run.header)) for run in runs]
+        fields = [header_fields(header) for header in validate_new_runs(runs)]
         grouped = _syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
@@ -762,7 +766,8 @@ class FileStorage:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         with self._queue_lock():
-            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
+            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now if run.at is None else run.at,
+                                                                run.priority, (), now)) for run in bound]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
@@ -771,6 +776,8 @@ class FileStorage:
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
         self._indexed(lambda catalog: catalog.put_many(rows))
+        if any(queued):
+            self.wakeups.notify()
         return lost
 
     def _sync_dirs(self, grouped: bool, *dirs: str) -> None:
@@ -1161,6 +1168,7 @@ class FileStorage:
             self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
             self._drop_joins(run_id)
         self._indexed(lambda catalog: catalog.refresh(run_id, lazy=True))
+        self.wakeups.notify()
 
     def _drop_joins(self, run_id: str) -> None:
         """Forget the children a run waited for in a join (call with the queue lock held)."""
@@ -1193,7 +1201,9 @@ class FileStorage:
             now = time.time()
             self._write_entry(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
                                          old.created if old else now))
-            return not queued
+        if not queued:
+            self.wakeups.notify()
+        return not queued
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
@@ -1203,30 +1213,66 @@ class FileStorage:
                 and not os.path.exists(os.path.join(self._joins_path, run_id)):
             self._refresh_later(run_id)
             return
-        path = self._entry_path(run_id)
-        parent = None
+        parent = self._parent_of(run_id)
+        with self._queue_lock():
+            self._unqueue(run_id, parent)
+        self._refresh_later(run_id)
+
+    def _parent_of(self, run_id: str) -> str | None:
+        """The parent run a run's header names (None: none, or no log)."""
         try:
             with open(self._log(run_id), "rb") as f:
                 parent = (decode_record(f.readline()) or {}).get("parent")
         except FileNotFoundError:
-            pass
-        with self._queue_lock():
-            if isinstance(parent, str) and _is_run_id(parent):
-                folder = self.joins_dir / parent
-                (folder / run_id).unlink(missing_ok=True)
+            return None
+        return parent if isinstance(parent, str) and _is_run_id(parent) else None
+
+    def _unqueue(self, run_id: str, parent: str | None) -> None:
+        """`unschedule` with the queue lock held: the run's file in its parent's join goes first (the last one
+        makes the parent due), then its own joins and its entry."""
+        if parent is not None:
+            folder = self.joins_dir / parent
+            (folder / run_id).unlink(missing_ok=True)
+            try:
+                last = not any(True for _ in os.scandir(folder))
+            except FileNotFoundError:
+                last = False
+            if last:  # also when a crash came between the last file's removal and the parent's wake-up
+                old = self._read_entry(parent)
+                now = time.time()
+                if old is not None and (old.at is None or old.at > now):
+                    self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
+                    self.wakeups.notify()
+                folder.rmdir()
+        self._drop_joins(run_id)
+        self._entry_path(run_id).unlink(missing_ok=True)
+
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """One `sync_all` (a single ``syncfs`` on Linux) for every lease's log, then every run out of the queue
+        under one hold of the queue lock, then every lease released. A log that cannot be made durable (or a
+        lease no longer current) keeps its run queued: its end is recorded again by whoever claims it next."""
+        errors: list[BaseException | None] = [None] * len(leases)
+        try:
+            self.sync_all(leases)
+        except Exception:  # noqa: BLE001 - each lease on its own then, to tell which failed
+            for i, lease in enumerate(leases):
                 try:
-                    last = not any(True for _ in os.scandir(folder))
-                except FileNotFoundError:
-                    last = False
-                if last:  # also when a crash came between the last file's removal and the parent's wake-up
-                    old = self._read_entry(parent)
-                    now = time.time()
-                    if old is not None and (old.at is None or old.at > now):
-                        self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
-                    folder.rmdir()
-            self._drop_joins(run_id)
-            path.unlink(missing_ok=True)
-        self._refresh_later(run_id)
+                    self.sync(lease)
+                except Exception as exc:  # noqa: BLE001 - this run's outcome
+                    errors[i] = exc
+        done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
+        try:
+            if done:
+                parents = [self._parent_of(run_id) for run_id in done]
+                with self._queue_lock():
+                    for run_id, parent in zip(done, parents, strict=True):
+                        self._unqueue(run_id, parent)
+                for run_id in done:
+                    self._refresh_later(run_id)
+        finally:
+            for lease in leases:
+                self.release(lease)
+        return errors
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
@@ -1240,7 +1286,8 @@ class FileStorage:
             if old.at is not None and old.at <= now:
                 return False
             self._write_entry(QueueEntry(run_id, now, old.priority, old.wait, old.created))
-            return True
+        self.wakeups.notify()
+        return True
 
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if it is queued."""
@@ -1296,6 +1343,15 @@ class FileStorage:
             self._workflows.clear()
         self._workflows[run_id] = name
         return name
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this state directory."""
+        return self.wakeups.watch(callback)
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:

@@ -24,7 +24,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,8 +66,9 @@ from .base import (
     validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
+from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 5  # 2 added signals, 3 the queue, 4 joins, 5 workers; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 6  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -106,6 +107,7 @@ CREATE TABLE IF NOT EXISTS queue (
     wait TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE INDEX IF NOT EXISTS queue_next ON queue (due) WHERE due IS NOT NULL;
 CREATE TABLE IF NOT EXISTS joins (
     parent TEXT NOT NULL,
     child TEXT NOT NULL,
@@ -133,6 +135,7 @@ class SqliteStorage:
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
+        self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
 
     def __repr__(self) -> str:
         return f"SqliteStorage({self.path!r})"
@@ -174,6 +177,7 @@ class SqliteStorage:
         validate_priority(priority)
         with self._lock, _transaction(self._db()) as db:
             self._insert_run(db, run_id, bytes(header), fields, at, priority)
+        self.wakeups.notify()
 
     def _insert_run(self, db: sqlite3.Connection, run_id: str, header: bytes, fields: tuple[Any, ...],
                     at: float | None, priority: int) -> None:
@@ -238,7 +242,7 @@ class SqliteStorage:
                 " WHERE run_id = ?",
                 (epoch, owner, now + ttl, now, line, good + len(line), run_id),
             )
-        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
+        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id), good + len(line))
 
     @contextmanager
     def _claiming(self, run_id: str) -> Iterator[sqlite3.Connection]:
@@ -358,6 +362,26 @@ class SqliteStorage:
         """`sync` each lease (a grouped commit costs what separate ones do here)."""
         sync_each(self, leases)
 
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """One transaction committed with ``synchronous=FULL`` for all the leases: each run's lease checked and
+        released and its queue row (and joins) deleted; the one WAL fsync makes their ends durable with it."""
+        errors: list[BaseException | None] = []
+        woke = False
+        with self._lock, _durable(self, self._db()) as db:
+            for lease in leases:
+                try:
+                    self._fenced(db, lease, "syncs = syncs + 1, owner = NULL, lease_expires = NULL", ())
+                except LeaseLostError as exc:
+                    errors.append(exc)
+                    continue
+                woke = _unschedule(db, lease.run_id) or woke
+                errors.append(None)
+        for lease in leases:
+            self._synced.pop((lease.run_id, lease.epoch), None)
+        if woke:
+            self.wakeups.notify()
+        return errors
+
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""
         validate_run_id(run_id)
@@ -429,7 +453,9 @@ class SqliteStorage:
                     break
                 db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
                            (run.identity, run.run_id))
-                self._insert_run(db, run.run_id, bytes(run.header), found, None, 0)
+                self._insert_run(db, run.run_id, bytes(run.header), found, run.at, run.priority)
+        if runs and lost != runs[0].identity:
+            self.wakeups.notify()
         return lost
 
     def info(self, run_id: str) -> RunInfo | None:
@@ -485,8 +511,9 @@ class SqliteStorage:
             self._require(db, run_id)
             db.execute("INSERT INTO signals (run_id, id, data) VALUES (?, ?, ?)", (run_id, signal_id, line))
             name = (decode_signal(line) or {}).get("name")
-            if isinstance(name, str) and name:
-                self._wake(db, run_id, name)
+            woke = isinstance(name, str) and bool(name) and self._wake(db, run_id, name)
+        if woke:
+            self.wakeups.notify()
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
@@ -521,6 +548,7 @@ class SqliteStorage:
                 db.execute("INSERT INTO queue (run_id, due, priority, created, wait) VALUES (?, ?, ?, ?, ?)",
                            (run_id, at, priority or 0, time.time(), names))
             db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+        self.wakeups.notify()
 
     def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
@@ -538,13 +566,17 @@ class SqliteStorage:
             if cur.rowcount == 0:
                 db.execute("INSERT INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                            (run_id, due, time.time()))
-            return not waiting
+        if not waiting:
+            self.wakeups.notify()
+        return not waiting
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
-            _unschedule(db, run_id)
+            woke = _unschedule(db, run_id)
+        if woke:
+            self.wakeups.notify()
 
     def _wake(self, db: sqlite3.Connection, run_id: str, name: str | None) -> bool:
         row = db.execute("SELECT due, wait FROM queue WHERE run_id = ?", (run_id,)).fetchone()
@@ -559,7 +591,10 @@ class SqliteStorage:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
-            return self._wake(db, run_id, name)
+            woke = self._wake(db, run_id, name)
+        if woke:
+            self.wakeups.notify()
+        return woke
 
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
@@ -586,6 +621,17 @@ class SqliteStorage:
                 + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
                 (now, time.time(), *skip, *(names or ()), limit)).fetchall()
         return [row[0] for row in rows]
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            row = self._db().execute("SELECT min(due) FROM queue WHERE due > ?", (now,)).fetchone()
+        return row[0]
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this database file."""
+        return None if self.path == ":memory:" else self.wakeups.watch(callback)
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
@@ -664,16 +710,19 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
             db.execute(statement)
 
 
-def _unschedule(db: sqlite3.Connection, run_id: str) -> None:
+def _unschedule(db: sqlite3.Connection, run_id: str) -> bool:
     """Inside a transaction: delete the run's queue row and its `joins` rows; a parent left waiting for
-    nothing is due now."""
+    nothing is due now (True when one was made due)."""
     db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
     db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
     parents = [row[0] for row in db.execute("DELETE FROM joins WHERE child = ? RETURNING parent", (run_id,))]
     now = time.time()
+    woke = False
     for parent in parents:
         if db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (parent,)).fetchone() is None:
-            db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)", (now, parent, now))
+            woke = db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)",
+                              (now, parent, now)).rowcount > 0 or woke
+    return woke
 
 
 def _queue_unended(db: sqlite3.Connection) -> None:
