@@ -30,6 +30,7 @@ from .errors import DurablyError, RunCancelledError, ValidationError
 if TYPE_CHECKING:
     from ._engine import Engine
 
+ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
 SETTINGS_DOCS = "docs/deploying.md#settings"
 
@@ -107,6 +108,7 @@ class Worker:
         self.pruned = 0
         self.log = log
         self.active: dict[str, asyncio.Task[None]] = {}
+        self.ending: dict[str, asyncio.Task[None]] = {}  # ended runs waiting for the group commit: no slot held
         self.stopped: list[str] = []
         self.ran = 0
         self.finished = False
@@ -154,7 +156,7 @@ class Worker:
     def skipped(self) -> tuple[str, ...]:
         """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
         now = time.monotonic()
-        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active)
+        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
 
     async def settled(self, timeout: float) -> None:
         """Wait until a run this worker ran stops, or `timeout` seconds."""
@@ -210,8 +212,8 @@ class Worker:
             self._stopping = True
             if unwatch is not None:
                 unwatch()
-            if self.active:
-                await asyncio.gather(*self.active.values(), return_exceptions=True)
+            while self.active or self.ending:
+                await asyncio.gather(*self.active.values(), *self.ending.values(), return_exceptions=True)
             try:
                 engine.storage.retire(engine.owner)
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
@@ -318,6 +320,9 @@ class Worker:
                                         stopping=lambda: self._stopping, ends=ended.append)
                 finally:
                     for done in ended:  # its end made durable with the others' before anything says it ended
+                        if len(self.ending) < ENDING_MAX * self.concurrency and run_id in self.active:
+                            self.ending[run_id] = self.active.pop(run_id)  # its slot is free meanwhile
+                            self.poke()
                         error = await self.ends.finish(done)
                         if error is not None:
                             self._say(f"{run_id}: its end could not be made durable ({type(error).__name__}: "
@@ -339,6 +344,7 @@ class Worker:
             engine.storage.release(lease)
         finally:
             self.active.pop(run_id, None)
+            self.ending.pop(run_id, None)
             if self._changed is not None:
                 self._changed.set()
             self.poke()

@@ -107,6 +107,9 @@ _T = TypeVar("_T")
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
 _OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
+_MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
+_ENTRY = msgspec.json.Decoder()
+_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileStorage.due`
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 _registry: dict[str, _Held] = {}
 _registry_lock = threading.Lock()
@@ -306,6 +309,8 @@ class FileStorage:
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
         self.wakeups = LocalWakeups(self.dir / "wake")
+        self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
+        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -1146,9 +1151,15 @@ class FileStorage:
 
     def _read_entry(self, run_id: str) -> QueueEntry | None:
         try:
-            raw = msgspec.json.decode(self._entry_path(run_id).read_bytes())
-        except (FileNotFoundError, msgspec.DecodeError):
+            fd = os.open(os.path.join(self._queue_path, f"{run_id}.json"), os.O_RDONLY)
+        except FileNotFoundError:
             return None
+        try:
+            raw = _ENTRY.decode(os.read(fd, 65536))
+        except msgspec.DecodeError:
+            return None
+        finally:
+            os.close(fd)
         return _entry(run_id, raw)
 
     def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
@@ -1294,19 +1305,26 @@ class FileStorage:
         return self._read_entry(validate_run_id(run_id))
 
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order."""
+        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
+        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
+        the file system's timestamp granularity), so an idle worker's looks read no entry."""
         if not self._queue_ready and self.runs_dir.exists():
             self._ensure_queue()
         try:
-            names = os.listdir(self.queue_dir)
+            mtime = os.stat(self._queue_path).st_mtime_ns
         except FileNotFoundError:
             return []
+        if self._listed is not None and self._listed[0] == mtime:
+            return self._listed[1]
+        names = os.listdir(self._queue_path)
         out = []
         for name in names:
             if name.endswith(".json") and not name.startswith(".") and _is_run_id(name[:-5]):
                 found = self._read_entry(name[:-5])
                 if found is not None:
                     out.append(found)
+        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
+        self._listed = (mtime, out) if settled else None
         return out
 
     def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
@@ -1315,18 +1333,42 @@ class FileStorage:
         `workflows`, whose header names one of them: read once per run, headers never change)."""
         validate_limit(limit)
         names = validate_workflows(workflows)
+        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
         now = time.time() if now is None else now
-        ready = sorted((e for e in self.entries() if e.at is not None and e.at <= now and e.run_id not in skip),
-                       key=due_order)
         out: list[str] = []
         for entry in ready:
             if len(out) >= limit:
                 break
-            if names is not None and self._workflow_of(entry.run_id) not in names:
+            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
                 continue
+            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
+                fresh = self._read_entry(entry.run_id)
+                if fresh is None or fresh.at is None or fresh.at > now:
+                    continue
             if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
                 out.append(entry.run_id)
+        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
+            self._ready_list = None
+            return self.due(limit, skip=skip, workflows=workflows)
         return out
+
+    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
+        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
+        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
+        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
+        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
+        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
+        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
+        present = set(os.listdir(self._queue_path)) if os.path.isdir(self._queue_path) else set()
+        kept = self._ready_list
+        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
+            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
+        ready = self._sorted_due(now)
+        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
+        return ready, False
+
+    def _sorted_due(self, now: float) -> list[QueueEntry]:
+        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
 
     def _workflow_of(self, run_id: str) -> str | None:
         """The workflow a run's header names (None: no log, or no header yet)."""

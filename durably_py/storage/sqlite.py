@@ -1,6 +1,8 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
-Tables: ``runs`` (one row per run: header line, times, lease epoch/owner/expiry, last line, log size, and a
+Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
+end or operator record; ``touched`` at every other append, so a step changes no index), lease epoch/owner/expiry,
+last line, log size, and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
 ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
@@ -29,7 +31,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import LeaseLostError, RunNotFoundError, StorageBusyError, StorageFullError, ValidationError
+from ..errors import (
+    CorruptLogError,
+    LeaseLostError,
+    RunNotFoundError,
+    StorageBusyError,
+    StorageFullError,
+    ValidationError,
+)
 from .base import (
     Check,
     Choose,
@@ -39,7 +48,6 @@ from .base import (
     QueueEntry,
     RunInfo,
     checked,
-    claim_candidates,
     claimed,
     decode_record,
     decode_signal,
@@ -222,26 +230,31 @@ class SqliteStorage:
         validate_owner(owner)
         validate_ttl(ttl)
         with self._lock, self._claiming(run_id) as db:
-            row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
-            epoch, holder, expires = row
-            now = time.time()
-            if holder is not None and expires >= now:
-                return None
-            data, records, good, torn = self._checked_log(db, run_id, check)
-            if not reopen and ended(records):
-                _unschedule(db, run_id)
-                return None
-            _cut_torn(db, run_id, data, good)
-            epoch += 1
-            line = claimed(records, epoch, owner)
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
-            db.execute(
-                "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
-                " WHERE run_id = ?",
-                (epoch, owner, now + ttl, now, line, good + len(line), run_id),
-            )
+            return self._claim_in(db, run_id, owner, ttl, check, reopen)
+
+    def _claim_in(self, db: sqlite3.Connection, run_id: str, owner: str, ttl: float, check: Check | None,
+                  reopen: bool) -> Lease | None:
+        """`claim` inside the caller's write transaction."""
+        row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+        epoch, holder, expires = row
+        now = time.time()
+        if holder is not None and expires >= now:
+            return None
+        data, records, good, torn = self._checked_log(db, run_id, check)
+        if not reopen and ended(records):
+            _unschedule(db, run_id)
+            return None
+        _cut_torn(db, run_id, data, good)
+        epoch += 1
+        line = claimed(records, epoch, owner)
+        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+        db.execute(
+            "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
+            " WHERE run_id = ?",
+            (epoch, owner, now + ttl, now, line, good + len(line), run_id),
+        )
         return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id), good + len(line))
 
     @contextmanager
@@ -342,8 +355,11 @@ class SqliteStorage:
         with self._lock, _transaction(self._db()) as db:
             if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
                 row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-                self._fenced(db, lease, "state = ?", (state_after(row[0] if row else OPEN, data),))
-            self._fenced(db, lease, "updated = ?, last = ?, size = size + ?", (time.time(), last_line(data), len(data)))
+                self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+                             (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
+            else:  # a step: `touched`, not the indexed `updated`, so no catalog index changes per step
+                self._fenced(db, lease, "touched = ?, last = ?, size = size + ?",
+                             (time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
     def sync(self, lease: Lease) -> None:
@@ -518,10 +534,12 @@ class SqliteStorage:
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
         validate_run_id(run_id)
-        with self._lock, _transaction(self._db(), "BEGIN") as db:
-            self._require(db, run_id)
-            rows = db.execute("SELECT data FROM signals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
-        return [signal for signal in (decode_signal(row[0]) for row in rows) if signal is not None]
+        with self._lock:  # one statement: the run's existence and its signals in one snapshot
+            rows = self._db().execute("SELECT s.data FROM runs r LEFT JOIN signals s ON s.run_id = r.run_id"
+                                      " WHERE r.run_id = ? ORDER BY s.seq", (run_id,)).fetchall()
+        if not rows:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+        return [signal for signal in (decode_signal(row[0]) for row in rows if row[0] is not None) if signal]
 
     def ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
@@ -609,18 +627,8 @@ class SqliteStorage:
         """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
         validate_limit(limit)
         names = validate_workflows(workflows)
-        now = time.time() if now is None else now
-        marks = ",".join("?" * len(skip))
-        kinds = ",".join("?" * len(names or ()))
         with self._lock:
-            rows = self._db().execute(
-                "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
-                " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
-                + (f" AND q.run_id NOT IN ({marks})" if skip else "")
-                + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
-                + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
-                (now, time.time(), *skip, *(names or ()), limit)).fetchall()
-        return [row[0] for row in rows]
+            return _due(self._db(), time.time() if now is None else now, limit, skip, names)
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
@@ -635,11 +643,26 @@ class SqliteStorage:
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
-        """Claim up to `limit` due runs (each claim its own transaction, fenced by the lease columns)."""
+        """Claim up to `limit` due runs in one write transaction (the due query and every claim in it; a
+        damaged log is passed over before anything of its claim is written)."""
         validate_owner(owner)
         validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
-                                check)
+        validate_limit(limit)
+        names = validate_workflows(workflows)
+        leases: list[Lease] = []
+        if limit == 0:
+            return leases
+        with self._lock, self._claiming("due runs") as db:
+            for run_id in _due(db, time.time(), 2 * limit + 2, skip, names):
+                if len(leases) >= limit:
+                    break
+                try:
+                    lease = self._claim_in(db, run_id, owner, ttl, check, False)
+                except CorruptLogError:
+                    continue
+                if lease is not None:
+                    leases.append(lease)
+        return leases
 
     # ---- workers --------------------------------------------------------------------------------
     def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
@@ -668,7 +691,8 @@ class SqliteStorage:
         with self._lock:
             rows = (
                 self._db()
-                .execute("SELECT run_id, header, last, owner, lease_expires, updated, epoch, state FROM runs "
+                .execute("SELECT run_id, header, last, owner, lease_expires, max(updated, coalesce(touched, 0)), epoch,"
+                         " state FROM runs "
                          + clause, params)
                 .fetchall()
             )
@@ -705,9 +729,26 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
             good = (decode_record(header) or {}).get("t") == "run"
             db.execute("UPDATE runs SET workflow = ?, key = ?, parent = ?, state = ? WHERE run_id = ?",
                        (*header_fields(decode_record(header)), state_after(OPEN, data) if good else OPEN, run_id))
+    if "touched" not in have:
+        db.execute("ALTER TABLE runs ADD COLUMN touched REAL")
     for statement in _CATALOG_INDEXES.split(";"):
         if statement.strip():
             db.execute(statement)
+
+
+def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...],
+         names: frozenset[str] | None) -> list[str]:
+    """The due query (`SqliteStorage.due`) on the queue table's index."""
+    marks = ",".join("?" * len(skip))
+    kinds = ",".join("?" * len(names or ()))
+    rows = db.execute(
+        "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
+        " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
+        + (f" AND q.run_id NOT IN ({marks})" if skip else "")
+        + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
+        + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
+        (now, time.time(), *skip, *(names or ()), limit)).fetchall()
+    return [row[0] for row in rows]
 
 
 def _unschedule(db: sqlite3.Connection, run_id: str) -> bool:
