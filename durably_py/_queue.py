@@ -241,11 +241,15 @@ class RunQueue:
             await self.start()
         worker = self.worker
         assert worker is not None
+        waiting = list(self.enqueued)
         try:
             while True:
-                waiting = [r for r in self.enqueued if not self._settled(r)]
+                while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
+                    waiting.pop()
                 if not waiting and not worker.active and not self.engine.storage.due(1, skip=worker.skipped()):
-                    return
+                    waiting = [r for r in self.enqueued if not self._settled(r)]  # one that was queued again
+                    if not waiting:
+                        return
                 await worker.settled(JOIN_POLL * 4)
         finally:
             if started:

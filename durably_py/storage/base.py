@@ -489,7 +489,9 @@ def finish_each(storage: Any, leases: list[Lease]) -> list[BaseException | None]
 
 
 def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
-    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way."""
+    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way
+    (every run checked before the first is bound)."""
+    validate_new_runs(runs)
     for run in runs:
         if not storage.bind(run.identity, run.run_id, expect=run.expect):
             return run.identity

@@ -1263,14 +1263,26 @@ class FileStorage:
         under one hold of the queue lock, then every lease released. A log that cannot be made durable (or a
         lease no longer current) keeps its run queued: its end is recorded again by whoever claims it next."""
         errors: list[BaseException | None] = [None] * len(leases)
+        live = []
+        for i, lease in enumerate(leases):
+            held = lease.state.get("file")
+            try:
+                if not isinstance(held, _Held):
+                    raise _lost(lease)
+                with held.mutex:
+                    held.check()
+                live.append(lease)
+            except LeaseLostError as exc:
+                errors[i] = exc
         try:
-            self.sync_all(leases)
+            self.sync_all(live)
         except Exception:  # noqa: BLE001 - each lease on its own then, to tell which failed
             for i, lease in enumerate(leases):
-                try:
-                    self.sync(lease)
-                except Exception as exc:  # noqa: BLE001 - this run's outcome
-                    errors[i] = exc
+                if errors[i] is None:
+                    try:
+                        self.sync(lease)
+                    except Exception as exc:  # noqa: BLE001 - this run's outcome
+                        errors[i] = exc
         done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
         try:
             if done:
