@@ -5,7 +5,7 @@ Figures and ratios only; nothing passes or fails.
 
 Usage: python bench/queues.py [--runs M] [--workers 1,2,4] [--concurrency C] [--only files,sqlite,postgres]
                               [--postgres URL] [--dbos-python PATH] [--dbos-runs M] [--batch B] [--samples S]
-                              [--skip drain,enqueue,latency,backlog]
+                              [--skip drain,enqueue,latency,step,backlog]
 
 Rows:
   drain        M runs of a three-step workflow (`async def` steps) enqueued, then N `durably worker -c C`
@@ -24,6 +24,8 @@ Rows:
                enqueue->start (from `enqueue` returning to the run's first step starting in the worker),
                sleep->wake (from the wake time a `ctx.sleep(0.3)` recorded to the next step starting),
                signal->step (from `engine.signal` being called on the parked run to its next step starting)
+  step         SQLite only: median us per fresh `async def` step of a 2,000-step run (`engine.run`), against
+               the floor of the same record line inserted and committed raw (WAL, synchronous=NORMAL), 5 rounds
   backlog      `storage.due(8)` median ms with 10 and with 5,000 runs pending (the ratio says whether finding due
                work grows with the backlog)
 PostgreSQL rows use --postgres URL (a schema per row, dropped afterwards) or, without it, a throwaway server
@@ -441,6 +443,43 @@ def backlog(url: str) -> tuple[float, float]:
     return small, large
 
 
+def sqlite_step(root: Path, steps: int = 2000, rounds: int = 5) -> tuple[float, float]:
+    """Median us per fresh `async def` step of one run on SQLite, and per raw INSERT + COMMIT of the same
+    record line (the floor: WAL, synchronous=NORMAL, one committed transaction per step), interleaved."""
+
+    async def noop(i: int) -> int:
+        return i
+
+    from durably_py import workflow
+
+    @workflow(name="bench_steps")
+    async def many(ctx: Any, n: int) -> int:
+        for i in range(n):
+            await ctx.step(noop, i)
+        return n
+
+    ours, floor = [], []
+    line = b'{"t":"ok","p":"17","l":"noop","v":17,"a":1,"ms":0.004,"ts":1735689600.0}\n'
+    for r in range(rounds):
+        engine = create_engine(f"sqlite:{root / f'steps-{r}.db'}")
+        start = time.perf_counter()
+        asyncio.run(engine.run(many, steps, key=f"steps-{r}"))
+        ours.append((time.perf_counter() - start) / steps * 1e6)
+        engine.storage.close()
+        db = sqlite3.connect(root / f"floor-{r}.db", isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("CREATE TABLE records (seq INTEGER PRIMARY KEY, run_id TEXT NOT NULL, data BLOB NOT NULL)")
+        start = time.perf_counter()
+        for _ in range(steps):
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", ("r", line))
+            db.execute("COMMIT")
+        floor.append((time.perf_counter() - start) / steps * 1e6)
+        db.close()
+    return statistics.median(ours), statistics.median(floor)
+
+
 def spread(values: list[float]) -> str:
     ms = sorted(v * 1000 for v in values)
     p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
@@ -519,6 +558,10 @@ def main() -> None:
                 found = latencies(stores.url(kind), root, opts.samples)  # type: ignore[arg-type]
                 print(f"{kind:9} latency min / median / p99: "
                       + " | ".join(f"{name} {spread(values)}" for name, values in found.items()), flush=True)
+            if kind == "sqlite" and "step" not in skip:
+                ours, raw = sqlite_step(root)
+                print(f"{kind:9} step (async def, fresh) {ours:6.1f} us | INSERT+COMMIT floor {raw:6.1f} us, "
+                      f"x{ours / raw:4.2f}", flush=True)
             if "backlog" not in skip:
                 small, large = backlog(stores.url(kind))  # type: ignore[arg-type]
                 print(f"{kind:9} due(8): {small:6.2f} ms at 10 pending, {large:6.2f} ms at 5,000 (x{large / small:5.1f})",

@@ -36,19 +36,19 @@ def mark(key):
 
 
 @workflow
-async def quick(ctx, n):
+async def tp_quick(ctx, n):
     a = await ctx.step(mark, f"{n}.0")
     return await ctx.step(mark, f"{n}.1")
 
 
 @workflow
-async def sleeper(ctx, n):
+async def tp_sleeper(ctx, n):
     await ctx.sleep(0.5)
     return await ctx.step(mark, f"s{n}")
 
 
 @workflow
-async def asker(ctx, n):
+async def tp_asker(ctx, n):
     await ctx.wait_for("go")
     return await ctx.step(mark, f"a{n}")
 '''
@@ -114,12 +114,12 @@ def test_durably_enqueue_from_a_json_lines_file_and_stdin(tmp_path: Path) -> Non
     lines = tmp_path / "runs.jsonl"
     lines.write_text("".join(json.dumps({"input": n, "key": f"k{n}"}) + "\n" for n in range(50)) + "\n"
                      + json.dumps({"input": 7}) + "\n")
-    done = _cli("enqueue", str(jobs), "-w", "quick", "--from", str(lines), "--dir", str(state), "--priority", "3",
+    done = _cli("enqueue", str(jobs), "-w", "tp_quick", "--from", str(lines), "--dir", str(state), "--priority", "3",
                 env=env)
     assert done.returncode == 0, done.stderr
     ids = done.stdout.split()
     assert len(ids) == 51 and len(set(ids)) == 51
-    done = _cli("enqueue", str(jobs), "-w", "quick", "--from", "-", "--dir", str(state), "--json", env=env,
+    done = _cli("enqueue", str(jobs), "-w", "tp_quick", "--from", "-", "--dir", str(state), "--json", env=env,
                 input='{"input": 1, "key": "k1"}\n{"input": 99}\n')
     assert done.returncode == 0, done.stderr
     again = json.loads(done.stdout)["run_ids"]
@@ -127,7 +127,7 @@ def test_durably_enqueue_from_a_json_lines_file_and_stdin(tmp_path: Path) -> Non
     engine = create_engine(str(state))
     assert engine.storage.entry(ids[0]).priority == 3
     assert asyncio.run(engine.count()) == 52
-    bad = _cli("enqueue", str(jobs), "-w", "quick", "--from", "-", "--dir", str(state), env=env,
+    bad = _cli("enqueue", str(jobs), "-w", "tp_quick", "--from", "-", "--dir", str(state), env=env,
                input='{"input": 5}\n{"inptu": 6}\n')
     assert bad.returncode != 0 and "line 2 of stdin" in bad.stderr and "nothing was enqueued" in bad.stderr
     assert asyncio.run(engine.count()) == 52
@@ -148,23 +148,23 @@ def test_an_idle_worker_is_woken_at_once_not_at_its_next_poll(kind: str, tmp_pat
     url = {"file": lambda: str(store.dir), "sqlite": lambda: f"sqlite:{store.path}",
            "postgres": lambda: f"{_pg_url(store)}"}[kind]()
     engine = create_engine(store)
-    for name in ("quick", "sleeper", "asker"):
+    for name in ("tp_quick", "tp_sleeper", "tp_asker"):
         REGISTRY.pop(name, None)
     load_script(jobs)
     worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import",
                                str(jobs), "--poll", "5", "-q"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         async def main() -> dict[str, float]:
-            warm = await engine.enqueue(REGISTRY["quick"], -1)
+            warm = await engine.enqueue(REGISTRY["tp_quick"], -1)
             _result(engine, warm.run_id)
             await asyncio.sleep(0.3)
-            queued = await engine.enqueue(REGISTRY["quick"], 1)
+            queued = await engine.enqueue(REGISTRY["tp_quick"], 1)
             enqueued_at = time.time()
             started = _result(engine, queued.run_id)
-            sleeper = await engine.enqueue(REGISTRY["sleeper"], 1)
+            sleeper = await engine.enqueue(REGISTRY["tp_sleeper"], 1)
             woke = _result(engine, sleeper.run_id)
             wake = [r for r in await engine.records(sleeper.run_id) if r.get("t") == "wake"][0]["at"]
-            asker = await engine.enqueue(REGISTRY["asker"], 1)
+            asker = await engine.enqueue(REGISTRY["tp_asker"], 1)
             wait_until(lambda: (e := engine.storage.entry(asker.run_id)) is not None and e.at is None
                        and not engine.storage.held(asker.run_id))
             await asyncio.sleep(0.2)
@@ -198,7 +198,7 @@ def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind
     jobs, env = _jobs(tmp_path)
     url = str(tmp_path / "state") if kind == "file" else f"sqlite:{tmp_path / 'runs.db'}"
     engine = create_engine(url)
-    for name in ("quick", "sleeper", "asker"):
+    for name in ("tp_quick", "tp_sleeper", "tp_asker"):
         REGISTRY.pop(name, None)
     load_script(jobs)
     args = [sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import", str(jobs), "-c", "8",
@@ -207,7 +207,7 @@ def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind
     rng = random.Random(7)
     kills = 0
     try:
-        ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["quick"], n) for n in range(3000)]))]
+        ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["tp_quick"], n) for n in range(3000)]))]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             ended = sum(1 for r in ids if (info := engine.storage.info(r)) and info.last.get("t") == "end")

@@ -142,6 +142,7 @@ class SqliteStorage:
         self.fsyncs = 0
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
+
         self._synced: dict[tuple[str, int], int] = {}
         self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
 
@@ -175,6 +176,22 @@ class SqliteStorage:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+    def _sync_wal(self) -> None:
+        """fsync the write-ahead log from this thread, holding no lock: every transaction committed before the
+        call is then on disk (what ``synchronous=FULL`` does at a commit, without holding the write lock
+        meanwhile); a checkpoint already made what it moved into the database file durable."""
+        for path in (f"{self.path}-wal", self.path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            break
+        self.fsyncs += 1
 
     def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
@@ -352,15 +369,36 @@ class SqliteStorage:
         if type(data) is not bytes or not data.endswith(b"\n"):
             validate_lines(data)
         data = bytes(data)
-        with self._lock, _transaction(self._db()) as db:
-            if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
-                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-                self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
-                             (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
-            else:  # a step: `touched`, not the indexed `updated`, so no catalog index changes per step
-                self._fenced(db, lease, "touched = ?, last = ?, size = size + ?",
-                             (time.time(), last_line(data), len(data)))
+        if not (_MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data):
+            self._append_step(lease, data)
+            return
+        with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
+            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+            self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+                         (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+
+    def _append_step(self, lease: Lease, data: bytes) -> None:
+        """Append lines that change no catalog state as two statements, each its own commit: the fenced insert
+        (the append itself, atomic), then the run's row (`touched`, the last line, the size; no indexed column).
+        A crash between the two leaves the row one append behind its records, which the next claim rewrites
+        from the log, as it does after any crash."""
+        if lease.state.get("sqlite") is not self:
+            raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+        with self._lock:
+            db = self._db()
+            try:
+                cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
+                                 (data, lease.run_id, lease.epoch))
+                if cur.rowcount == 0:
+                    raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
+                           (time.time(), last_line(data), len(data), lease.run_id))
+            except sqlite3.Error as exc:
+                full = _full(exc)
+                if full is exc:
+                    raise
+                raise full from exc
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
@@ -379,11 +417,13 @@ class SqliteStorage:
         sync_each(self, leases)
 
     def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
-        """One transaction committed with ``synchronous=FULL`` for all the leases: each run's lease checked and
-        released and its queue row (and joins) deleted; the one WAL fsync makes their ends durable with it."""
+        """One transaction for all the leases (each run's lease checked and released, its queue row and joins
+        deleted), then one fsync of the WAL, taken without the connection's lock (`_sync_wal`), which makes
+        their ends durable with it. Nothing of it is durable before the fsync, but a later durable commit of
+        anyone carries it (the WAL is one sequence)."""
         errors: list[BaseException | None] = []
         woke = False
-        with self._lock, _durable(self, self._db()) as db:
+        with self._lock, _transaction(self._db()) as db:
             for lease in leases:
                 try:
                     self._fenced(db, lease, "syncs = syncs + 1, owner = NULL, lease_expires = NULL", ())
@@ -392,6 +432,8 @@ class SqliteStorage:
                     continue
                 woke = _unschedule(db, lease.run_id) or woke
                 errors.append(None)
+        if self.path != ":memory:":
+            self._sync_wal()
         for lease in leases:
             self._synced.pop((lease.run_id, lease.epoch), None)
         if woke:
@@ -742,8 +784,8 @@ def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...],
     marks = ",".join("?" * len(skip))
     kinds = ",".join("?" * len(names or ()))
     rows = db.execute(
-        "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
-        " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
+        "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"  # +q.due: walk queue_by_due in order
+        " WHERE q.due IS NOT NULL AND +q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
         + (f" AND q.run_id NOT IN ({marks})" if skip else "")
         + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
         + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
@@ -775,6 +817,15 @@ def _queue_unended(db: sqlite3.Connection) -> None:
                        (run_id, updated, created))
 
 
+def _full(exc: BaseException) -> BaseException:
+    """`StorageFullError` for SQLite's "database or disk is full", else `exc` itself."""
+    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        error = StorageFullError(f"could not write to the SQLite database: {exc}; nothing of this write was kept")
+        error.errno = errno.ENOSPC
+        return error
+    return exc
+
+
 @contextmanager
 def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
     """Run the body in one transaction (a write lock up front by default); commit on success, else roll back."""
@@ -785,11 +836,10 @@ def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iter
     except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            error = StorageFullError(f"could not write to the SQLite database: {exc}; nothing of this write was kept")
-            error.errno = errno.ENOSPC
-            raise error from exc
-        raise
+        full = _full(exc)
+        if full is exc:
+            raise
+        raise full from exc
 
 
 @contextmanager
