@@ -246,7 +246,8 @@ class RunQueue:
             while True:
                 while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
                     waiting.pop()
-                if not waiting and not worker.active and not self.engine.storage.due(1, skip=worker.skipped()):
+                if not waiting and not worker.active and not worker.ending \
+                        and not self.engine.storage.due(1, skip=worker.skipped()):
                     waiting = [r for r in self.enqueued if not self._settled(r)]  # one that was queued again
                     if not waiting:
                         return
