@@ -51,20 +51,23 @@ from .errors import (
     WaitTimeoutError,
     WorkflowFailedError,
 )
-from .storage import FileStorage, MemoryStorage, SqliteStorage, Storage
+from .storage import FileStorage, Storage
 
 if TYPE_CHECKING:
+    from .storage.memory import MemoryStorage
     from .storage.postgres import PostgresStorage
+    from .storage.sqlite import SqliteStorage
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """`PostgresStorage` is imported on first use, so durably_py never needs psycopg unless it is used."""
-    if name == "PostgresStorage":
-        from .storage.postgres import PostgresStorage
+    """The adapters other than files are imported on first use (`durably_py.storage`): a run on files
+    imports neither the SQLite adapter nor psycopg."""
+    if name in ("MemoryStorage", "SqliteStorage", "PostgresStorage"):
+        from . import storage
 
-        return PostgresStorage
+        return getattr(storage, name)
     raise AttributeError(f"module 'durably_py' has no attribute {name!r}")
 
 

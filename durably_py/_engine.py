@@ -350,19 +350,21 @@ class Engine:
     async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
                      budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
                      on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                     torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None) -> Any:
+                     torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
+                     ends: Callable[[Any], None] | None = None) -> Any:
         """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after.
-        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs. A child run of
-        this engine's pool ends without its own fsync: its lease goes to the pool's group commit
-        (`ChildRuns.hand_over`), which makes it durable, unqueues and releases it before its parent learns
-        the outcome."""
+        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs. A run that ends
+        without its own fsync hands its lease over instead: a child run of this engine's pool to the pool's
+        group commit (`ChildRuns.hand_over`), which makes it durable, unqueues and releases it before its
+        parent learns the outcome; a run a worker serves to `ends`, the worker's group commit of the ends of
+        the runs it holds (`Storage.finish_all`)."""
         run_id = lease.run_id
         parked_on: tuple[str, ...] = ()
         grouped = stopping is None and self.children.in_pool()
         try:
             return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
                                        advisories, on_advisory, on_step, torn, wait, stopping,
-                                       end_sync=not grouped)
+                                       end_sync=not grouped and ends is None)
         except Parked as parked:
             if parked.children:
                 self.storage.join_wait(run_id, parked.children)
@@ -380,6 +382,8 @@ class Engine:
         finally:
             if grouped and history.end is not None:  # a child here: made durable with its siblings' ends
                 self.children.hand_over(lease)
+            elif ends is not None and history.end is not None:  # served: made durable with the worker's others
+                ends(lease)
             else:
                 if history.end is not None:
                     self.storage.unschedule(run_id)
@@ -444,6 +448,13 @@ class Engine:
     async def _identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
                         budget: dict[str, float] | None, at: float | None = None, priority: int = 0) -> str:
         """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
+        wire_input, input_digest, identity = self._identity_of(workflow, input, key)
+        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
+                                          at, priority)
+
+    def _identity_of(self, workflow: Workflow, input: Any, key: str | None) -> tuple[Any, str, str]:
+        """The input as recorded (checked against the workflow's schema), its digest and the identity naming
+        the run: the key, else the workflow and the digest."""
         schema = workflow.input_schema
         wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
         if schema is not None:
@@ -453,9 +464,7 @@ class Engine:
                                   hint=f"Run it without input, or give it one: `async def {workflow.name}(ctx, "
                                        "input)`.", docs="docs/running.md")
         input_digest = digest(load_value(wire_input))
-        identity = f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
-        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
-                                          at, priority)
+        return wire_input, input_digest, f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
 
     # ---- the durable queue (_queue.py) ----------------------------------------------------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
@@ -469,6 +478,15 @@ class Engine:
         this engine has no worker); `drain` works the queue off."""
         return await self.queue.enqueue(wf, input, key=key, priority=priority, delay=delay, budget=budget,
                                         checkpoint_every=checkpoint_every)
+
+    async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
+                           budget: dict[str, float] | None = None) -> builtins.list[RunHandle]:
+        """Record many pending runs at once and return their handles, in order: each item is
+        `(workflow, input)` or `(workflow, input, key)`. Like `enqueue` of each, under the same identity rules
+        (an item naming a run that exists, or an earlier item of the batch, gets that run's handle), but the
+        new runs are written `ENQUEUE_BATCH` at a time in one durable write each (one fsync or commit per
+        batch, not per run). Every item is checked before anything is written."""
+        return await self.queue.enqueue_many(runs, priority=priority, delay=delay, budget=budget)
 
     async def start(self, *, poll: float = 0.2) -> None:
         """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
@@ -600,7 +618,7 @@ class Engine:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
-        if threshold and self.storage.size(lease.run_id) > threshold:
+        if threshold and (lease.size if lease.size >= 0 else self.storage.size(lease.run_id)) > threshold:
             kept = history.compacted()
             if len(kept) <= 0.75 * len(lease.records):
                 self.storage.rewrite(lease, b"".join(log_format.encode(r) for r in kept))

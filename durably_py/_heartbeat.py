@@ -121,9 +121,7 @@ class Heartbeat:
     def remove(self, kernel: RunKernel) -> None:
         """Stop renewing `kernel`'s lease (its run ended or was abandoned)."""
         with self.lock:
-            self.runs.pop(kernel, None)
-            if not self.runs:
-                self.wake.set()
+            self.runs.pop(kernel, None)  # the thread stops at its next tick if no run came meanwhile
 
     def configure(self, ttl: float, every: float | None) -> None:
         """Use lease `ttl`, renewed every `every` seconds (None: a third of it), from the next claim and

@@ -23,6 +23,7 @@ killed, its lease lapsed) comes back: its entry stayed due while it ran.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._children import joined
@@ -30,6 +31,7 @@ from ._history import History
 from ._workflow import as_workflow
 from .errors import ValidationError
 from .storage import validate_key
+from .storage.base import NewRun
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -37,11 +39,24 @@ if TYPE_CHECKING:
     from ._worker import Worker
 
 JOIN_POLL = 0.05
+ENQUEUE_BATCH = 1000
+"""New runs `Engine.enqueue_many` writes in one durable write (`Storage.create_bound`)."""
 
 QUEUE_DOCS = "docs/running.md#the-queue"
 PARK_BACKOFF = 5.0
 """A retry backoff at least this long parks a run a worker serves (due at the backoff's end, its process free
 meanwhile); a shorter one is waited out in place, as every backoff is in a run with no worker."""
+
+
+def _item(run: Any) -> tuple[Any, Any, str | None]:
+    """One `enqueue_many` item as (workflow, input, key), checked."""
+    if not isinstance(run, tuple) or len(run) not in (2, 3):
+        raise ValidationError(f"enqueue_many takes (workflow, input) or (workflow, input, key) items, got {run!r}",
+                              hint="engine.enqueue_many([(job, 1), (job, 2, 'nightly-2')])", docs=QUEUE_DOCS)
+    key = run[2] if len(run) == 3 else None
+    if key is not None:
+        validate_key(key)
+    return as_workflow(run[0]), run[1], key
 
 
 def check_priority(priority: Any) -> int:
@@ -96,6 +111,81 @@ class RunQueue:
         self.poke()
         return RunHandle(run_id, workflow)
 
+    async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
+                           budget: dict[str, float] | None = None) -> list[RunHandle]:
+        """The body of `Engine.enqueue_many`, whose docstring says what it does."""
+        from ._engine import check_budget, new_run_id
+        from ._kernel import RunHandle
+
+        priority = check_priority(priority)
+        delay = check_delay(delay)
+        budget = check_budget(budget) if budget is not None else self.engine.budget
+        items = [_item(run) for run in runs]
+        engine = self.engine
+        named = [(workflow, input, key, *engine._identity_of(workflow, input, key)) for workflow, input, key in items]
+        at = time.time() + delay if delay else None
+        ids: list[str | None] = [None] * len(named)
+        for start in range(0, len(named), ENQUEUE_BATCH):
+            chunk = range(start, min(start + ENQUEUE_BATCH, len(named)))
+            await self._enqueue_chunk(named, chunk, ids, at, priority, budget, new_run_id)
+        self.enqueued.update(r for r in ids if r is not None)
+        self.poke()
+        return [RunHandle(run_id, workflow) for run_id, (workflow, *_) in zip(ids, named, strict=True)
+                if run_id is not None]
+
+    async def _enqueue_chunk(self, named: list[tuple[Any, ...]], chunk: range, ids: list[str | None],
+                             at: float | None, priority: int, budget: dict[str, float] | None,
+                             new_run_id: Any) -> None:
+        """Find or create the runs of `chunk` (indexes into `named`), new ones in one `create_bound`; an item
+        whose identity another process is binding right now, or lost to one, goes the way `enqueue` goes."""
+        engine = self.engine
+        storage = engine.storage
+        first: dict[str, int] = {}  # identity -> the first item of the chunk naming it
+        for i in chunk:
+            first.setdefault(named[i][5], i)
+        unique = list(first.values())
+        fresh: list[int] = []
+        slow: list[int] = []
+        bound = storage.lookup_many([named[i][5] for i in unique])
+        expect: dict[int, str | None] = {}
+        for i, previous in zip(unique, bound, strict=True):
+            workflow, input, key, wire_input, input_digest, identity = named[i]
+            if previous is None:
+                fresh.append(i)
+                expect[i] = None
+                continue
+            info = storage.info(previous)
+            if info is None:
+                slow.append(i)  # bound by another process that is writing its header now
+                continue
+            engine._valid(info)
+            if key is not None and info.header.get("input_digest") != input_digest:
+                slow.append(i)  # `enqueue` raises the key conflict, naming the bound run
+                continue
+            if info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
+                fresh.append(i)
+                expect[i] = previous
+                continue
+            ids[i] = previous
+        batch = []
+        for i in fresh:
+            workflow, input, key, wire_input, input_digest, identity = named[i]
+            run_id = new_run_id(workflow.name)
+            header = engine._header(run_id, workflow, wire_input, input_digest, key, identity, budget)
+            batch.append(NewRun(run_id, header, identity, expect[i], at=at, priority=priority))
+        lost = storage.create_bound(batch) if batch else None
+        for n, run in enumerate(batch):
+            if lost is not None and run.identity == lost:
+                slow.extend(fresh[n:])
+                break
+            ids[fresh[n]] = run.run_id
+        for i in sorted(slow):
+            workflow, input, key, *_ = named[i]
+            ids[i] = await engine._identify(workflow, input, key, False, budget, at=at, priority=priority)
+        for i in chunk:
+            if ids[i] is None:
+                ids[i] = ids[first[named[i][5]]]
+
     async def start(self, *, poll: float = 0.2) -> None:
         """The body of `Engine.start`, whose docstring says what it does."""
         from ._worker import Worker
@@ -122,11 +212,16 @@ class RunQueue:
             await self.start()
         worker = self.worker
         assert worker is not None
+        waiting = list(self.enqueued)
         try:
             while True:
-                waiting = [r for r in self.enqueued if not self._settled(r)]
-                if not waiting and not worker.active and not self.engine.storage.due(1, skip=worker.skipped()):
-                    return
+                while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
+                    waiting.pop()
+                if not waiting and not worker.active and not worker.ending \
+                        and not self.engine.storage.due(1, skip=worker.skipped()):
+                    waiting = [r for r in self.enqueued if not self._settled(r)]  # one that was queued again
+                    if not waiting:
+                        return
                 await worker.settled(JOIN_POLL * 4)
         finally:
             if started:

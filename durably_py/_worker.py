@@ -14,6 +14,7 @@ once, so another worker takes it over without waiting for a lease to lapse.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import sys
@@ -29,6 +30,7 @@ from .errors import DurablyError, RunCancelledError, ValidationError
 if TYPE_CHECKING:
     from ._engine import Engine
 
+ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
 SETTINGS_DOCS = "docs/deploying.md#settings"
 
@@ -50,6 +52,48 @@ def check_poll(poll: Any) -> float:
     return float(poll)
 
 
+class EndCommit:
+    """Group commit of the ends of the runs one worker holds. A served run that ended hands its lease here and
+    waits: every lease handed over while the previous commit was under way goes into the next one, a single
+    `Storage.finish_all` on a worker thread (one fsync or durable commit for all of them, each run out of the
+    queue and released), so a worker running several runs at once pays one durable write for several ends."""
+
+    def __init__(self, storage: Any, run_in_thread: Callable[[Callable[[], Any]], Any]) -> None:
+        self.storage = storage
+        self.run_in_thread = run_in_thread
+        self.waiting: list[tuple[Any, asyncio.Future[BaseException | None]]] = []
+        self.task: asyncio.Task[None] | None = None
+        self.commits = 0
+
+    async def finish(self, lease: Any) -> BaseException | None:
+        """Make the ended run of `lease` durable, out of the queue and released in the next group commit; the
+        error that kept it from being so (None: done)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+        self.waiting.append((lease, done))
+        if self.task is None:
+            self.task = loop.create_task(self._commit())
+        return await asyncio.shield(done)
+
+    async def _commit(self) -> None:
+        try:
+            while self.waiting:
+                group, self.waiting = self.waiting, []
+                leases = [lease for lease, _ in group]
+                try:
+                    errors = await self.run_in_thread(functools.partial(self.storage.finish_all, leases))
+                except Exception as exc:  # noqa: BLE001 - each run's own outcome: its end is recorded again later
+                    errors = [exc] * len(group)
+                    for lease in leases:
+                        self.storage.release(lease)
+                self.commits += 1
+                for (_, done), error in zip(group, errors, strict=True):
+                    if not done.done():
+                        done.set_result(error)
+        finally:
+            self.task = None
+
+
 class Worker:
     """One worker loop over an engine's storage, running at most `concurrency` runs at once, of the workflows
     its engine's `code` claims (`CodeSource.claims`)."""
@@ -64,6 +108,7 @@ class Worker:
         self.pruned = 0
         self.log = log
         self.active: dict[str, asyncio.Task[None]] = {}
+        self.ending: dict[str, asyncio.Task[None]] = {}  # ended runs waiting for the group commit: no slot held
         self.stopped: list[str] = []
         self.ran = 0
         self.finished = False
@@ -74,6 +119,8 @@ class Worker:
         self._skip: dict[str, float] = {}
         self._advertised_at = 0.0
         self.started = time.time()
+        self.ends = EndCommit(engine.storage, lambda call: asyncio.get_running_loop().run_in_executor(
+            engine.executor, call))
 
     # ---- control --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -109,7 +156,7 @@ class Worker:
     def skipped(self) -> tuple[str, ...]:
         """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
         now = time.monotonic()
-        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active)
+        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
 
     async def settled(self, timeout: float) -> None:
         """Wait until a run this worker ran stops, or `timeout` seconds."""
@@ -130,6 +177,7 @@ class Worker:
     async def _loop(self) -> None:
         engine = self.engine
         assert self._wake is not None
+        unwatch = self._watch()
         try:
             while not self._stopping:
                 self._advertise()
@@ -155,20 +203,53 @@ class Worker:
                 self._wake.clear()
                 waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
                 try:
-                    await asyncio.wait([*waits, *self.active.values()], timeout=self.poll,
+                    await asyncio.wait([*waits, *self.active.values()], timeout=self._idle(free > claimed),
                                        return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for w in waits:
                         w.cancel()
         finally:
             self._stopping = True
-            if self.active:
-                await asyncio.gather(*self.active.values(), return_exceptions=True)
+            if unwatch is not None:
+                unwatch()
+            while self.active or self.ending:
+                await asyncio.gather(*self.active.values(), *self.ending.values(), return_exceptions=True)
             try:
                 engine.storage.retire(engine.owner)
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
                 self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _watch(self) -> Callable[[], None] | None:
+        """Have the storage poke this loop whenever another process makes work due (`Storage.watch`: local
+        wake-ups for a shared directory or SQLite file, LISTEN/NOTIFY on PostgreSQL); None: polling only."""
+        watch = getattr(self.engine.storage, "watch", None)
+        if watch is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def poke() -> None:
+            try:
+                loop.call_soon_threadsafe(self.poke)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        try:
+            return watch(poke)
+        except Exception as exc:  # noqa: BLE001 - the poll still finds the work
+            self._say(f"watching for new work failed: {type(exc).__name__}: {exc}; polling every {self.poll:g}s")
+            return None
+
+    def _idle(self, drained: bool) -> float:
+        """How long to wait for a poke before looking again: the poll, or less when a queued run falls due
+        sooner (a sleep ending, a backoff over), looked up once the due work is `drained`."""
+        if not drained:
+            return self.poll
+        try:
+            soonest = self.engine.storage.next_due()
+        except Exception:  # noqa: BLE001 - a storage hiccup: the poll interval
+            return self.poll
+        return self.poll if soonest is None else min(self.poll, max(0.0, soonest - time.time()))
 
     def _advertise(self) -> None:
         """Tell the storage, every third of the lease, that this worker is live and which workflows it serves
@@ -231,10 +312,21 @@ class Worker:
                 self._say(f"{run_id}: {exc} (retrying in {SKIP_SECONDS:g}s)")
                 return
             self._say(f"{run_id}: running {history.header.get('workflow')}")
+            ended: list[Any] = []
             try:
-                await engine._drive(workflow, lease, history, history.header.get("input"), history.budget,
-                                    engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
-                                    stopping=lambda: self._stopping)
+                try:
+                    await engine._drive(workflow, lease, history, history.header.get("input"), history.budget,
+                                        engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
+                                        stopping=lambda: self._stopping, ends=ended.append)
+                finally:
+                    for done in ended:  # its end made durable with the others' before anything says it ended
+                        if len(self.ending) < ENDING_MAX * self.concurrency and run_id in self.active:
+                            self.ending[run_id] = self.active.pop(run_id)  # its slot is free meanwhile
+                            self.poke()
+                        error = await self.ends.finish(done)
+                        if error is not None:
+                            self._say(f"{run_id}: its end could not be made durable ({type(error).__name__}: "
+                                      f"{error}); it leaves the queue when the run is next claimed")
             except Parked as parked:
                 if parked.status == "interrupted":
                     self.stopped.append(run_id)
@@ -252,6 +344,7 @@ class Worker:
             engine.storage.release(lease)
         finally:
             self.active.pop(run_id, None)
+            self.ending.pop(run_id, None)
             if self._changed is not None:
                 self._changed.set()
             self.poke()

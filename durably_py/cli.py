@@ -1822,35 +1822,79 @@ def enqueue(
                                           help="Higher runs first among due runs.")] = 0,
     delay: Annotated[str | None, typer.Option("--delay", metavar="SECONDS",
                                               help="Not due before this long from now: 30, 30s, 5m, 2h.")] = None,
+    lines: Annotated[str | None, typer.Option("--from", metavar="FILE|-",
+                                              help="Enqueue one run per line of a JSON-lines file (- reads "
+                                                   "stdin): each line {\"input\": ..., \"key\": ...}, both "
+                                                   "optional; written a batch at a time.")] = None,
     dir: DirOption = None,
     storage: StorageOption = None,
     as_json: JsonOption = False,
     debug: DebugOption = False,
 ) -> None:
-    """Record a pending run of one of SCRIPT's workflows and print its id; a worker runs it when due."""
+    """Record a pending run of one of SCRIPT's workflows and print its id; a worker runs it when due. With
+    --from, one run per line of a JSON-lines file or stdin, in batches of one durable write each, printing
+    their ids in order."""
     with _guard(debug):
         settings = settings_for(dir, storage)
         if not script.is_file():
             raise ValidationError(f"no script file {str(script)!r}",
                                   hint="Pass the path of a Python file, e.g. durably enqueue jobs.py -w nightly.")
+        if lines is not None and (input is not None or key is not None):
+            raise ValidationError("--from gives each run its input and key: it takes no --input or --key",
+                                  hint='Put them in each line: {"input": {"n": 1}, "key": "job-1"}.',
+                                  docs="docs/cli.md#durably-enqueue")
         seconds = parse_duration(delay) if delay is not None else 0.0
-        value = _parse_input(input)
+        items = _enqueue_lines(lines) if lines is not None else None
+        value = _parse_input(input) if items is None else None
         script = script.resolve()
         with _environment(script, settings, []):
             _import_script(script)
             wf = _find_workflow(workflow, script)
-            check_input_given(wf, input is not None, script, "enqueue")
-            handle = asyncio.run(open_engine(settings).enqueue(wf, value, key=key, priority=priority,
-                                                               delay=seconds))
+            engine = open_engine(settings)
+            if items is None:
+                check_input_given(wf, input is not None, script, "enqueue")
+                handles = [asyncio.run(engine.enqueue(wf, value, key=key, priority=priority, delay=seconds))]
+            else:
+                handles = asyncio.run(engine.enqueue_many([(wf, item_input, item_key) for item_input, item_key
+                                                           in items], priority=priority, delay=seconds))
         if as_json:
-            _print_json({"run_id": handle.run_id})
+            _print_json({"run_id": handles[0].run_id} if items is None else
+                        {"run_ids": [handle.run_id for handle in handles]})
         else:
-            sys.stdout.write(handle.run_id + "\n")
+            sys.stdout.write("".join(handle.run_id + "\n" for handle in handles))
             if sys.stderr.isatty():
                 when = "now" if not seconds else f"in {_duration(seconds)}"
-                _err_console().print(Text(f"{handle.run_id} is pending (due {when}, priority {priority}): nothing "
-                                          f"runs it until a worker does: `durably worker --import {script.name}`",
-                                          "bright_black"))
+                what = handles[0].run_id + " is" if len(handles) == 1 else f"{len(handles):,} runs are"
+                _err_console().print(Text(f"{what} pending (due {when}, priority {priority}): nothing runs "
+                                          f"{'it' if len(handles) == 1 else 'them'} until a worker does: "
+                                          f"`durably worker --import {script.name}`", "bright_black"))
+
+
+def _enqueue_lines(source: str) -> list[tuple[Any, str | None]]:
+    """(input, key) of each non-blank line of `source` (a path, or - for stdin), every line checked before
+    anything is enqueued."""
+    where = "stdin" if source == "-" else source
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"cannot read {where}: {exc}", hint="Pass a readable JSON-lines file, or - for stdin.",
+                              docs="docs/cli.md#durably-enqueue") from None
+    items: list[tuple[Any, str | None]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            item = exc
+        if not isinstance(item, dict) or set(item) - {"input", "key"} or \
+                not isinstance(item.get("key"), str | type(None)):
+            raise ValidationError(f"line {number} of {where} is not {{\"input\": ..., \"key\": \"...\"}}: {line[:80]!r}",
+                                  hint='Each line is a JSON object with an optional "input" and an optional '
+                                       'string "key", e.g. {"input": {"n": 1}, "key": "job-1"}; nothing was '
+                                       "enqueued.", docs="docs/cli.md#durably-enqueue")
+        items.append((item.get("input"), item.get("key")))
+    return items
 
 
 @app.command()

@@ -1325,3 +1325,90 @@ def test_a_wait_or_signal_name_no_adapter_can_store_fails_before_anything_is_rec
         with pytest.raises(ValidationError):
             asyncio.run(engine.signal(run.run_id, bad))
     assert store.inbox(run.run_id) == []
+
+
+# ---- group commits, next due time, batched creation with due times ---------------------------------------------
+
+def test_finish_all_ends_several_runs_in_one_group_commit(store) -> None:
+    """Each lease's appends durable, each run out of the queue and released, in one commit; a lost lease is
+    reported for its run alone, whose entry stays; a parent waiting in a join is made due by its last child."""
+    store.create("p", header("p"))
+    leases = []
+    for name in ("c0", "c1", "solo"):
+        store.create(name, header(name, parent="p" if name != "solo" else None))
+    assert store.join_wait("p", ("c0", "c1")) is False
+    for name in ("c0", "c1", "solo"):
+        lease = store.claim(name, "me", LONG)
+        store.append(lease, line(t="end", status="completed", result=1, error=None, ts=1.0))
+        leases.append(lease)
+    stale = store.claim("p", "me", LONG)
+    store.release(stale)
+    fsyncs = store.fsyncs
+    errors = store.finish_all([*leases, stale])
+    assert errors[:3] == [None, None, None] and isinstance(errors[3], LeaseLostError)
+    if not isinstance(store, MemoryStorage):  # memory counts a would-be fsync per lease
+        assert store.fsyncs - fsyncs == 1, "one group commit (a syncfs, one WAL fsync, one durable commit)"
+    for name in ("c0", "c1", "solo"):
+        assert store.entry(name) is None and not store.held(name)
+        assert kinds(store.read(name).records)[-1] == "end"
+    assert store.entry("p") is not None and store.entry("p").at <= time.time()
+    assert store.due(10) == ["p"]
+
+
+def test_next_due_is_the_earliest_later_due_time(store) -> None:
+    now = time.time()
+    assert store.next_due() is None
+    store.create("now", header("now"))
+    assert store.next_due() is None  # due already: nothing falls due later
+    store.create("soon", header("soon"), at=now + 60)
+    store.create("later", header("later"), at=now + 600)
+    store.create("parked", header("parked"))
+    store.schedule("parked", None)
+    assert store.next_due() == pytest.approx(now + 60, abs=0.01)
+    assert store.next_due(now + 120) == pytest.approx(now + 600, abs=0.01)
+
+
+def test_create_bound_queues_each_run_at_its_due_time_and_priority(store) -> None:
+    from durably_py.storage.base import NewRun
+
+    now = time.time()
+    runs = [NewRun("a", header("a"), "id:a", at=now + 60), NewRun("b", header("b"), "id:b", priority=5),
+            NewRun("c", header("c"), "id:c")]
+    assert store.create_bound(runs) is None
+    assert store.entry("a").at == pytest.approx(now + 60, abs=0.01) and store.entry("b").priority == 5
+    assert store.due(10) == ["b", "c"]
+    with pytest.raises(ValidationError):
+        store.create_bound([NewRun("d", header("d"), "id:d", priority=True)])
+    assert store.lookup("id:d") is None
+
+
+def test_watch_tells_another_process_of_new_due_work(store, tmp_path: Path) -> None:
+    """A second adapter on the same store (another process would do the same) is told within moments that a
+    run was created, woken or queued again; memory has no other process to tell."""
+    if isinstance(store, MemoryStorage):
+        assert store.watch(lambda: None) is None
+        return
+    told = threading.Event()
+    stop = store.watch(told.set)
+    assert stop is not None
+    try:
+        other = _twin(store)
+        for act in (lambda: other.create("w1", header("w1")), lambda: other.schedule("w1", None),
+                    lambda: other.wake("w1")):
+            told.clear()
+            started_at = time.monotonic()
+            act()
+            assert told.wait(5), "no wake-up"
+            print(f"wake-up after {(time.monotonic() - started_at) * 1000:.2f} ms")
+        other.close()
+    finally:
+        stop()
+
+
+def _twin(store: Any) -> Any:
+    """Another adapter on the same store, as another process would open it."""
+    if isinstance(store, FileStorage):
+        return FileStorage(store.dir)
+    if isinstance(store, SqliteStorage):
+        return SqliteStorage(store.path)
+    return type(store)(store.dsn, schema=store.schema)

@@ -1,11 +1,14 @@
 """Storage adapters behind one protocol: files (the default), memory (tests), SQLite and PostgreSQL."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base import LOG_VERSION, Lease, Log, RunInfo, Storage, validate_key, validate_run_id
 from .file import FileStorage
-from .memory import MemoryStorage
-from .sqlite import SqliteStorage
+
+if TYPE_CHECKING:
+    from .memory import MemoryStorage
+    from .postgres import PostgresStorage
+    from .sqlite import SqliteStorage
 
 __all__ = [
     "LOG_VERSION",
@@ -23,7 +26,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import `PostgresStorage` only when asked for, so durably runs without psycopg installed."""
+    """Import an adapter other than files only when asked for: a run on files imports neither the SQLite
+    adapter nor psycopg (so durably runs without psycopg installed)."""
+    if name == "MemoryStorage":
+        from .memory import MemoryStorage
+
+        return MemoryStorage
+    if name == "SqliteStorage":
+        from .sqlite import SqliteStorage
+
+        return SqliteStorage
     if name == "PostgresStorage":
         from .postgres import PostgresStorage
 

@@ -308,6 +308,7 @@ class Lease:
     records: list[Any] = field(default_factory=list)  # the log as claimed, its claim record last
     torn: str | None = None  # a torn tail the claim trimmed, if any
     where: str = ""  # the log's location, for error messages
+    size: int = -1  # bytes of the log as claimed, its claim record included (-1: not known)
 
 
 @dataclass
@@ -433,13 +434,16 @@ class NewRun:
     """A run to create bound to an identity (see `Storage.create_bound`): `identity` must still point at
     `expect` (None: at nothing, or a run id whose run is gone) when it is bound to `run_id`. `queued` False:
     the run needs no queue entry (a child its parent's process runs at once; the parent's own entry brings
-    both back after a crash); an adapter may queue it all the same."""
+    both back after a crash); an adapter may queue it all the same. A queued run is due at `at` (None: now)
+    with `priority`, as `create` queues it."""
 
     run_id: str
     header: bytes
     identity: str
     expect: str | None = None
     queued: bool = True
+    at: float | None = None
+    priority: int = 0
 
 
 def validate_new_runs(runs: list[NewRun]) -> list[dict[str, Any]]:
@@ -450,6 +454,8 @@ def validate_new_runs(runs: list[NewRun]) -> list[dict[str, Any]]:
         validate_run_id(run.run_id)
         if run.expect is not None:
             validate_run_id(run.expect)
+        validate_at(run.at)
+        validate_priority(run.priority)
         headers.append(validate_header(run.run_id, run.header))
     return headers
 
@@ -460,12 +466,36 @@ def sync_each(storage: Any, leases: list[Lease]) -> None:
         storage.sync(lease)
 
 
+def finish_each(storage: Any, leases: list[Lease]) -> list[BaseException | None]:
+    """`Storage.finish_all` as `sync_all`, then `unschedule` and `release` of each lease, for adapters whose
+    commits cost the same grouped or not (and the fallback of the others when the group commit fails)."""
+    errors: list[BaseException | None] = []
+    try:
+        storage.sync_all(leases)
+        grouped = True
+    except Exception:  # noqa: BLE001 - each lease is then made durable (or fails) on its own
+        grouped = False
+    for lease in leases:
+        try:
+            if not grouped:
+                storage.sync(lease)
+            storage.unschedule(lease.run_id)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - this run's outcome
+            errors.append(exc)
+        finally:
+            storage.release(lease)
+    return errors
+
+
 def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
-    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way."""
+    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way
+    (every run checked before the first is bound)."""
+    validate_new_runs(runs)
     for run in runs:
         if not storage.bind(run.identity, run.run_id, expect=run.expect):
             return run.identity
-        storage.create(run.run_id, run.header)
+        storage.create(run.run_id, run.header, at=run.at, priority=run.priority)
     return None
 
 
@@ -527,6 +557,13 @@ class Storage(Protocol):
         it, instead of an fsync per log); afterwards `sync` of any of them is a no-op until it appends again.
         `LeaseLostError` if any lease is no longer current (the others may be durable by then)."""
 
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """End the runs of `leases`, whose logs end in an end record, as one group commit: make every lease's
+        appends durable (one fsync, `syncfs` or durable commit for all of them), take each run out of the queue
+        (as `unschedule`, its parent's join included) and release each lease. A worker ends the runs it holds so,
+        several at a time. The error of each lease, in order (None: done; `LeaseLostError` when it was no
+        longer current, and then its run is left as it is); every lease is released either way."""
+
     def size(self, run_id: str) -> int:
         """Bytes the run's log takes (what compaction is measured against); `RunNotFoundError` if unknown."""
 
@@ -546,7 +583,7 @@ class Storage(Protocol):
         parent's children are looked up a batch at a time)."""
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
-        """Bind each run's identity (as `bind` with its `expect`) then create it (as `create`, due now), in
+        """Bind each run's identity (as `bind` with its `expect`) then create it (as `create`, due at its `at`), in
         order, as one batch made durable once at the end (a parent's children: one fsync or commit, not one
         per child). Stops at the first identity another binding got to first and returns it (the runs before
         it stay created); None when every run was created. A crash leaves a prefix of the batch, each
@@ -620,6 +657,16 @@ class Storage(Protocol):
         """Claim up to `limit` due runs (of `workflows`, when given) in `due` order, as `claim` does each
         (with `check`, never reopening an ended run); runs another owner claims at the same moment are
         skipped, never waited for, and a damaged log is passed over."""
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest due time after `now` (default: the current time) of any queued run, None when no
+        entry falls due later (an idle worker waits until then at most, so a sleep ends on time)."""
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Call `callback` (from a thread of the adapter's) whenever another process may have made work due:
+        a run created or woken, a parent made due, a run queued again. Returns the function that stops it, or
+        None when the adapter cannot tell (workers then find new work at their next poll). Best effort: a
+        missed call costs one poll, never a run."""
 
     def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
         """Record durably that worker `owner` is live and what it serves (`info`, a JSON object), for `ttl`

@@ -79,6 +79,7 @@ from .base import (
     validate_identity,
     validate_limit,
     validate_lines,
+    validate_new_runs,
     validate_owner,
     validate_priority,
     validate_rewrite,
@@ -91,6 +92,7 @@ from .base import (
     validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, validate_page
+from .wakeup import LocalWakeups
 
 try:
     import fcntl
@@ -105,6 +107,9 @@ _T = TypeVar("_T")
 _HOST = socket.gethostname()
 _CLAIM_TRIES = 3
 _OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
+_MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
+_ENTRY = msgspec.json.Decoder()
+_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileStorage.due`
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 _registry: dict[str, _Held] = {}
 _registry_lock = threading.Lock()
@@ -303,6 +308,9 @@ class FileStorage:
         self._catalog: FileCatalog | None = None
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
+        self.wakeups = LocalWakeups(self.dir / "wake")
+        self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
+        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -358,6 +366,7 @@ class FileStorage:
         # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
         # between leaves a log without a row, which the next listing finds (``runs/`` changed)
         self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
+        self.wakeups.notify()
 
     def _new_entry(self, entry: QueueEntry) -> bool:
         """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
@@ -453,7 +462,7 @@ class FileStorage:
             self._dir_durable.discard(run_id)
             held.dir_synced = True
         self._mine.add(held)
-        return Lease(run_id, owner, epoch, {"file": held}, records, torn, path)
+        return Lease(run_id, owner, epoch, {"file": held}, records, torn, path, held.size)
 
     def _lock_run(self, run_id: str, log: Path) -> _Held | None:
         """Take the run's lock (registered in this process); None while another owner holds it."""
@@ -747,7 +756,7 @@ class FileStorage:
         call for all its files; without it each binding is fsynced before its rename and the directories once.
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
-        fields = [header_fields(validate_header(validate_run_id(run.run_id), run.header)) for run in runs]
+        fields = [header_fields(header) for header in validate_new_runs(runs)]
         grouped = _syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
@@ -762,7 +771,8 @@ class FileStorage:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         with self._queue_lock():
-            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now, 0, (), now)) for run in bound]
+            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now if run.at is None else run.at,
+                                                                run.priority, (), now)) for run in bound]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
@@ -771,6 +781,8 @@ class FileStorage:
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
         self._indexed(lambda catalog: catalog.put_many(rows))
+        if any(queued):
+            self.wakeups.notify()
         return lost
 
     def _sync_dirs(self, grouped: bool, *dirs: str) -> None:
@@ -1139,9 +1151,15 @@ class FileStorage:
 
     def _read_entry(self, run_id: str) -> QueueEntry | None:
         try:
-            raw = msgspec.json.decode(self._entry_path(run_id).read_bytes())
-        except (FileNotFoundError, msgspec.DecodeError):
+            fd = os.open(os.path.join(self._queue_path, f"{run_id}.json"), os.O_RDONLY)
+        except FileNotFoundError:
             return None
+        try:
+            raw = _ENTRY.decode(os.read(fd, 65536))
+        except msgspec.DecodeError:
+            return None
+        finally:
+            os.close(fd)
         return _entry(run_id, raw)
 
     def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
@@ -1161,6 +1179,7 @@ class FileStorage:
             self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
             self._drop_joins(run_id)
         self._indexed(lambda catalog: catalog.refresh(run_id, lazy=True))
+        self.wakeups.notify()
 
     def _drop_joins(self, run_id: str) -> None:
         """Forget the children a run waited for in a join (call with the queue lock held)."""
@@ -1193,7 +1212,9 @@ class FileStorage:
             now = time.time()
             self._write_entry(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
                                          old.created if old else now))
-            return not queued
+        if not queued:
+            self.wakeups.notify()
+        return not queued
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
@@ -1203,30 +1224,78 @@ class FileStorage:
                 and not os.path.exists(os.path.join(self._joins_path, run_id)):
             self._refresh_later(run_id)
             return
-        path = self._entry_path(run_id)
-        parent = None
+        parent = self._parent_of(run_id)
+        with self._queue_lock():
+            self._unqueue(run_id, parent)
+        self._refresh_later(run_id)
+
+    def _parent_of(self, run_id: str) -> str | None:
+        """The parent run a run's header names (None: none, or no log)."""
         try:
             with open(self._log(run_id), "rb") as f:
                 parent = (decode_record(f.readline()) or {}).get("parent")
         except FileNotFoundError:
-            pass
-        with self._queue_lock():
-            if isinstance(parent, str) and _is_run_id(parent):
-                folder = self.joins_dir / parent
-                (folder / run_id).unlink(missing_ok=True)
-                try:
-                    last = not any(True for _ in os.scandir(folder))
-                except FileNotFoundError:
-                    last = False
-                if last:  # also when a crash came between the last file's removal and the parent's wake-up
-                    old = self._read_entry(parent)
-                    now = time.time()
-                    if old is not None and (old.at is None or old.at > now):
-                        self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
-                    folder.rmdir()
-            self._drop_joins(run_id)
-            path.unlink(missing_ok=True)
-        self._refresh_later(run_id)
+            return None
+        return parent if isinstance(parent, str) and _is_run_id(parent) else None
+
+    def _unqueue(self, run_id: str, parent: str | None) -> None:
+        """`unschedule` with the queue lock held: the run's file in its parent's join goes first (the last one
+        makes the parent due), then its own joins and its entry."""
+        if parent is not None:
+            folder = self.joins_dir / parent
+            (folder / run_id).unlink(missing_ok=True)
+            try:
+                last = not any(True for _ in os.scandir(folder))
+            except FileNotFoundError:
+                last = False
+            if last:  # also when a crash came between the last file's removal and the parent's wake-up
+                old = self._read_entry(parent)
+                now = time.time()
+                if old is not None and (old.at is None or old.at > now):
+                    self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
+                    self.wakeups.notify()
+                folder.rmdir()
+        self._drop_joins(run_id)
+        self._entry_path(run_id).unlink(missing_ok=True)
+
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """One `sync_all` (a single ``syncfs`` on Linux) for every lease's log, then every run out of the queue
+        under one hold of the queue lock, then every lease released. A log that cannot be made durable (or a
+        lease no longer current) keeps its run queued: its end is recorded again by whoever claims it next."""
+        errors: list[BaseException | None] = [None] * len(leases)
+        live = []
+        for i, lease in enumerate(leases):
+            held = lease.state.get("file")
+            try:
+                if not isinstance(held, _Held):
+                    raise _lost(lease)
+                with held.mutex:
+                    held.check()
+                live.append(lease)
+            except LeaseLostError as exc:
+                errors[i] = exc
+        try:
+            self.sync_all(live)
+        except Exception:  # noqa: BLE001 - each lease on its own then, to tell which failed
+            for i, lease in enumerate(leases):
+                if errors[i] is None:
+                    try:
+                        self.sync(lease)
+                    except Exception as exc:  # noqa: BLE001 - this run's outcome
+                        errors[i] = exc
+        done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
+        try:
+            if done:
+                parents = [self._parent_of(run_id) for run_id in done]
+                with self._queue_lock():
+                    for run_id, parent in zip(done, parents, strict=True):
+                        self._unqueue(run_id, parent)
+                for run_id in done:
+                    self._refresh_later(run_id)
+        finally:
+            for lease in leases:
+                self.release(lease)
+        return errors
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
@@ -1240,26 +1309,34 @@ class FileStorage:
             if old.at is not None and old.at <= now:
                 return False
             self._write_entry(QueueEntry(run_id, now, old.priority, old.wait, old.created))
-            return True
+        self.wakeups.notify()
+        return True
 
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if it is queued."""
         return self._read_entry(validate_run_id(run_id))
 
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order."""
+        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
+        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
+        the file system's timestamp granularity), so an idle worker's looks read no entry."""
         if not self._queue_ready and self.runs_dir.exists():
             self._ensure_queue()
         try:
-            names = os.listdir(self.queue_dir)
+            mtime = os.stat(self._queue_path).st_mtime_ns
         except FileNotFoundError:
             return []
+        if self._listed is not None and self._listed[0] == mtime:
+            return self._listed[1]
+        names = os.listdir(self._queue_path)
         out = []
         for name in names:
             if name.endswith(".json") and not name.startswith(".") and _is_run_id(name[:-5]):
                 found = self._read_entry(name[:-5])
                 if found is not None:
                     out.append(found)
+        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
+        self._listed = (mtime, out) if settled else None
         return out
 
     def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
@@ -1268,18 +1345,42 @@ class FileStorage:
         `workflows`, whose header names one of them: read once per run, headers never change)."""
         validate_limit(limit)
         names = validate_workflows(workflows)
+        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
         now = time.time() if now is None else now
-        ready = sorted((e for e in self.entries() if e.at is not None and e.at <= now and e.run_id not in skip),
-                       key=due_order)
         out: list[str] = []
         for entry in ready:
             if len(out) >= limit:
                 break
-            if names is not None and self._workflow_of(entry.run_id) not in names:
+            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
                 continue
+            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
+                fresh = self._read_entry(entry.run_id)
+                if fresh is None or fresh.at is None or fresh.at > now:
+                    continue
             if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
                 out.append(entry.run_id)
+        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
+            self._ready_list = None
+            return self.due(limit, skip=skip, workflows=workflows)
         return out
+
+    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
+        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
+        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
+        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
+        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
+        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
+        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
+        present = set(os.listdir(self._queue_path)) if os.path.isdir(self._queue_path) else set()
+        kept = self._ready_list
+        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
+            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
+        ready = self._sorted_due(now)
+        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
+        return ready, False
+
+    def _sorted_due(self, now: float) -> list[QueueEntry]:
+        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
 
     def _workflow_of(self, run_id: str) -> str | None:
         """The workflow a run's header names (None: no log, or no header yet)."""
@@ -1296,6 +1397,15 @@ class FileStorage:
             self._workflows.clear()
         self._workflows[run_id] = name
         return name
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this state directory."""
+        return self.wakeups.watch(callback)
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:

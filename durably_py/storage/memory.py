@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
@@ -30,6 +31,7 @@ from .base import (
     decode_worker,
     due_order,
     ended,
+    finish_each,
     last_line,
     parse_log,
     sync_each,
@@ -223,6 +225,10 @@ class MemoryStorage:
     def sync_all(self, leases: list[Lease]) -> None:
         """`sync` each lease (a grouped commit costs what separate ones do here)."""
         sync_each(self, leases)
+
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """`sync_all`, `unschedule` and `release` of each lease (memory has nothing to group)."""
+        return finish_each(self, leases)
 
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""
@@ -438,6 +444,16 @@ class MemoryStorage:
                      and (names is None or self._runs[e.run_id].fields[0] in names)
                      and not (self._runs[e.run_id].owner is not None and self._runs[e.run_id].expires >= clock)]
         return [e.run_id for e in sorted(ready, key=due_order)[:limit]]
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return min((e.at for e in self._queue.values() if e.at is not None and e.at > now), default=None)
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """None: a memory store lives in one process, whose engine pokes its own worker."""
+        return None
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:

@@ -7,9 +7,14 @@ and ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` ord
 
 The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
 an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
-transactions. Commits run with ``synchronous_commit = on`` (set on the connection), so one that returned survives a
-crash of the database machine: `sync` has nothing left to write and only checks the lease, counting the durable
-commit in `fsyncs` as the other adapters count theirs.
+transactions. Appends, claims, renewals and queue moves commit with ``synchronous_commit = off`` (set on the
+connection): atomic at once, and on disk within the server's WAL writer delay or at the next durable commit, as
+SQLite's ``synchronous=NORMAL`` commits are. What must survive a crash of the database machine once it returns
+commits with ``synchronous_commit = on``: creating and binding runs, signals, operator records, compactions,
+deletes, `sync` (a transaction that flushes the WAL, every earlier commit of every session with it, counted in
+`fsyncs` as the other adapters count theirs) and `finish_all` (one flush for a worker's group of ended runs).
+The WAL is replayed in order, so a crash loses at most a suffix of the asynchronous commits, never one before a
+durable commit.
 
 Leases are time-based and measured on the database clock (``clock_timestamp()``), so machines whose clocks
 disagree still agree on who holds a run. A claim locks the run's row (``SELECT ... FOR UPDATE``), so two machines
@@ -25,7 +30,7 @@ import hashlib
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +88,7 @@ MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, sin
 LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
 BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
+_DURABLE = "SELECT set_config('synchronous_commit', 'on', true)"  # this transaction's commit waits for the WAL flush
 _TABLES = """
 CREATE TABLE IF NOT EXISTS {s}.runs (
     run_id TEXT PRIMARY KEY,
@@ -256,6 +262,7 @@ class PostgresStorage:
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
         s = f'"{schema}"'
+        self._channel = f"durably.{schema}"
         self._runs, self._records, self._identities, self._signals, self._queue, self._joins, self._workers = (
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
@@ -272,7 +279,7 @@ class PostgresStorage:
             psycopg = _psycopg()
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
-                conn.execute("SET synchronous_commit = on")
+                conn.execute("SET synchronous_commit = off")  # durable commits say so (`_DURABLE`)
                 if not self._exists(conn, self._workers):  # the newest table: anything older is upgraded here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
@@ -306,14 +313,17 @@ class PostgresStorage:
                              " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
     @contextmanager
-    def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
-        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`."""
+    def _cursor(self, transaction: bool = False, durable: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`; a
+        `durable` transaction's commit waits for the WAL flush (the connection's other commits do not)."""
         with self._lock:
             conn: psycopg.Connection[Any] | None = None
             try:
                 conn = self._db()  # its first use creates the schema: a full disk is reported there too
                 if transaction:
                     with conn.transaction(), conn.cursor() as cur:
+                        if durable:
+                            cur.execute(_DURABLE)
                         yield cur
                 else:
                     with conn.cursor() as cur:
@@ -326,9 +336,11 @@ class PostgresStorage:
                     raise full from exc
                 raise
 
-    def _write(self, query: str, params: tuple[Any, ...]) -> int:
-        """Run one writing statement (atomic and durable once it returns); the number of rows it changed."""
-        with self._cursor() as cur:
+    def _write(self, query: str, params: tuple[Any, ...], *, durable: bool = False) -> int:
+        """Run one writing statement (atomic once it returns; durable against a crash of the database machine
+        only when `durable`, else once a later durable commit or the server's WAL writer flushed it); the
+        number of rows it changed."""
+        with self._cursor(transaction=durable, durable=durable) as cur:
             cur.execute(query, params)
             return cur.rowcount
 
@@ -386,14 +398,17 @@ class PostgresStorage:
         validate_priority(priority)
         header = bytes(header)
         now = time.time()
-        created = self._write(
-            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
-            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-            " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
-            f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
-            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header),
-        )
+        with self._cursor(transaction=True, durable=True) as cur:
+            cur.execute(
+                f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
+                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
+                " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
+                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
+                (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header),
+            )
+            created = cur.rowcount
+            cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
 
@@ -487,7 +502,7 @@ class PostgresStorage:
             f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM claimed",
             (epoch, owner, ttl, line, good + len(line), run_id, line),
         )
-        return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id))
+        return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id), good + len(line))
 
     def _locked_log(self, cur: psycopg.Cursor[Any], run_id: str,
                     check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
@@ -528,6 +543,7 @@ class PostgresStorage:
             if line is None:
                 return True
             line = validate_lines(line)
+            cur.execute(_DURABLE)
             self._cut_torn(cur, run_id, data, good)
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
@@ -594,18 +610,45 @@ class PostgresStorage:
             raise self._lost(lease)
 
     def sync(self, lease: Lease) -> None:
-        """Check the lease and count a durable commit: with ``synchronous_commit = on`` every append already is."""
-        rows = self._fetch(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
-        if not rows or not self._mine(lease):
+        """Check the lease and, when it appended since its last sync, commit durably: a transaction given a
+        transaction id commits with ``synchronous_commit = on``, which flushes the WAL with every earlier
+        (asynchronous) commit of this and any other session in it."""
+        if not self._mine(lease):
             raise self._lost(lease)
         key = (lease.run_id, lease.epoch)
-        if self._synced.get(key) != rows[0][0]:
-            self._synced[key] = rows[0][0]
-            self.fsyncs += 1
+        with self._cursor(transaction=True, durable=True) as cur:
+            cur.execute(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
+            row = cur.fetchone()
+            if row is None:
+                raise self._lost(lease)
+            if self._synced.get(key) == row[0]:
+                return
+            cur.execute("SELECT txid_current()")
+        self._synced[key] = row[0]
+        self.fsyncs += 1
 
     def sync_all(self, leases: list[Lease]) -> None:
         """`sync` each lease (a grouped commit costs what separate ones do here)."""
         sync_each(self, leases)
+
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """One transaction for all the leases, committed durably (``synchronous_commit = on``): each lease
+        checked and released and its run's queue row (and joins) deleted; one WAL flush for the group."""
+        errors: list[BaseException | None] = []
+        with self._cursor(transaction=True, durable=True) as cur:
+            for lease in leases:
+                if self._mine(lease):
+                    cur.execute(f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL WHERE {_FENCE}",
+                                (lease.run_id, lease.epoch, lease.owner))
+                if not self._mine(lease) or cur.rowcount == 0:
+                    errors.append(self._lost(lease))
+                    continue
+                self._unschedule(cur, lease.run_id)
+                errors.append(None)
+        self.fsyncs += 1
+        for lease in leases:
+            self._synced.pop((lease.run_id, lease.epoch), None)
+        return errors
 
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""
@@ -621,7 +664,7 @@ class PostgresStorage:
         header = data[: data.index(b"\n") + 1]
         if not self._mine(lease):
             raise self._lost(lease)
-        with self._cursor(transaction=True) as cur:
+        with self._cursor(transaction=True, durable=True) as cur:
             cur.execute(
                 f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp(), state = %s"
                 f" WHERE {_FENCE}",
@@ -645,11 +688,11 @@ class PostgresStorage:
             return self._write(
                 f"INSERT INTO {self._identities} (digest, identity, run_id) VALUES (%s, %s, %s)"
                 " ON CONFLICT (digest) DO NOTHING",
-                (_digest(identity), identity, run_id),
+                (_digest(identity), identity, run_id), durable=True,
             ) == 1
         return self._write(
             f"UPDATE {self._identities} SET run_id = %s WHERE digest = %s AND run_id = %s",
-            (run_id, _digest(identity), expect),
+            (run_id, _digest(identity), expect), durable=True,
         ) == 1
 
     def lookup(self, identity: str) -> str | None:
@@ -690,7 +733,7 @@ class PostgresStorage:
     def _create_batch(self, runs: list[NewRun], digests: list[str],
                       fields: list[tuple[str | None, str | None, str | None]]) -> str | None:
         """`create_bound` of distinct identities as one transaction; `_Raced` (rolled back) if it cannot stand."""
-        with self._cursor(transaction=True) as cur:
+        with self._cursor(transaction=True, durable=True) as cur:
             cur.execute(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s) FOR UPDATE",
                         (digests,))
             bound = dict(cur.fetchall())
@@ -725,13 +768,18 @@ class PostgresStorage:
                 " FROM unnest(%s::text[], %s::bytea[], %s::text[], %s::text[], %s::text[]) AS u(r, h, w, k, p)"
                 " ON CONFLICT (run_id) DO NOTHING RETURNING run_id, header),"
                 f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-                " SELECT run_id, %s, 0, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
+                " SELECT c.run_id, coalesce(u.due, %s), u.priority, %s FROM created c"
+                " JOIN unnest(%s::text[], %s::float8[], %s::bigint[]) AS u(r, due, priority) ON u.r = c.run_id"
+                " ON CONFLICT (run_id) DO NOTHING)"
                 f" INSERT INTO {self._records} (run_id, data) SELECT run_id, header FROM created",
                 ([run.run_id for run in runs[:take]], [bytes(run.header) for run in runs[:take]],
-                 *([f[j] for f in fields[:take]] for j in range(3)), now, now),
+                 *([f[j] for f in fields[:take]] for j in range(3)), now, now,
+                 [run.run_id for run in runs[:take]], [run.at for run in runs[:take]],
+                 [run.priority for run in runs[:take]]),
             )
             if cur.rowcount != take:
                 raise _Raced()  # a run id that exists: one at a time, `create` says which
+            cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
         return lost
 
     # ---- listing ------------------------------------------------------------------------------
@@ -767,6 +815,7 @@ class PostgresStorage:
                 return 0
             if row[0]:
                 return None
+            cur.execute(_DURABLE)
             cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._records} WHERE run_id = %s", (run_id,))
             freed = int(cur.fetchone()[0])  # type: ignore[index]
             cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._signals} WHERE run_id = %s", (run_id,))
@@ -806,6 +855,7 @@ class PostgresStorage:
             (run_id, at, priority, time.time(), names, run_id, priority),
         ) == 0:
             raise self._missing(run_id)
+        self._notify()
 
     def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
@@ -831,6 +881,8 @@ class PostgresStorage:
             cur.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created, wait) VALUES (%s, %s, 0, %s, '{{}}')"
                         " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait",
                         (run_id, due, now))
+            if not waiting:
+                cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
         return not waiting
 
     def unschedule(self, run_id: str) -> None:
@@ -840,7 +892,7 @@ class PostgresStorage:
             self._unschedule(cur, run_id)
 
     def _unschedule(self, cur: psycopg.Cursor[Any], run_id: str) -> None:
-        """Inside a transaction: `unschedule`."""
+        """Inside a transaction: `unschedule` (a parent made due is notified at the commit)."""
         now = time.time()
         cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
         cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
@@ -852,6 +904,8 @@ class PostgresStorage:
             if cur.fetchone() is None:
                 cur.execute(f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)",
                             (now, parent, now))
+                if cur.rowcount:
+                    cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
 
     def wake(self, run_id: str, name: str | None = None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
@@ -859,11 +913,61 @@ class PostgresStorage:
         if name is not None:
             validate_name(name)
         now = time.time()
-        return self._write(
+        woke = self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
             " AND (%s::text IS NULL OR %s::text = ANY(wait))",
             (now, run_id, now, name, name),
         ) > 0
+        if woke:
+            self._notify()
+        return woke
+
+    def _notify(self) -> None:
+        """Tell the workers listening on this schema (`watch`) that due work may have appeared."""
+        self._write("SELECT pg_notify(%s, '')", (self._channel,))
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        rows = self._fetch(f"SELECT min(due) FROM {self._queue} WHERE due > %s", (time.time() if now is None else now,))
+        return rows[0][0] if rows else None
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """``LISTEN`` on this schema's channel on a connection of its own, in a thread that calls `callback`
+        at every notification (and once after reconnecting, for what it may have missed meanwhile)."""
+        psycopg = _psycopg()
+        stopped = threading.Event()
+
+        def connect() -> Any:
+            conn = psycopg.connect(self.dsn, autocommit=True)
+            conn.execute(f'LISTEN "{self._channel}"')
+            return conn
+
+        try:
+            first = connect()
+        except psycopg.Error:
+            return None
+
+        def listen() -> None:
+            conn = first
+            while not stopped.is_set():
+                try:
+                    if conn is None:
+                        conn = connect()
+                        callback()
+                    for _ in conn.notifies(timeout=0.5):
+                        if stopped.is_set():
+                            break
+                        callback()
+                except psycopg.Error:
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    stopped.wait(1.0)
+            if conn is not None:
+                conn.close()
+
+        threading.Thread(target=listen, name="durably-listen", daemon=True).start()
+        return stopped.set
 
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
@@ -944,7 +1048,7 @@ class PostgresStorage:
         if self._write(
             f"INSERT INTO {self._signals} (run_id, id, data)"
             f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
-            (signal_id, line, run_id),
+            (signal_id, line, run_id), durable=True,
         ) == 0:
             raise self._missing(run_id)
         self.fsyncs += 1

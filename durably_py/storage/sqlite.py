@@ -1,6 +1,8 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
-Tables: ``runs`` (one row per run: header line, times, lease epoch/owner/expiry, last line, log size, and a
+Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
+end or operator record; ``touched`` at every other append, so a step changes no index), lease epoch/owner/expiry,
+last line, log size, and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
 ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
@@ -24,12 +26,19 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import LeaseLostError, RunNotFoundError, StorageBusyError, StorageFullError, ValidationError
+from ..errors import (
+    CorruptLogError,
+    LeaseLostError,
+    RunNotFoundError,
+    StorageBusyError,
+    StorageFullError,
+    ValidationError,
+)
 from .base import (
     Check,
     Choose,
@@ -39,7 +48,6 @@ from .base import (
     QueueEntry,
     RunInfo,
     checked,
-    claim_candidates,
     claimed,
     decode_record,
     decode_signal,
@@ -66,8 +74,9 @@ from .base import (
     validate_workflows,
 )
 from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
+from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 5  # 2 added signals, 3 the queue, 4 joins, 5 workers; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 6  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -106,6 +115,7 @@ CREATE TABLE IF NOT EXISTS queue (
     wait TEXT NOT NULL DEFAULT '[]'
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE INDEX IF NOT EXISTS queue_next ON queue (due) WHERE due IS NOT NULL;
 CREATE TABLE IF NOT EXISTS joins (
     parent TEXT NOT NULL,
     child TEXT NOT NULL,
@@ -132,7 +142,9 @@ class SqliteStorage:
         self.fsyncs = 0
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
+
         self._synced: dict[tuple[str, int], int] = {}
+        self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
 
     def __repr__(self) -> str:
         return f"SqliteStorage({self.path!r})"
@@ -165,6 +177,22 @@ class SqliteStorage:
                 self._conn.close()
                 self._conn = None
 
+    def _sync_wal(self) -> None:
+        """fsync the write-ahead log from this thread, holding no lock: every transaction committed before the
+        call is then on disk (what ``synchronous=FULL`` does at a commit, without holding the write lock
+        meanwhile); a checkpoint already made what it moved into the database file durable."""
+        for path in (f"{self.path}-wal", self.path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            break
+        self.fsyncs += 1
+
     def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         transaction; `ValidationError` if the id exists."""
@@ -174,6 +202,7 @@ class SqliteStorage:
         validate_priority(priority)
         with self._lock, _transaction(self._db()) as db:
             self._insert_run(db, run_id, bytes(header), fields, at, priority)
+        self.wakeups.notify()
 
     def _insert_run(self, db: sqlite3.Connection, run_id: str, header: bytes, fields: tuple[Any, ...],
                     at: float | None, priority: int) -> None:
@@ -218,27 +247,32 @@ class SqliteStorage:
         validate_owner(owner)
         validate_ttl(ttl)
         with self._lock, self._claiming(run_id) as db:
-            row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
-            epoch, holder, expires = row
-            now = time.time()
-            if holder is not None and expires >= now:
-                return None
-            data, records, good, torn = self._checked_log(db, run_id, check)
-            if not reopen and ended(records):
-                _unschedule(db, run_id)
-                return None
-            _cut_torn(db, run_id, data, good)
-            epoch += 1
-            line = claimed(records, epoch, owner)
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
-            db.execute(
-                "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
-                " WHERE run_id = ?",
-                (epoch, owner, now + ttl, now, line, good + len(line), run_id),
-            )
-        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id))
+            return self._claim_in(db, run_id, owner, ttl, check, reopen)
+
+    def _claim_in(self, db: sqlite3.Connection, run_id: str, owner: str, ttl: float, check: Check | None,
+                  reopen: bool) -> Lease | None:
+        """`claim` inside the caller's write transaction."""
+        row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+        epoch, holder, expires = row
+        now = time.time()
+        if holder is not None and expires >= now:
+            return None
+        data, records, good, torn = self._checked_log(db, run_id, check)
+        if not reopen and ended(records):
+            _unschedule(db, run_id)
+            return None
+        _cut_torn(db, run_id, data, good)
+        epoch += 1
+        line = claimed(records, epoch, owner)
+        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+        db.execute(
+            "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
+            " WHERE run_id = ?",
+            (epoch, owner, now + ttl, now, line, good + len(line), run_id),
+        )
+        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id), good + len(line))
 
     @contextmanager
     def _claiming(self, run_id: str) -> Iterator[sqlite3.Connection]:
@@ -345,12 +379,36 @@ class SqliteStorage:
         if type(data) is not bytes or not data.endswith(b"\n"):
             validate_lines(data)
         data = bytes(data)
-        with self._lock, _transaction(self._db()) as db:
-            if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
-                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-                self._fenced(db, lease, "state = ?", (state_after(row[0] if row else OPEN, data),))
-            self._fenced(db, lease, "updated = ?, last = ?, size = size + ?", (time.time(), last_line(data), len(data)))
+        if not (_MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data):
+            self._append_step(lease, data)
+            return
+        with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
+            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+            self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+                         (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+
+    def _append_step(self, lease: Lease, data: bytes) -> None:
+        """Append lines that change no catalog state as two statements, each its own commit: the fenced insert
+        (the append itself, atomic), then the run's row (`touched`, the last line, the size; no indexed column).
+        A crash between the two leaves the row one append behind its records, which the next claim rewrites
+        from the log, as it does after any crash."""
+        if lease.state.get("sqlite") is not self:
+            raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+        with self._lock:
+            db = self._db()
+            try:
+                cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
+                                 (data, lease.run_id, lease.epoch))
+                if cur.rowcount == 0:
+                    raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
+                           (time.time(), last_line(data), len(data), lease.run_id))
+            except sqlite3.Error as exc:
+                full = _full(exc)
+                if full is exc:
+                    raise
+                raise full from exc
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
@@ -367,6 +425,30 @@ class SqliteStorage:
     def sync_all(self, leases: list[Lease]) -> None:
         """`sync` each lease (a grouped commit costs what separate ones do here)."""
         sync_each(self, leases)
+
+    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
+        """One transaction for all the leases (each run's lease checked and released, its queue row and joins
+        deleted), then one fsync of the WAL, taken without the connection's lock (`_sync_wal`), which makes
+        their ends durable with it. Nothing of it is durable before the fsync, but a later durable commit of
+        anyone carries it (the WAL is one sequence)."""
+        errors: list[BaseException | None] = []
+        woke = False
+        with self._lock, _transaction(self._db()) as db:
+            for lease in leases:
+                try:
+                    self._fenced(db, lease, "syncs = syncs + 1, owner = NULL, lease_expires = NULL", ())
+                except LeaseLostError as exc:
+                    errors.append(exc)
+                    continue
+                woke = _unschedule(db, lease.run_id) or woke
+                errors.append(None)
+        if self.path != ":memory:":
+            self._sync_wal()
+        for lease in leases:
+            self._synced.pop((lease.run_id, lease.epoch), None)
+        if woke:
+            self.wakeups.notify()
+        return errors
 
     def size(self, run_id: str) -> int:
         """Bytes of the run's log."""
@@ -439,7 +521,9 @@ class SqliteStorage:
                     break
                 db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
                            (run.identity, run.run_id))
-                self._insert_run(db, run.run_id, bytes(run.header), found, None, 0)
+                self._insert_run(db, run.run_id, bytes(run.header), found, run.at, run.priority)
+        if runs and lost != runs[0].identity:
+            self.wakeups.notify()
         return lost
 
     def info(self, run_id: str) -> RunInfo | None:
@@ -495,16 +579,19 @@ class SqliteStorage:
             self._require(db, run_id)
             db.execute("INSERT INTO signals (run_id, id, data) VALUES (?, ?, ?)", (run_id, signal_id, line))
             name = (decode_signal(line) or {}).get("name")
-            if isinstance(name, str) and name:
-                self._wake(db, run_id, name)
+            woke = isinstance(name, str) and bool(name) and self._wake(db, run_id, name)
+        if woke:
+            self.wakeups.notify()
 
     def inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
         validate_run_id(run_id)
-        with self._lock, _transaction(self._db(), "BEGIN") as db:
-            self._require(db, run_id)
-            rows = db.execute("SELECT data FROM signals WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
-        return [signal for signal in (decode_signal(row[0]) for row in rows) if signal is not None]
+        with self._lock:  # one statement: the run's existence and its signals in one snapshot
+            rows = self._db().execute("SELECT s.data FROM runs r LEFT JOIN signals s ON s.run_id = r.run_id"
+                                      " WHERE r.run_id = ? ORDER BY s.seq", (run_id,)).fetchall()
+        if not rows:
+            raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
+        return [signal for signal in (decode_signal(row[0]) for row in rows if row[0] is not None) if signal]
 
     def ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
@@ -531,6 +618,7 @@ class SqliteStorage:
                 db.execute("INSERT INTO queue (run_id, due, priority, created, wait) VALUES (?, ?, ?, ?, ?)",
                            (run_id, at, priority or 0, time.time(), names))
             db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
+        self.wakeups.notify()
 
     def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
@@ -548,13 +636,17 @@ class SqliteStorage:
             if cur.rowcount == 0:
                 db.execute("INSERT INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                            (run_id, due, time.time()))
-            return not waiting
+        if not waiting:
+            self.wakeups.notify()
+        return not waiting
 
     def unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
-            _unschedule(db, run_id)
+            woke = _unschedule(db, run_id)
+        if woke:
+            self.wakeups.notify()
 
     def _wake(self, db: sqlite3.Connection, run_id: str, name: str | None) -> bool:
         row = db.execute("SELECT due, wait FROM queue WHERE run_id = ?", (run_id,)).fetchone()
@@ -569,7 +661,10 @@ class SqliteStorage:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
         validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
-            return self._wake(db, run_id, name)
+            woke = self._wake(db, run_id, name)
+        if woke:
+            self.wakeups.notify()
+        return woke
 
     def entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
@@ -584,26 +679,42 @@ class SqliteStorage:
         """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
         validate_limit(limit)
         names = validate_workflows(workflows)
-        now = time.time() if now is None else now
-        marks = ",".join("?" * len(skip))
-        kinds = ",".join("?" * len(names or ()))
         with self._lock:
-            rows = self._db().execute(
-                "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"
-                " WHERE q.due IS NOT NULL AND q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
-                + (f" AND q.run_id NOT IN ({marks})" if skip else "")
-                + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
-                + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
-                (now, time.time(), *skip, *(names or ()), limit)).fetchall()
-        return [row[0] for row in rows]
+            return _due(self._db(), time.time() if now is None else now, limit, skip, names)
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            row = self._db().execute("SELECT min(due) FROM queue WHERE due > ?", (now,)).fetchone()
+        return row[0]
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
+        """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this database file."""
+        return None if self.path == ":memory:" else self.wakeups.watch(callback)
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
                   check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
-        """Claim up to `limit` due runs (each claim its own transaction, fenced by the lease columns)."""
+        """Claim up to `limit` due runs in one write transaction (the due query and every claim in it; a
+        damaged log is passed over before anything of its claim is written)."""
         validate_owner(owner)
         validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
-                                check)
+        validate_limit(limit)
+        names = validate_workflows(workflows)
+        leases: list[Lease] = []
+        if limit == 0:
+            return leases
+        with self._lock, self._claiming("due runs") as db:
+            for run_id in _due(db, time.time(), 2 * limit + 2, skip, names):
+                if len(leases) >= limit:
+                    break
+                try:
+                    lease = self._claim_in(db, run_id, owner, ttl, check, False)
+                except CorruptLogError:
+                    continue
+                if lease is not None:
+                    leases.append(lease)
+        return leases
 
     # ---- workers --------------------------------------------------------------------------------
     def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
@@ -632,7 +743,8 @@ class SqliteStorage:
         with self._lock:
             rows = (
                 self._db()
-                .execute("SELECT run_id, header, last, owner, lease_expires, updated, epoch, state FROM runs "
+                .execute("SELECT run_id, header, last, owner, lease_expires, max(updated, coalesce(touched, 0)), epoch,"
+                         " state FROM runs "
                          + clause, params)
                 .fetchall()
             )
@@ -669,21 +781,41 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
             good = (decode_record(header) or {}).get("t") == "run"
             db.execute("UPDATE runs SET workflow = ?, key = ?, parent = ?, state = ? WHERE run_id = ?",
                        (*header_fields(decode_record(header)), state_after(OPEN, data) if good else OPEN, run_id))
+    if "touched" not in have:
+        db.execute("ALTER TABLE runs ADD COLUMN touched REAL")
     for statement in _CATALOG_INDEXES.split(";"):
         if statement.strip():
             db.execute(statement)
 
 
-def _unschedule(db: sqlite3.Connection, run_id: str) -> None:
+def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...],
+         names: frozenset[str] | None) -> list[str]:
+    """The due query (`SqliteStorage.due`) on the queue table's index."""
+    marks = ",".join("?" * len(skip))
+    kinds = ",".join("?" * len(names or ()))
+    rows = db.execute(
+        "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"  # +q.due: walk queue_by_due in order
+        " WHERE q.due IS NOT NULL AND +q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
+        + (f" AND q.run_id NOT IN ({marks})" if skip else "")
+        + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
+        + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
+        (now, time.time(), *skip, *(names or ()), limit)).fetchall()
+    return [row[0] for row in rows]
+
+
+def _unschedule(db: sqlite3.Connection, run_id: str) -> bool:
     """Inside a transaction: delete the run's queue row and its `joins` rows; a parent left waiting for
-    nothing is due now."""
+    nothing is due now (True when one was made due)."""
     db.execute("DELETE FROM queue WHERE run_id = ?", (run_id,))
     db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
     parents = [row[0] for row in db.execute("DELETE FROM joins WHERE child = ? RETURNING parent", (run_id,))]
     now = time.time()
+    woke = False
     for parent in parents:
         if db.execute("SELECT 1 FROM joins WHERE parent = ? LIMIT 1", (parent,)).fetchone() is None:
-            db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)", (now, parent, now))
+            woke = db.execute("UPDATE queue SET due = ? WHERE run_id = ? AND (due IS NULL OR due > ?)",
+                              (now, parent, now)).rowcount > 0 or woke
+    return woke
 
 
 def _queue_unended(db: sqlite3.Connection) -> None:
@@ -693,6 +825,15 @@ def _queue_unended(db: sqlite3.Connection) -> None:
         if (decode_record(last) or {}).get("t") != "end":
             db.execute("INSERT OR IGNORE INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                        (run_id, updated, created))
+
+
+def _full(exc: BaseException) -> BaseException:
+    """`StorageFullError` for SQLite's "database or disk is full", else `exc` itself."""
+    if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        error = StorageFullError(f"could not write to the SQLite database: {exc}; nothing of this write was kept")
+        error.errno = errno.ENOSPC
+        return error
+    return exc
 
 
 @contextmanager
@@ -705,11 +846,10 @@ def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iter
     except BaseException as exc:
         if db.in_transaction:
             db.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-            error = StorageFullError(f"could not write to the SQLite database: {exc}; nothing of this write was kept")
-            error.errno = errno.ENOSPC
-            raise error from exc
-        raise
+        full = _full(exc)
+        if full is exc:
+            raise
+        raise full from exc
 
 
 @contextmanager
