@@ -2439,6 +2439,13 @@ class RunKernel:
                 self.cancel_in_turn(self.history.cancel, recorded=True)
             try:
                 kind, value = await asyncio.shield(halted)
+            except asyncio.CancelledError:
+                tasks = turns.close()
+                try:
+                    await self.let_steps_clean_up()
+                finally:
+                    discard(tasks)
+                raise
             except BaseException:
                 discard(turns.close())
                 raise
@@ -2456,6 +2463,16 @@ class RunKernel:
             RunKernel.live -= 1
             if self.cleanup_timer is not None:
                 self.cleanup_timer.cancel()
+
+    async def let_steps_clean_up(self) -> None:
+        """Stopped from outside (Ctrl-C, a worker stopping): each step still running is cancelled and waited for,
+        so its own `except CancelledError:` or `finally:` runs to its end (nothing more of the workflow does:
+        its turns are closed); a second stop cuts the wait short."""
+        tasks = {task for task in self.running.values() if task is not None and not task.done()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def abandon_running(self) -> None:
         """The workflow ended while steps it started still ran (nobody waited for them): each is recorded as

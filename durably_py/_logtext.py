@@ -134,7 +134,7 @@ def _charge(rec: dict[str, Any]) -> list[Segment]:
 
 def _comp(rec: dict[str, Any]) -> list[Segment]:
     if rec.get("ok"):
-        return [("compensated (its compensation ran)", "yellow")]
+        return [("compensated", "yellow")]
     return [(f"compensation failed: {error_text(rec.get('e'))}", "red")]
 
 
@@ -199,7 +199,7 @@ LINES: dict[str, Callable[[dict[str, Any]], list[Segment]]] = {
     "claim": lambda rec: [(f"attempt {rec.get('epoch')} started by {owner_text(rec.get('owner'))}", "cyan")],
     "code": lambda rec: [(f"the workflow's code changed (fingerprint {rec.get('fingerprint')})", "yellow")],
     "budget": _budget,
-    "reopen": lambda rec: [("reopened: its failed and compensated steps run again", "yellow")],
+    "reopen": lambda rec: [("run reopened: its failed and compensated steps run again", "yellow")],
     "reset": _reset,
     "pause": lambda rec: [("paused", "blue")],
     "resume": lambda rec: [("resumed", "blue")],

@@ -84,9 +84,11 @@ class Cancel(Operation):
     name, request, docs = "cancel", "$cancel", "docs/operations.md#cancel"
     wait_hint = "cancel(run, timeout=30) waits up to 30 s for the running process to stop."
 
-    def __init__(self, compensate: bool = False, cleanup: float | None = None) -> None:
+    def __init__(self, compensate: bool = False, cleanup: float | None = None, default: float = 60.0,
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.compensate = compensate
         self.cleanup = cleanup
+        self.default, self.now = default, now  # the cancelling engine's window and clock, for a run it cleans up
 
     def payload(self) -> Any:
         return {"compensate": self.compensate, "cleanup": self.cleanup}
@@ -105,7 +107,8 @@ class Cancel(Operation):
         """A run that did work and has not ended is cancelled by a `cancel` record (its workflow then runs its
         clean-up, `Operations.clean_up`); one that did nothing, or failed, ends cancelled at once."""
         if history.end is None and history.cancel is None and (history.done or history.waits or history.wakes):
-            until = None if self.cleanup is None else to_iso(datetime.now(UTC) + timedelta(seconds=self.cleanup))
+            window = self.default if self.cleanup is None else self.cleanup
+            until = to_iso(self.now() + timedelta(seconds=window))
             return log_format.Cancel(compensate=self.compensate, until=until, ts=time.time())
         if history.cancel is not None and history.end is None:
             return None  # cancelled already: its clean-up is under way
@@ -323,7 +326,7 @@ class Operations:
             raise ValidationError(f"cleanup= must be seconds >= 0, got {cleanup!r}",
                                   hint="cancel(run, cleanup=30) gives the workflow 30 s to clean up.",
                                   docs=CANCEL.docs)
-        return await self.operate(Cancel(compensate, cleanup), run, timeout)
+        return await self.operate(Cancel(compensate, cleanup, self.engine.cleanup, self.engine.clock.now), run, timeout)
 
     async def clean_up(self, run_id: str) -> None:
         """A run nobody held was cancelled with a `cancel` record: run it here until it ends, its workflow

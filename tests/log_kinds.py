@@ -1,6 +1,6 @@
 """A store holding a record of every kind `records.py` defines, made the way users make them: real `durably`
 commands in subprocesses (runs, retries, a pause, a signal, a code change, a retry from a step, a stale run
-adopted, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
+adopted, a cancel, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
 
 from __future__ import annotations
 
@@ -98,6 +98,10 @@ SCRIPT = textwrap.dedent('''
             return first
 
     @workflow
+    async def stopped(ctx, n):
+        return await ctx.wait_for("never", timeout=600)
+
+    @workflow
     async def napkid(ctx, seconds):
         return await ctx.step(nap, seconds)
 
@@ -145,6 +149,10 @@ def make_every_kind(project: Path) -> dict[str, str]:
     cli(project, "retry", renamed, code=1, version="2")  # stale: 'first' is now called 'second'
     cli(project, "adopt", renamed, "--yes", "--no-wait", code=3, version="2")
 
+    cli(project, "run", "kinds.py", "-w", "stopped", "-i", "1", "--no-wait", code=3)
+    stopped = run_id_of(project, "stopped")
+    cli(project, "cancel", stopped)
+
     parent = cli(project, "enqueue", "kinds.py", "-w", "parent", "-i", "1").stdout.strip()
     worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--import", "kinds.py"],
                               cwd=project, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -157,4 +165,5 @@ def make_every_kind(project: Path) -> dict[str, str]:
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.communicate(timeout=30)
-    return {"everything": everything, "saga": saga, "renamed": renamed, "parent": parent}
+    return {"everything": everything, "saga": saga, "renamed": renamed, "parent": parent,
+            "stopped": stopped}

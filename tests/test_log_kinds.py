@@ -19,10 +19,11 @@ EXPECTED = {  # what the line of each kind says
     "claim": "attempt 1 started by pid ",
     "code": "the workflow's code changed (fingerprint ",
     "budget": "budget set to $10",
-    "reopen": "reopened: its failed and compensated steps run again",
+    "reopen": "run reopened: its failed and compensated steps run again",
     "reset": "retry from a step: (5,), (6,) run again",
     "pause": "paused",
     "resume": "resumed",
+    "cancel": "cancelled: the workflow cleans up until ",
     "stale": "stale: run renamed-",
     "end": "run completed  → 5",
     "ok": "(1,) once  ok",
@@ -36,7 +37,7 @@ EXPECTED = {  # what the line of each kind says
     "graph": "(3,) ctx.graph  task graph of 2 tasks: a, b",
     "snap": "(4,) ctx.loop  loop snapshot after iteration 1  state 2",
     "charge": "(2,)  charged $0.25, 10 tokens  (between steps)",
-    "comp": "(0,)  compensated (its compensation ran)",
+    "comp": "(0,)  compensated",
     "patch": "ctx.patched('v2') takes the new code for good",
     "adopt": "(0,)  adopted: the step now called 'second' here is the recorded 'first'",
     "adv": "advisory [INFO] WAITFOR_NO_TIMEOUT: ",
@@ -91,7 +92,7 @@ def test_inspect_shows_what_each_kind_adds(store: tuple[Path, dict[str, str]]) -
                    "attempt 1 failed after", "(4,) ctx.loop  ok", "iteration 1", "(6,) ctx.wait_for  waiting  → waiting for signal"):
         assert needle in everything, (needle, everything)
     saga = durably("inspect", runs["saga"], cwd=project, COLUMNS="250").stdout
-    assert "(0,) book  ok" in saga and "compensated" in saga and "RuntimeError: no seats" in saga
+    assert "(0,) book  compensated" in saga and "compensated" in saga and "RuntimeError: no seats" in saga
     parent = durably("inspect", runs["parent"], cwd=project, COLUMNS="250").stdout
     assert "completed" in parent and "(1,) ctx.join  ok" in parent
     renamed = durably("inspect", runs["renamed"], cwd=project, COLUMNS="250").stdout
