@@ -269,9 +269,9 @@ def test_create_bound_binds_and_creates_a_batch_in_one_transaction(postgres_stor
     cursor = store._cursor
 
     @contextmanager
-    def counted(transaction: bool = False, durable: bool = False) -> Any:
+    def counted(transaction: bool = False) -> Any:
         opened.append(transaction)
-        with cursor(transaction, durable) as cur:
+        with cursor(transaction) as cur:
             yield cur
 
     monkeypatch.setattr(store, "_cursor", counted)

@@ -389,17 +389,16 @@ class PostgresStorage:
         validate_priority(priority)
         header = bytes(header)
         now = time.time()
-        with self._cursor(transaction=True) as cur:
-            cur.execute(
-                f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
-                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-                " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
-                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
-                (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header),
-            )
-            created = cur.rowcount
-            cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
+        created = self._write(  # the CTEs run to completion whatever the SELECT reads; the notification at commit
+            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
+            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
+            " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING),"
+            f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created)"
+            " SELECT pg_notify(%s, '') FROM created",
+            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header,
+             self._channel),
+        )
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
 
