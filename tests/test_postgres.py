@@ -362,6 +362,6 @@ def test_every_write_survives_a_crash_of_a_server_that_commits_asynchronously_by
         assert [r["t"] for r in store.read(ids[1]).records] == ["run", "claim", "end"]
         assert store.entry(ids[1]) is None and not store.held(ids[1])
         assert store.entry(ids[2]).at == 4e9
-        print(f"\n  3 enqueued, 1 signal, 10 steps, 1 group commit, 1 queue move: all there after two server crashes")
+        print("\n  3 enqueued, 1 signal, 10 steps, 1 group commit, 1 queue move: all there after two server crashes")
     finally:
         server.remove()
