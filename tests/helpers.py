@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import select
 import subprocess
 import sys
@@ -147,3 +148,86 @@ def fan_out_sum(count: int) -> str:
     """What `FAN_OUT`'s `mom(count)` prints."""
     return str(sum(n * (n + 1) for n in range(count)))
 
+
+PG_BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/usr/pgsql-*/bin", "/opt/homebrew/opt/postgresql*/bin",
+                "/usr/local/opt/postgresql*/bin", "/usr/local/pgsql/bin")
+
+
+def pg_bindir() -> Path | None:
+    """The directory holding `initdb` and `pg_ctl`: on PATH, else the newest versioned install."""
+    import glob
+    import shutil
+
+    found = shutil.which("pg_ctl")
+    if found and shutil.which("initdb"):
+        return Path(found).resolve().parent
+    candidates = [Path(d) for pattern in PG_BIN_GLOBS for d in glob.glob(pattern)]
+    candidates = [d for d in candidates if (d / "initdb").exists() and (d / "pg_ctl").exists()]
+    candidates.sort(key=lambda d: [int(p) if p.isdigit() else 0 for p in re.split(r"\D+", str(d)) if p])
+    return candidates[-1] if candidates else None
+
+
+class PgServer:
+    """A throwaway PostgreSQL server in a temp dir, listening only on a unix socket there (run as the
+    'postgres' user when this process is root); `start` skips the test with the reason when it cannot."""
+
+    def __init__(self, options: str = "") -> None:
+        import shutil
+
+        self.bindir = pg_bindir()
+        if self.bindir is None:
+            pytest.skip("PostgreSQL tests need the server binaries (initdb, pg_ctl): none on PATH or in "
+                        + ", ".join(PG_BIN_GLOBS) + " (apt-get install postgresql)")
+        self.prefix: list[str] = []
+        owner: tuple[int, int] | None = None
+        if os.geteuid() == 0:
+            import pwd
+
+            try:
+                entry = pwd.getpwnam("postgres")
+            except KeyError:
+                pytest.skip("PostgreSQL refuses to run as root and there is no 'postgres' system user to run it as")
+            runuser = shutil.which("runuser")
+            if runuser is None:
+                pytest.skip("PostgreSQL refuses to run as root and `runuser` is missing to run it as 'postgres'")
+            self.prefix, owner = [runuser, "-u", "postgres", "--"], (entry.pw_uid, entry.pw_gid)
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="durably-pg-"))
+        if owner is not None:
+            os.chown(self.root, *owner)
+        self.data, self.log = self.root / "data", self.root / "server.log"
+        self.options = f"-k {self.root} -c listen_addresses='' {options}"
+        self.dsn = f"host={self.root} user=postgres dbname=postgres"
+
+    def call(self, *args: str) -> Any:
+        import subprocess
+
+        return subprocess.run([*self.prefix, *args], cwd=self.root, capture_output=True, text=True, timeout=60)
+
+    def start(self) -> None:
+        """initdb (the first time) and start the server."""
+        done = None
+        if not self.data.exists():
+            done = self.call(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                             "-E", "UTF8", "--no-sync")
+        if done is None or done.returncode == 0:
+            done = self.call(str(self.bindir / "pg_ctl"), "start", "-w", "-t", "30", "-D", str(self.data),
+                             "-l", str(self.log), "-o", self.options)
+        if done.returncode != 0:
+            server_log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            self.remove()
+            pytest.skip(f"could not start a PostgreSQL server from {self.bindir}: {done.stderr.strip()[-1000:]} "
+                        f"{server_log}")
+
+    def crash(self) -> None:
+        """Stop the server the way a crash does: at once, no shutdown checkpoint, what it held in memory lost."""
+        self.call(str(self.bindir / "pg_ctl"), "stop", "-D", str(self.data), "-m", "immediate", "-w")
+
+    def remove(self) -> None:
+        """Stop the server and delete its files."""
+        import shutil
+
+        if self.data.exists():
+            self.crash()
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import Stop
+from helpers import PgServer, Stop
 
 from durably_py import LeaseLostError, RunNotFoundError, ValidationError, create_engine, workflow
 from durably_py.storage import Lease, PostgresStorage, Storage
@@ -269,9 +269,9 @@ def test_create_bound_binds_and_creates_a_batch_in_one_transaction(postgres_stor
     cursor = store._cursor
 
     @contextmanager
-    def counted(transaction: bool = False, durable: bool = False) -> Any:
+    def counted(transaction: bool = False) -> Any:
         opened.append(transaction)
-        with cursor(transaction, durable) as cur:
+        with cursor(transaction) as cur:
             yield cur
 
     monkeypatch.setattr(store, "_cursor", counted)
@@ -322,3 +322,46 @@ def test_lookup_many_is_one_round_trip_and_none_for_no_identities(postgres_stora
     assert len(statements) == 1
     assert store.lookup_many([]) == [] and len(statements) == 1
     assert PostgresStorage("host=/nonexistent dbname=none").lookup_many([]) == []  # never connects
+
+
+@workflow
+async def pg_crashed(ctx: Any, n: int) -> int:
+    return await ctx.step(int, n)
+
+
+def test_every_write_survives_a_crash_of_a_server_that_commits_asynchronously_by_default() -> None:
+    """A server whose default is ``synchronous_commit = off`` (and a WAL writer that flushes only every 10 s)
+    is stopped as a crash stops it, at once, right after writes return; after its restart each write is there:
+    the adapter commits durably whatever the server's default (a step, a claim, an enqueue, a signal, a queue
+    move, a group commit of ends)."""
+    server = PgServer("-c fsync=off -c synchronous_commit=off -c wal_writer_delay=10000ms")
+    server.start()
+    try:
+        store = PostgresStorage(server.dsn, schema="crash")
+        ids = [h.run_id for h in asyncio.run(create_engine(store).enqueue_many([(pg_crashed, n) for n in range(3)]))]
+        store.send(ids[0], msgspec.json.encode({"id": "s1", "name": "go"}) + b"\n")
+        lease = store.claim(ids[0], "me", LONG)
+        assert lease is not None
+        for i in range(10):
+            store.append(lease, line(t="step", i=i))
+        server.crash()  # the steps were the last writes
+        server.start()
+        store = PostgresStorage(server.dsn, schema="crash")
+        records = store.read(ids[0]).records
+        assert [r["t"] for r in records] == ["run", "claim"] + ["step"] * 10, records
+        assert [s["id"] for s in store.inbox(ids[0])] == ["s1"]
+        assert all(store.entry(run_id) is not None for run_id in ids)
+        lease = store.claim(ids[1], "me", LONG)
+        assert lease is not None
+        store.append(lease, line(t="end", status="completed"))
+        assert store.finish_all([lease]) == [None]
+        store.schedule(ids[2], 4e9)
+        server.crash()  # a group commit of ends, then a queue move
+        server.start()
+        store = PostgresStorage(server.dsn, schema="crash")
+        assert [r["t"] for r in store.read(ids[1]).records] == ["run", "claim", "end"]
+        assert store.entry(ids[1]) is None and not store.held(ids[1])
+        assert store.entry(ids[2]).at == 4e9
+        print("\n  3 enqueued, 1 signal, 10 steps, 1 group commit, 1 queue move: all there after two server crashes")
+    finally:
+        server.remove()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _pg_bindir
+from helpers import pg_bindir
 
 from durably_py import create_engine, workflow
 from durably_py.errors import DurablyError, StorageFullError
@@ -43,7 +43,7 @@ class Server:
     """A private PostgreSQL server whose files may not grow past `LIMIT` bytes until `unlimit()`."""
 
     def __init__(self) -> None:
-        bindir = _pg_bindir()
+        bindir = pg_bindir()
         if bindir is None:
             pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl)")
         pytest.importorskip("psycopg")

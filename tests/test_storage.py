@@ -444,6 +444,15 @@ def test_create_bound_of_one_identity_twice_in_a_batch_acts_as_binds_in_order(st
     assert store.lookup("chain") == "e1" and store.read("e0") is not None and store.read("e1") is not None
 
 
+def test_create_bound_of_a_run_id_that_exists_is_an_error_naming_it(store: Any) -> None:
+    from durably_py.storage.base import NewRun
+
+    store.create("x0", header("x0"))
+    with pytest.raises(ValidationError, match="x0 already exists"):
+        store.create_bound([NewRun("x1", header("x1"), "id:x1"), NewRun("x0", header("x0"), "id:x0")])
+    assert len(store.read("x0").records) == 1  # the run that existed is left as it was
+
+
 def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
     store.create("old", header("old", workflow="a"))
     time.sleep(0.02)

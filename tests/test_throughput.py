@@ -133,6 +133,16 @@ def test_durably_enqueue_from_a_json_lines_file_and_stdin(tmp_path: Path) -> Non
     assert asyncio.run(engine.count()) == 52
 
 
+def _url(kind: str, store: Any) -> str:
+    """The `--storage` URL of `store` for a worker process."""
+    if kind == "file":
+        return str(store.dir)
+    if kind == "sqlite":
+        return f"sqlite:{store.path}"
+    dsn = dict(part.split("=", 1) for part in store.dsn.split())
+    return f"postgresql://{dsn['user']}@localhost/{dsn['dbname']}?host={dsn['host']}&schema={store.schema}"
+
+
 def _result(engine: Any, run_id: str) -> Any:
     wait_until(lambda: (info := engine.storage.info(run_id)) is not None and info.last.get("t") == "end", 30)
     return engine.storage.info(run_id).last["result"]
@@ -145,8 +155,7 @@ def test_an_idle_worker_is_woken_at_once_not_at_its_next_poll(kind: str, tmp_pat
     fraction of that: the storage woke it (local wake-ups, LISTEN/NOTIFY) or it waited for the next due time."""
     jobs, env = _jobs(tmp_path)
     store = storage_of(kind, tmp_path, request)
-    url = {"file": lambda: str(store.dir), "sqlite": lambda: f"sqlite:{store.path}",
-           "postgres": lambda: f"{_pg_url(store)}"}[kind]()
+    url = _url(kind, store)
     engine = create_engine(store)
     for name in ("tp_quick", "tp_sleeper", "tp_asker"):
         REGISTRY.pop(name, None)
@@ -184,20 +193,19 @@ def test_an_idle_worker_is_woken_at_once_not_at_its_next_poll(kind: str, tmp_pat
     assert all(seconds < 2.5 for seconds in found.values()), found  # the poll alone would take up to 5 s
 
 
-def _pg_url(store: Any) -> str:
-    dsn = dict(part.split("=", 1) for part in store.dsn.split())
-    return f"postgresql://{dsn['user']}@localhost/{dsn['dbname']}?host={dsn['host']}&schema={store.schema}"
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite"])
-def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind: str, tmp_path: Path,
+                                                                           request: pytest.FixtureRequest) -> None:
     """Three `durably worker -c 8` processes drain 3,000 two-step runs enqueued in batches while one is SIGKILLed
     every 0.1-0.3 s (mostly inside a group commit of ends: that is where a worker spends its time between
     runs) and replaced. Every run reported enqueued completes; no step of a run runs again after the run's end
     was recorded, and no run is claimed after its end."""
     jobs, env = _jobs(tmp_path)
-    url = str(tmp_path / "state") if kind == "file" else f"sqlite:{tmp_path / 'runs.db'}"
-    engine = create_engine(url)
+    store = storage_of(kind, tmp_path, request)
+    url = _url(kind, store)
+    engine = create_engine(store)
     for name in ("tp_quick", "tp_sleeper", "tp_asker"):
         REGISTRY.pop(name, None)
     load_script(jobs)

@@ -7,14 +7,11 @@ and ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` ord
 
 The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
 an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
-transactions. Appends, claims, renewals and queue moves commit with ``synchronous_commit = off`` (set on the
-connection): atomic at once, and on disk within the server's WAL writer delay or at the next durable commit, as
-SQLite's ``synchronous=NORMAL`` commits are. What must survive a crash of the database machine once it returns
-commits with ``synchronous_commit = on``: creating and binding runs, signals, operator records, compactions,
-deletes, `sync` (a transaction that flushes the WAL, every earlier commit of every session with it, counted in
-`fsyncs` as the other adapters count theirs) and `finish_all` (one flush for a worker's group of ended runs).
-The WAL is replayed in order, so a crash loses at most a suffix of the asynchronous commits, never one before a
-durable commit.
+transactions. Every commit runs with ``synchronous_commit = on`` (set on the connection), so one that returned
+survives a crash of the database server or its machine: a recorded step, a run's end, an enqueue, a signal and a
+claim are on disk before the caller hears of them. `sync` has nothing left to write and only checks the lease,
+counting the durable commit in `fsyncs` as the other adapters count theirs; `finish_all` ends a worker's group of
+runs in one transaction, so one WAL flush.
 
 Leases are time-based and measured on the database clock (``clock_timestamp()``), so machines whose clocks
 disagree still agree on who holds a run. A claim locks the run's row (``SELECT ... FOR UPDATE``), so two machines
@@ -88,7 +85,6 @@ MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, sin
 LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
 BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
-_DURABLE = "SELECT set_config('synchronous_commit', 'on', true)"  # this transaction's commit waits for the WAL flush
 _TABLES = """
 CREATE TABLE IF NOT EXISTS {s}.runs (
     run_id TEXT PRIMARY KEY,
@@ -279,7 +275,7 @@ class PostgresStorage:
             psycopg = _psycopg()
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
-                conn.execute("SET synchronous_commit = off")  # durable commits say so (`_DURABLE`)
+                conn.execute("SET synchronous_commit = on")  # whatever the server's default: every commit is durable
                 if not self._exists(conn, self._workers):  # the newest table: anything older is upgraded here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
@@ -313,17 +309,14 @@ class PostgresStorage:
                              " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
     @contextmanager
-    def _cursor(self, transaction: bool = False, durable: bool = False) -> Iterator[psycopg.Cursor[Any]]:
-        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`; a
-        `durable` transaction's commit waits for the WAL flush (the connection's other commits do not)."""
+    def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`."""
         with self._lock:
             conn: psycopg.Connection[Any] | None = None
             try:
                 conn = self._db()  # its first use creates the schema: a full disk is reported there too
                 if transaction:
                     with conn.transaction(), conn.cursor() as cur:
-                        if durable:
-                            cur.execute(_DURABLE)
                         yield cur
                 else:
                     with conn.cursor() as cur:
@@ -336,11 +329,9 @@ class PostgresStorage:
                     raise full from exc
                 raise
 
-    def _write(self, query: str, params: tuple[Any, ...], *, durable: bool = False) -> int:
-        """Run one writing statement (atomic once it returns; durable against a crash of the database machine
-        only when `durable`, else once a later durable commit or the server's WAL writer flushed it); the
-        number of rows it changed."""
-        with self._cursor(transaction=durable, durable=durable) as cur:
+    def _write(self, query: str, params: tuple[Any, ...]) -> int:
+        """Run one writing statement (atomic and durable once it returns); the number of rows it changed."""
+        with self._cursor() as cur:
             cur.execute(query, params)
             return cur.rowcount
 
@@ -398,17 +389,16 @@ class PostgresStorage:
         validate_priority(priority)
         header = bytes(header)
         now = time.time()
-        with self._cursor(transaction=True, durable=True) as cur:
-            cur.execute(
-                f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
-                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-                " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING)"
-                f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created",
-                (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header),
-            )
-            created = cur.rowcount
-            cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
+        created = self._write(  # the CTEs run to completion whatever the SELECT reads; the notification at commit
+            f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
+            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
+            " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING),"
+            f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created)"
+            " SELECT pg_notify(%s, '') FROM created",
+            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header,
+             self._channel),
+        )
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
 
@@ -543,7 +533,6 @@ class PostgresStorage:
             if line is None:
                 return True
             line = validate_lines(line)
-            cur.execute(_DURABLE)
             self._cut_torn(cur, run_id, data, good)
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
@@ -610,32 +599,24 @@ class PostgresStorage:
             raise self._lost(lease)
 
     def sync(self, lease: Lease) -> None:
-        """Check the lease and, when it appended since its last sync, commit durably: a transaction given a
-        transaction id commits with ``synchronous_commit = on``, which flushes the WAL with every earlier
-        (asynchronous) commit of this and any other session in it."""
-        if not self._mine(lease):
+        """Check the lease and count a durable commit: with ``synchronous_commit = on`` every append already is."""
+        rows = self._fetch(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
+        if not rows or not self._mine(lease):
             raise self._lost(lease)
         key = (lease.run_id, lease.epoch)
-        with self._cursor(transaction=True, durable=True) as cur:
-            cur.execute(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
-            row = cur.fetchone()
-            if row is None:
-                raise self._lost(lease)
-            if self._synced.get(key) == row[0]:
-                return
-            cur.execute("SELECT txid_current()")
-        self._synced[key] = row[0]
-        self.fsyncs += 1
+        if self._synced.get(key) != rows[0][0]:
+            self._synced[key] = rows[0][0]
+            self.fsyncs += 1
 
     def sync_all(self, leases: list[Lease]) -> None:
         """`sync` each lease (a grouped commit costs what separate ones do here)."""
         sync_each(self, leases)
 
     def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
-        """One transaction for all the leases, committed durably (``synchronous_commit = on``): each lease
-        checked and released and its run's queue row (and joins) deleted; one WAL flush for the group."""
+        """One transaction for all the leases: each lease checked and released and its run's queue row (and
+        joins) deleted; one WAL flush for the group."""
         errors: list[BaseException | None] = []
-        with self._cursor(transaction=True, durable=True) as cur:
+        with self._cursor(transaction=True) as cur:
             for lease in leases:
                 if self._mine(lease):
                     cur.execute(f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL WHERE {_FENCE}",
@@ -664,7 +645,7 @@ class PostgresStorage:
         header = data[: data.index(b"\n") + 1]
         if not self._mine(lease):
             raise self._lost(lease)
-        with self._cursor(transaction=True, durable=True) as cur:
+        with self._cursor(transaction=True) as cur:
             cur.execute(
                 f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp(), state = %s"
                 f" WHERE {_FENCE}",
@@ -688,11 +669,11 @@ class PostgresStorage:
             return self._write(
                 f"INSERT INTO {self._identities} (digest, identity, run_id) VALUES (%s, %s, %s)"
                 " ON CONFLICT (digest) DO NOTHING",
-                (_digest(identity), identity, run_id), durable=True,
+                (_digest(identity), identity, run_id),
             ) == 1
         return self._write(
             f"UPDATE {self._identities} SET run_id = %s WHERE digest = %s AND run_id = %s",
-            (run_id, _digest(identity), expect), durable=True,
+            (run_id, _digest(identity), expect),
         ) == 1
 
     def lookup(self, identity: str) -> str | None:
@@ -733,7 +714,7 @@ class PostgresStorage:
     def _create_batch(self, runs: list[NewRun], digests: list[str],
                       fields: list[tuple[str | None, str | None, str | None]]) -> str | None:
         """`create_bound` of distinct identities as one transaction; `_Raced` (rolled back) if it cannot stand."""
-        with self._cursor(transaction=True, durable=True) as cur:
+        with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s) FOR UPDATE",
                         (digests,))
             bound = dict(cur.fetchall())
@@ -815,7 +796,6 @@ class PostgresStorage:
                 return 0
             if row[0]:
                 return None
-            cur.execute(_DURABLE)
             cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._records} WHERE run_id = %s", (run_id,))
             freed = int(cur.fetchone()[0])  # type: ignore[index]
             cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._signals} WHERE run_id = %s", (run_id,))
@@ -1048,7 +1028,7 @@ class PostgresStorage:
         if self._write(
             f"INSERT INTO {self._signals} (run_id, id, data)"
             f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
-            (signal_id, line, run_id), durable=True,
+            (signal_id, line, run_id),
         ) == 0:
             raise self._missing(run_id)
         self.fsyncs += 1

@@ -510,19 +510,46 @@ class SqliteStorage:
 
     def create_bound(self, runs: list[NewRun]) -> str | None:
         """Bind and create each run in order in one transaction, committed durably (one fsync for the batch);
-        at an identity bound to another run, the runs before it are committed and that identity returned."""
+        at an identity bound to another run, the runs before it are committed and that identity returned.
+        The identities are looked up `_LOOKUP_CHUNK` at a time and each table written by one `executemany`."""
         fields = [header_fields(header) for header in validate_new_runs(runs)]
         lost = None
         with self._lock, _durable(self, self._db()) as db:
-            for run, found in zip(runs, fields, strict=True):
-                row = db.execute("SELECT run_id FROM identities WHERE identity = ?", (run.identity,)).fetchone()
-                if (row[0] if row else None) != run.expect:
-                    lost = run.identity
+            names = list(dict.fromkeys(run.identity for run in runs))
+            current: dict[str, str | None] = {}
+            for start in range(0, len(names), _LOOKUP_CHUNK):
+                chunk = names[start : start + _LOOKUP_CHUNK]
+                current.update(db.execute(f"SELECT identity, run_id FROM identities WHERE identity IN"
+                                          f" ({', '.join('?' * len(chunk))})", chunk).fetchall())
+            take = len(runs)
+            for i, run in enumerate(runs):  # in order: a run binds its identity before the next one looks
+                if current.get(run.identity) != run.expect:
+                    lost, take = run.identity, i
                     break
-                db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
-                           (run.identity, run.run_id))
-                self._insert_run(db, run.run_id, bytes(run.header), found, run.at, run.priority)
-        if runs and lost != runs[0].identity:
+                current[run.identity] = run.run_id
+            batch, now = runs[:take], time.time()
+            ids = [run.run_id for run in batch]
+            for start in range(0, len(ids), _LOOKUP_CHUNK):
+                chunk = ids[start : start + _LOOKUP_CHUNK]
+                row = db.execute(f"SELECT run_id FROM runs WHERE run_id IN ({', '.join('?' * len(chunk))})"
+                                 " LIMIT 1", chunk).fetchone()
+                if row is not None:
+                    raise ValidationError(f"run {row[0]} already exists in {self.path}", run_id=row[0])
+            if len(set(ids)) < len(ids):
+                twice = next(run_id for run_id in ids if ids.count(run_id) > 1)
+                raise ValidationError(f"run {twice} is given twice in one batch", run_id=twice)
+            db.executemany("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
+                           [(run.identity, run.run_id) for run in batch])
+            db.executemany(
+                "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(run.run_id, bytes(run.header), now, now, bytes(run.header), len(run.header), *found, OPEN)
+                 for run, found in zip(batch, fields, strict=False)])
+            db.executemany("INSERT INTO records (run_id, data) VALUES (?, ?)",
+                           [(run.run_id, bytes(run.header)) for run in batch])
+            db.executemany("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
+                           [(run.run_id, now if run.at is None else run.at, run.priority, now) for run in batch])
+        if take:
             self.wakeups.notify()
         return lost
 
