@@ -402,13 +402,19 @@ class SqliteStorage:
                                  (data, lease.run_id, lease.epoch))
                 if cur.rowcount == 0:
                     raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
-                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
-                           (time.time(), last_line(data), len(data), lease.run_id))
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
                     raise
                 raise full from exc
+            try:
+                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
+                           (time.time(), last_line(data), len(data), lease.run_id))
+            except sqlite3.Error as exc:
+                if _full(exc) is exc:
+                    raise
+                # the records are committed: the append happened. A full database left the row behind them, as
+                # a crash between the two would, and the next claim rewrites it from the log
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
