@@ -919,7 +919,7 @@ class RunKernel:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
         scope.pending = pending + 1
-        h: Handle[Any] = Handle(loop=scope.loop)
+        h: Handle[Any] = Handle(loop=scope.loop)  # `handle()` inlined: this is every step's hot path
         h._kernel = self
         h.path = path
         h.label = label
