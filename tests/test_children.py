@@ -174,7 +174,7 @@ def test_bad_spawn_arguments() -> None:
 
 def test_children_run_concurrently_with_real_time() -> None:
     async def nap(i):
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
         return i
 
     @workflow
@@ -188,7 +188,7 @@ def test_children_run_concurrently_with_real_time() -> None:
 
     started = time.monotonic()
     assert asyncio.run(create_engine(MemoryStorage()).run(many)) == [0, 1, 2, 3]
-    assert time.monotonic() - started < 0.7
+    assert time.monotonic() - started < 1.5  # one after another they would take 2 s
 
 
 @pytest.mark.parametrize("detached", [False, True])

@@ -195,15 +195,15 @@ def test_inspect_and_list_show_parked_runs(tmp_path) -> None:
 def test_a_real_sleep_survives_a_restart(tmp_path) -> None:
     @workflow
     async def short_nap(ctx):
-        await ctx.sleep(0.6)
+        await ctx.sleep(1.5)
         return "awake"
 
     with pytest.raises(RunParkedError):
         run(short_nap, dir=tmp_path, wait=False)
-    time.sleep(0.3)
+    time.sleep(0.5)
     started = time.monotonic()
     assert run(short_nap, dir=tmp_path) == "awake"
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.4  # a sleep that restarted would take 1.5 s
 
 
 SCRIPT = textwrap.dedent("""

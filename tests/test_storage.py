@@ -918,12 +918,12 @@ def test_list_runs_ignores_strangers(fs: FileStorage) -> None:
     assert FileStorage(fs.dir / "nowhere").list_runs() == []
 
 
-def test_read_is_fast(fs: FileStorage) -> None:
+def test_read_returns_every_record_of_a_long_log(fs: FileStorage) -> None:
+    # How fast this is lives in bench/steps.py ("replay"); here only that nothing is lost.
     lease = started(fs)
     fs.append(lease, b"".join(line(t="step", i=i, name="fetch", ok=True, v=[1, 2, 3]) for i in range(10_000)))
-    started_at = time.perf_counter()
-    assert len(fs.read("r1").records) == 10_002
-    assert time.perf_counter() - started_at < 0.25
+    records = fs.read("r1").records
+    assert len(records) == 10_002 and [r["i"] for r in records[2:]] == list(range(10_000))
     fs.release(lease)
 
 
