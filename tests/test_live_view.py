@@ -75,6 +75,10 @@ NOISY = textwrap.dedent('''
             await ctx.step(noisy_step, i, name="noisy")
             i += 1
 
+    @workflow
+    async def gated(ctx, n):  # branches queue behind concurrency=1 when the run is stopped
+        return await ctx.parallel([ctx.step(noisy_step, i, name="noisy") for i in range(n)], concurrency=1)
+
     if __name__ == "__main__":
         print("result", run(noisy, int(sys.argv[1]), fresh=True))
 ''')
@@ -171,6 +175,16 @@ def test_ctrl_c_and_sigterm_act_within_a_second_while_the_view_is_busy(project: 
             times.append(seconds)
     print(f"\n{signal.Signals(sig).name} to exit: {', '.join(f'{t:.2f}s' for t in times)}")
     assert max(times) < 1.5, times
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stopping_a_fan_out_with_branches_still_queued_warns_of_nothing(project: Path, sig: int, code: int) -> None:
+    with Terminal("run", "noisy.py", "--workflow", "gated", "--input", "400", cwd=project) as term:
+        assert term.wait_for("step-line 3.0", 30), term.raw[-2000:]
+        exited, seconds = interrupt(term, sig)
+        assert exited == code, (exited, term.raw[-2000:])
+        assert "never awaited" not in term.text and "Traceback" not in term.text, term.raw[-3000:]
+        assert seconds < 1.5, seconds
 
 
 def test_the_readme_first_command_shows_a_clean_view(tmp_path: Path) -> None:
