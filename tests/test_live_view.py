@@ -1,7 +1,8 @@
 """The live view of `durably run` on a real pseudo-terminal: whatever the workflow prints (print, logging,
-warnings, ctx.log, sys.stderr, bytes on sys.stdout.buffer; from steps, threads and the event loop) reaches the
-terminal whole, once, above the view, with no stray warning; the command never hangs; Ctrl-C and SIGTERM act
-within a second however busy the view is; and the README's first command shows a clean view."""
+warnings, ctx.log, sys.stderr, bytes on sys.stdout.buffer, a subprocess's output, os.write on the descriptors;
+from steps, threads and the event loop) reaches the terminal whole, once, above the view, with no stray warning;
+the command never hangs; Ctrl-C and SIGTERM act within a second however busy the view is; and the README's first
+command shows a clean view."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from terminal import ANSI, Terminal, interrupt
 ROOT = Path(__file__).resolve().parent.parent
 
 NOISY = textwrap.dedent('''
-    import asyncio, logging, sys, threading, time, warnings
+    import asyncio, logging, os, subprocess, sys, threading, time, warnings
     from durably_py import run, workflow
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -34,6 +35,8 @@ NOISY = textwrap.dedent('''
         sys.stdout.flush()
         sys.stdout.write(f"ial {i}\\n")
         sys.stdout.buffer.write(f"bytes {i}\\n".encode())
+        subprocess.run(["echo", f"subprocess {i}"], check=True)  # straight to the descriptors, not through Python
+        os.write(2, f"descriptor {i}\\n".encode())
         warnings.warn(f"careful {i}")
         return i
 
@@ -99,7 +102,7 @@ def expected_lines(rounds: int) -> list[str]:
             i = r * 10 + j
             for k in range(12):
                 out += [f"step-line {i}.{k}", f"logged {i}.{k}", f"stderr {i}.{k}"]
-            out += [f"part-ial {i}", f"bytes {i}"]
+            out += [f"part-ial {i}", f"bytes {i}", f"subprocess {i}", f"descriptor {i}"]
         out += [f"async {r}.{k}" for k in range(8)]
     return out
 
