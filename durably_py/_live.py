@@ -623,10 +623,15 @@ class LiveTerminal:
         """The view's rows as terminal text, each cut to the terminal's width."""
         from rich.text import Text
 
-        try:  # the terminal's size, asked of it (rich asks descriptors 0-2, which may be pipes now)
-            width, lines = os.get_terminal_size(self.outs[0].fileno())
+        width, lines = console.size  # $COLUMNS / $LINES, else what descriptors 0-2 say (1 and 2 may be pipes now)
+        try:
+            size = os.get_terminal_size(self.outs[0].fileno())  # so ask the terminal itself
         except (OSError, ValueError, AttributeError):
-            width, lines = console.size
+            size = None
+        if size is not None and size.columns and "COLUMNS" not in os.environ:
+            width = size.columns
+        if size is not None and size.lines and "LINES" not in os.environ:
+            lines = size.lines
         rows = view_rows(self.watcher.snapshot(), self.watcher.elapsed, time.time())[:max(lines - 1, 1)]
         out = []
         for row in rows:
