@@ -56,6 +56,9 @@ async def run_branches(items: list[Any], concurrency: int | None,
     except BaseException:
         for task in tasks:
             task.cancel()
+        for item in items:  # a branch still waiting for its turn never awaits its coroutine: close it, unstarted
+            if inspect.iscoroutine(item) and inspect.getcoroutinestate(item) == inspect.CORO_CREATED:
+                item.close()
         raise
 
 

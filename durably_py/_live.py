@@ -8,16 +8,21 @@ Drawing never waits for the workflow, and the workflow never waits for drawing:
   from the run's log twice a second (`Watcher.look`); nothing else reads storage, and never the drawing.
 - `view_rows` turns a snapshot of that state into the rows of the view: no I/O, no event loop, no storage.
 - `LiveTerminal` owns the terminal while the view shows. sys.stderr (and sys.stdout when it is a terminal
-  too) become streams that only queue what they are given, from any thread, and return at once; one writer
-  thread prints the queued lines above the view and redraws it eight times a second. Only that thread writes
-  to the terminal, so a row is never glued to output and output never waits for a row.
+  too) become streams that only queue what they are given, from any thread, and return at once; file
+  descriptors 2 (and 1) point at pipes that a thread of their own drains into the same queue, so what a
+  subprocess of a step or C code writes there is queued too. One writer thread prints the queued lines above
+  the view and redraws it eight times a second. Only that thread writes to the terminal, so a row is never
+  glued to output and output never waits for a row.
 
 rich is imported by the writer thread only (to style the rows); nothing here imports it at module level.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import io
+import os
 import sys
 import threading
 import time
@@ -40,6 +45,7 @@ POLL = 0.5  # seconds between looks at the logs of idle and joined runs
 SHOWN = 8  # runs the view shows at most (the first one always, then the latest)
 STOP_WAIT = 1.0  # seconds `LiveTerminal.stop` waits for the writer to draw its last frame
 PARTIAL_WAIT = 1.0  # seconds an unfinished line waits for its end before it shows on its own
+DRAIN_WAIT = 0.2  # seconds `LiveTerminal.stop` waits for what is still in a descriptor's pipe
 
 
 # ---- texts shared with the summary and `inspect` ------------------------------------------------------------
@@ -367,6 +373,7 @@ class QueuedStream(io.TextIOBase):
         self._terminal = terminal
         self._real = real
         self._index = index
+        self._tty = bool(real.isatty())  # asked before its descriptor pointed at a pipe
 
     def write(self, text: str) -> int:
         if not isinstance(text, str):
@@ -384,7 +391,7 @@ class QueuedStream(io.TextIOBase):
             self._real.flush()
 
     def isatty(self) -> bool:
-        return bool(self._real.isatty())
+        return self._tty
 
     def fileno(self) -> int:
         return int(self._real.fileno())
@@ -426,6 +433,58 @@ class _QueuedBuffer(io.RawIOBase):
         self._stream.flush()
 
 
+class DescriptorPipe:
+    """File descriptor `fd` (1 or 2) pointed at a pipe while the view shows: a thread queues what subprocesses
+    and C code write to it as stream `index`, so it never lands in the middle of a row. `out` writes to the
+    terminal the descriptor pointed at before."""
+
+    def __init__(self, terminal: LiveTerminal, index: int, fd: int, real: Any) -> None:
+        self.terminal, self.index, self.fd = terminal, index, fd
+        self.encoding = str(getattr(real, "encoding", None) or "utf-8")
+        self.saved = os.dup(fd)
+        read, write = os.pipe()
+        try:
+            os.dup2(write, fd)
+        except OSError:
+            os.close(read)
+            os.close(self.saved)
+            raise
+        finally:
+            os.close(write)
+        self.read = read
+        self.out = open(self.saved, "w", encoding=self.encoding, errors="replace", closefd=False)  # noqa: SIM115
+        self.thread = threading.Thread(target=self._pump, name=f"durably-live-fd{fd}", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        decoder = codecs.getincrementaldecoder(self.encoding)(errors="replace")
+        while True:
+            try:
+                chunk = os.read(self.read, 65536)
+            except OSError:
+                return
+            if not chunk:
+                break
+            text = decoder.decode(chunk)
+            if text and not self.terminal.queue(self.index, text, source=-self.fd):
+                with contextlib.suppress(OSError):  # the view is over: straight to the terminal
+                    os.write(self.fd, chunk)
+        os.close(self.read)
+
+    def restore(self) -> None:
+        """Point the descriptor at the terminal again and wait a moment for what is still in the pipe (a
+        subprocess that outlives the view keeps writing through it, to the terminal)."""
+        with contextlib.suppress(OSError):
+            os.dup2(self.saved, self.fd)
+        self.thread.join(DRAIN_WAIT)
+
+    def close(self) -> None:
+        """Once the writer is done: close the copy of the terminal's descriptor."""
+        with contextlib.suppress(OSError):
+            self.out.close()
+            os.close(self.saved)
+
+
 class LiveTerminal:
     """The terminal while the live view shows: queued output above, the view's rows below, one writer thread."""
 
@@ -433,6 +492,8 @@ class LiveTerminal:
         self.watcher = watcher
         self.color = color
         self.reals: list[Any] = []  # the streams replaced, by index: stderr, then stdout when it is a terminal
+        self.outs: list[Any] = []  # where the writer writes each: the terminal, never a descriptor's pipe
+        self.pipes: list[DescriptorPipe] = []
         self.pending: deque[tuple[int, int, str | None]] = deque()  # (stream, thread, text or None for a flush)
         self.wake = threading.Event()
         self.live = False
@@ -442,11 +503,12 @@ class LiveTerminal:
         self.partial: dict[tuple[int, int], tuple[str, float]] = {}  # unfinished lines, since when
 
     # ---- any thread -------------------------------------------------------------------------------
-    def queue(self, index: int, text: str | None) -> bool:
-        """Queue text (None: a flush) for the writer; False once the view stopped (write it directly)."""
+    def queue(self, index: int, text: str | None, source: int | None = None) -> bool:
+        """Queue text (None: a flush) for the writer, from the calling thread (or `source`: a descriptor's
+        pipe); False once the view stopped (write it directly)."""
         if not self.live:
             return False
-        self.pending.append((index, threading.get_ident(), text))
+        self.pending.append((index, threading.get_ident() if source is None else source, text))
         if text is None or "\n" in text:
             self.wake.set()
         return True
@@ -459,9 +521,18 @@ class LiveTerminal:
         if sys.stdout.isatty():
             self.reals.append(sys.stdout)
         self.live = True
+        self.outs = list(self.reals)
         sys.stderr = QueuedStream(self, replaced[0], 0)
         if len(self.reals) > 1:
             sys.stdout = QueuedStream(self, self.reals[1], 1)
+        for index, real in enumerate(self.reals):
+            try:
+                real.flush()
+                pipe = DescriptorPipe(self, index, real.fileno(), real)
+            except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+                continue  # not a real descriptor: only what Python writes is queued
+            self.pipes.append(pipe)
+            self.outs[index] = pipe.out
         self.watcher.start_reading()
         self.thread = threading.Thread(target=self._run, name="durably-live-view", daemon=True)
         self.thread.start()
@@ -470,11 +541,15 @@ class LiveTerminal:
         """Print what is still queued, take the view off the screen and give the streams back; waits for the
         writer at most `STOP_WAIT` seconds (a terminal that does not take output never holds the command)."""
         self.watcher.stop_reading()
+        for pipe in self.pipes:
+            pipe.restore()
         self.live = False
         self.done.set()
         self.wake.set()
         if self.thread is not None:
             self.thread.join(STOP_WAIT)
+        for pipe in self.pipes:
+            pipe.close()
         if isinstance(sys.stderr, QueuedStream):
             sys.stderr = self.reals[0]
         if len(self.reals) > 1 and isinstance(sys.stdout, QueuedStream):
@@ -484,8 +559,8 @@ class LiveTerminal:
     def _run(self) -> None:
         from rich.console import Console
 
-        console = Console(file=self.reals[0], highlight=False, no_color=not self.color or None)
-        err = self.reals[0]
+        err = self.outs[0]
+        console = Console(file=err, highlight=False, no_color=not self.color or None)
         try:
             err.write("\x1b[?25l")  # no cursor blinking over the rows
             while not self.done.is_set():
@@ -538,7 +613,7 @@ class LiveTerminal:
             same = 0
             while same < len(chunks) and chunks[same][0] == index:
                 same += 1
-            stream = self.reals[index]
+            stream = self.outs[index]
             stream.write("".join(text for _, text in chunks[:same]))
             stream.flush()
             del chunks[:same]
@@ -548,7 +623,15 @@ class LiveTerminal:
         """The view's rows as terminal text, each cut to the terminal's width."""
         from rich.text import Text
 
-        width, lines = console.size
+        width, lines = console.size  # $COLUMNS / $LINES, else what descriptors 0-2 say (1 and 2 may be pipes now)
+        try:
+            size = os.get_terminal_size(self.outs[0].fileno())  # so ask the terminal itself
+        except (OSError, ValueError, AttributeError):
+            size = None
+        if size is not None and size.columns and "COLUMNS" not in os.environ:
+            width = size.columns
+        if size is not None and size.lines and "LINES" not in os.environ:
+            lines = size.lines
         rows = view_rows(self.watcher.snapshot(), self.watcher.elapsed, time.time())[:max(lines - 1, 1)]
         out = []
         for row in rows:

@@ -118,6 +118,16 @@ def test_restate_mode_without_the_extra_says_so(project: Path, without_restate: 
     assert "Traceback" not in done.stderr
 
 
+def test_restate_mode_without_the_extra_on_a_terminal(project: Path, without_restate: dict[str, str]) -> None:
+    for command in (["serve", "--restate", "--import", "pipeline.py"], ["list", "--restate", "http://127.0.0.1:1"]):
+        with Terminal(*command, cwd=project, columns=80, PYTHONPATH=without_restate["PYTHONPATH"]) as term:
+            assert term.wait(60) == 2, term.text
+            text = term.text
+        assert "ValidationError: Restate mode needs the restate extra" in text, text
+        assert "hint: pip install 'durably-py[restate]'" in text and "docs: " in text
+        assert "Traceback" not in text, text
+
+
 def test_serve_takes_restate_as_every_command_does(project: Path) -> None:
     help_text = durably("serve", "--help", cwd=project, COLUMNS="200").stdout
     assert "--restate" in help_text and "[URL]" in help_text
@@ -309,6 +319,7 @@ def test_json_is_one_document_on_every_command(project: Path) -> None:
     assert durably("run", "pipeline.py", "-w", "gate", "-i", "3", "--no-wait", cwd=project).returncode == 3
     ids = {row["workflow"]: row["run_id"] for row in json.loads(durably("list", "--json", cwd=project).stdout)}
     commands = [["list"], ["inspect", ids["etl"]], ["logs", ids["etl"]], ["graph", ids["etl"]], ["config"],
+                ["pause", ids["gate"]], ["resume", ids["gate"]], ["restart", ids["etl"]],
                 ["signal", ids["gate"], "approval", "1"], ["prune", "--older-than", "1d", "--dry-run"],
                 ["schedules"], ["run", "pipeline.py", "-w", "etl", "-i", '{"n": 5}'],
                 ["enqueue", "pipeline.py", "-w", "etl", "-i", '{"n": 6}'], ["retry", ids["gate"]],

@@ -260,6 +260,42 @@ def test_parallel_concurrency_caps_awaitables_too() -> None:
     assert peak[0] == 2
 
 
+
+@pytest.mark.parametrize("how", ["cancelled", "a branch raised Stop"])
+def test_a_torn_down_fan_out_leaves_no_coroutine_unawaited(how: str) -> None:
+    import gc
+    import warnings
+
+    ran: list[int] = []
+
+    async def work(i: int) -> int:
+        ran.append(i)
+        await asyncio.sleep(0.01)
+        if how != "cancelled" and i == 1 and ran.count(1) == 1:
+            raise Stop
+        return i
+
+    @workflow
+    async def wf(ctx: Any) -> list[int]:
+        return partition(await ctx.parallel([ctx.step(work, i) for i in range(8)], concurrency=1))[0]
+
+    engine = new_engine()
+
+    async def tear_down() -> None:
+        task = asyncio.ensure_future(engine.run(wf))
+        if how == "cancelled":
+            await asyncio.sleep(0.03)
+            task.cancel()
+        with pytest.raises((asyncio.CancelledError, Stop)):
+            await task
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        go(tear_down)
+        gc.collect()
+    assert 0 < len(ran) < 8  # branches were still waiting for their turn when the fan-out ended
+    assert [str(w.message) for w in said if "never awaited" in str(w.message)] == []
+    assert go(lambda: engine.run(wf)) == list(range(8))  # the run resumes with every branch
 @pytest.mark.parametrize("spawn", ["create_task", "gather"])
 def test_step_from_an_unowned_task_is_a_purity_error_naming_parallel(spawn: str) -> None:
     calls = []

@@ -1,7 +1,8 @@
 """The live view of `durably run` on a real pseudo-terminal: whatever the workflow prints (print, logging,
-warnings, ctx.log, sys.stderr, bytes on sys.stdout.buffer; from steps, threads and the event loop) reaches the
-terminal whole, once, above the view, with no stray warning; the command never hangs; Ctrl-C and SIGTERM act
-within a second however busy the view is; and the README's first command shows a clean view."""
+warnings, ctx.log, sys.stderr, bytes on sys.stdout.buffer, a subprocess's output, os.write on the descriptors;
+from steps, threads and the event loop) reaches the terminal whole, once, above the view, with no stray warning;
+the command never hangs; Ctrl-C and SIGTERM act within a second however busy the view is; and the README's first
+command shows a clean view."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from terminal import ANSI, Terminal, interrupt
 ROOT = Path(__file__).resolve().parent.parent
 
 NOISY = textwrap.dedent('''
-    import asyncio, logging, sys, threading, time, warnings
+    import asyncio, logging, os, subprocess, sys, threading, time, warnings
     from durably_py import run, workflow
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -34,6 +35,8 @@ NOISY = textwrap.dedent('''
         sys.stdout.flush()
         sys.stdout.write(f"ial {i}\\n")
         sys.stdout.buffer.write(f"bytes {i}\\n".encode())
+        subprocess.run(["echo", f"subprocess {i}"], check=True)  # straight to the descriptors, not through Python
+        os.write(2, f"descriptor {i}\\n".encode())
         warnings.warn(f"careful {i}")
         return i
 
@@ -75,6 +78,10 @@ NOISY = textwrap.dedent('''
             await ctx.step(noisy_step, i, name="noisy")
             i += 1
 
+    @workflow
+    async def gated(ctx, n):  # branches queue behind concurrency=1 when the run is stopped
+        return await ctx.parallel([ctx.step(noisy_step, i, name="noisy") for i in range(n)], concurrency=1)
+
     if __name__ == "__main__":
         print("result", run(noisy, int(sys.argv[1]), fresh=True))
 ''')
@@ -95,7 +102,7 @@ def expected_lines(rounds: int) -> list[str]:
             i = r * 10 + j
             for k in range(12):
                 out += [f"step-line {i}.{k}", f"logged {i}.{k}", f"stderr {i}.{k}"]
-            out += [f"part-ial {i}", f"bytes {i}"]
+            out += [f"part-ial {i}", f"bytes {i}", f"subprocess {i}", f"descriptor {i}"]
         out += [f"async {r}.{k}" for k in range(8)]
     return out
 
@@ -171,6 +178,16 @@ def test_ctrl_c_and_sigterm_act_within_a_second_while_the_view_is_busy(project: 
             times.append(seconds)
     print(f"\n{signal.Signals(sig).name} to exit: {', '.join(f'{t:.2f}s' for t in times)}")
     assert max(times) < 1.5, times
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stopping_a_fan_out_with_branches_still_queued_warns_of_nothing(project: Path, sig: int, code: int) -> None:
+    with Terminal("run", "noisy.py", "--workflow", "gated", "--input", "400", cwd=project) as term:
+        assert term.wait_for("step-line 3.0", 30), term.raw[-2000:]
+        exited, seconds = interrupt(term, sig)
+        assert exited == code, (exited, term.raw[-2000:])
+        assert "never awaited" not in term.text and "Traceback" not in term.text, term.raw[-3000:]
+        assert seconds < 1.5, seconds
 
 
 def test_the_readme_first_command_shows_a_clean_view(tmp_path: Path) -> None:
