@@ -149,7 +149,7 @@ def jobs_file(root: Path) -> Path:
 
 
 def load_jobs(root: Path) -> dict[str, Any]:
-    from durably_py._workflow import REGISTRY, load_script
+    from durably_py._authoring.workflow import REGISTRY, load_script
 
     for name in ("three", "first", "sleepy", "waiter"):
         REGISTRY.pop(name, None)

@@ -6,21 +6,21 @@ and the `durably_py.storage` adapters); every other module is internal (docs/arc
 
 from typing import TYPE_CHECKING
 
-from ._advisories import Advisory
+from ._authoring.context import AttemptContext, BudgetView, First, WorkflowContext, attempt
+from ._authoring.graphs import GraphState, NodeState, Task
+from ._authoring.handles import Handle
+from ._authoring.policies import Retry
+from ._authoring.resources import Breaker, RateLimit, Resource, resource
+from ._authoring.result import Err, Ok, is_ok, partition
+from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
-from ._context import AttemptContext, BudgetView, First, WorkflowContext, attempt
-from ._engine import Engine, create_engine, durably, engine_for, run, run_async
+from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
+from ._engine.operations import BulkResult, SignalSent
 from ._events import StepEvent
-from ._graphs import GraphState, NodeState, Task
-from ._handles import Handle
-from ._history import RunState, StepState
-from ._kernel import RunHandle
-from ._operations import BulkResult, SignalSent
-from ._policies import Retry
-from ._resources import Breaker, RateLimit, Resource, resource
-from ._result import Err, Ok, is_ok, partition
-from ._schedules import Schedule, schedule
-from ._workflow import Workflow, workflow
+from ._replay.kernel import RunHandle
+from ._state.advisories import Advisory
+from ._state.history import RunState, StepState
+from ._worker.schedules import Schedule, schedule
 from .errors import (
     ArgumentError,
     BudgetExceededError,

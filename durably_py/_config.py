@@ -285,9 +285,9 @@ def resolve(dir: str | None = None, storage: str | None = None, *, restate: str 
 def check_engine(settings: Settings) -> None:
     """Check the engine settings' ranges now, so a bad value from the environment or a config file is a usage
     error naming its source before any command runs (the engine checks them again when it applies them)."""
-    from ._heartbeat import check_lease
-    from ._runs import check_retention
-    from ._worker import check_concurrency, check_poll
+    from ._engine.heartbeat import check_lease
+    from ._engine.runs import check_retention
+    from ._worker.worker import check_concurrency, check_poll
 
     checks: list[tuple[tuple[str, ...], Any]] = [
         (("lease", "heartbeat"), lambda: check_lease(30.0 if settings.lease is None else settings.lease,

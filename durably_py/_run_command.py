@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from . import _config as config
+from ._authoring.workflow import REGISTRY, Workflow, load_script
 from ._docs import docs_location
-from ._engine import Engine, engine_for, set_run_hook
-from ._live import LiveTerminal, Watcher, parked_detail
-from ._live import duration_text as _duration
-from ._workflow import REGISTRY, Workflow, load_script
+from ._engine.engine import Engine, engine_for, set_run_hook
+from ._view.live import LiveTerminal, Watcher, parked_detail
+from ._view.live import duration_text as _duration
 from .errors import (
     DurablyError,
     KeyConflictError,
@@ -134,7 +134,7 @@ def _json_default(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, set | frozenset | tuple):
         return list(value)
-    from ._schema import to_builtins
+    from ._authoring.schema import to_builtins
 
     try:  # a typed result (dataclass, Struct, pydantic model...) prints as the JSON it is stored as
         return to_builtins(value)
@@ -292,7 +292,7 @@ def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error
 @contextmanager
 def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
     """Show the live view on stderr while the body runs; what the body prints goes above it (stdout too, when it
-    is the terminal). See `durably_py._live`."""
+    is the terminal). See `durably_py._view.live`."""
     if not enabled:
         yield
         return

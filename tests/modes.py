@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from durably_py import RunState, engine_for
-from durably_py._workflow import load_script
+from durably_py._authoring.workflow import load_script
 
 ENDED = ("completed", "failed", "cancelled")
 PARKED = ("waiting", "sleeping", "paused")

@@ -1,4 +1,4 @@
-"""Tests for durably_py._advisories: the catalogue, level thresholds and the per-run tracker."""
+"""Tests for durably_py._state.advisories: the catalogue, level thresholds and the per-run tracker."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from durably_py import _advisories as adv
-from durably_py._advisories import CODES, Advisory, AdvisoryTracker, RetryStormWindow, level_for
 from durably_py._docs import DOCS_DIR
+from durably_py._state import advisories as adv
+from durably_py._state.advisories import CODES, Advisory, AdvisoryTracker, RetryStormWindow, level_for
 from durably_py.errors import ValidationError
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)

@@ -188,7 +188,7 @@ def test_readers_never_see_an_annotation_go_back_across_a_sigkill(flows: Any, ef
 
 def test_a_compacted_log_keeps_which_calls_it_recorded() -> None:
     from durably_py import records as log
-    from durably_py._history import History
+    from durably_py._state.history import History
 
     header = log.Header(v=log.LOG_VERSION, run_id="r-1", workflow="w")
     recs = [header, log.Note(notes={"a": 1}, strand="", index=0), log.Note(notes={"a": 2}, strand="", index=3),

@@ -15,7 +15,7 @@ from helpers import storage_of
 from test_storage import LONG, header, line
 
 from durably_py import Engine, workflow
-from durably_py._runs import STATUSES
+from durably_py._engine.runs import STATUSES
 from durably_py.errors import RunNotFoundError, RunParkedError, ValidationError
 from durably_py.storage import FileStorage, SqliteStorage
 

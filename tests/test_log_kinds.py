@@ -12,7 +12,7 @@ from helpers import durably
 from log_kinds import make_every_kind
 
 from durably_py import records
-from durably_py._logtext import LINES
+from durably_py._view.logtext import LINES
 
 EXPECTED = {  # what the line of each kind says
     "run": "of everything created  input 1",

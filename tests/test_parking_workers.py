@@ -15,8 +15,8 @@ import pytest
 from helpers import storage_of
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, records, workflow
-from durably_py import _queue as queue_rules
 from durably_py._codec import digest, dump_value
+from durably_py._worker.worker import queue as queue_rules
 
 ran: list[str] = []
 

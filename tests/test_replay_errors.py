@@ -6,7 +6,7 @@ import pytest
 from helpers import Stop
 
 from durably_py import MemoryStorage, PurityError, StaleRunError, create_engine
-from durably_py._workflow import Workflow
+from durably_py._authoring.workflow import Workflow
 
 
 def test_a_changed_workflow_does_not_fail_or_compensate_the_run() -> None:

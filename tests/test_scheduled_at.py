@@ -15,7 +15,7 @@ from modes import Effects, cli_process, kill, load, serve, state_of, wait_until,
 
 from durably_py import FakeClock, FileStorage, create_engine, run
 from durably_py import records as log
-from durably_py._schedules import SCHEDULES, fire_due
+from durably_py._worker.schedules import SCHEDULES, fire_due
 from durably_py.testing import TestEngine
 
 FLOWS = '''

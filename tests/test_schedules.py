@@ -14,7 +14,7 @@ from helpers import durably
 
 import durably_py
 from durably_py import FakeClock, FileStorage, MemoryStorage, ValidationError, create_engine, workflow
-from durably_py._schedules import SCHEDULES, fire_due, states
+from durably_py._worker.schedules import SCHEDULES, fire_due, states
 
 T0 = datetime(2026, 3, 2, 10, 2, 30, tzinfo=UTC)
 
@@ -103,7 +103,7 @@ RACER = textwrap.dedent('''
     from datetime import datetime, timedelta, UTC
     import durably_py
     from durably_py import FakeClock, FileStorage, create_engine, workflow
-    from durably_py._schedules import fire_due
+    from durably_py._worker.schedules import fire_due
 
     @workflow
     async def tick_work(ctx, who):

@@ -1,4 +1,4 @@
-"""Tests for durably_py._schema: compiling specs, converting stored values, and storing typed values."""
+"""Tests for durably_py._authoring.schema: compiling specs, converting stored values, and storing typed values."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, NamedTuple, Optional, TypedDict
 import msgspec
 import pytest
 
-from durably_py._schema import Schema, compile_schema, to_builtins
+from durably_py._authoring.schema import Schema, compile_schema, to_builtins
 from durably_py.errors import SerializationError, ValidationError
 
 UTC = dt.UTC

@@ -6,7 +6,7 @@ import pytest
 from helpers import durably
 
 from durably_py import FileStorage, SqliteStorage, ValidationError, create_engine, workflow
-from durably_py._engine import engine_for
+from durably_py._engine.engine import engine_for
 from durably_py.storage.url import open_storage, parse_storage_url
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import storage_of, wait_until
 
 from durably_py import KeyConflictError, ValidationError, create_engine, workflow
-from durably_py._workflow import REGISTRY, load_script
+from durably_py._authoring.workflow import REGISTRY, load_script
 
 JOBS = '''
 import os, time

@@ -16,7 +16,7 @@ import pytest
 from helpers import Stop, check_error, durably
 
 from durably_py import MemoryStorage, StaleRunError, ValidationError, create_engine
-from durably_py._workflow import Workflow
+from durably_py._authoring.workflow import Workflow
 
 FLOW = '''
 import os

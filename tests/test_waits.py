@@ -27,7 +27,7 @@ JOB = textwrap.dedent('''
     from durably_py import create_engine, workflow
 
     if os.environ.get("SLOW_AFTER"):  # the slow-step advisory from this many seconds (the catalogue says 60)
-        from durably_py import _advisories
+        from durably_py._state import advisories as _advisories
         code = _advisories.CODES["SLOW_STEP_NO_TIMEOUT"]
         _advisories.CODES["SLOW_STEP_NO_TIMEOUT"] = dataclasses.replace(code, info_at=float(os.environ["SLOW_AFTER"]))
 

@@ -21,7 +21,7 @@ import pytest
 from helpers import wait_until
 
 from durably_py import Engine, SqliteStorage, ValidationError, create_engine
-from durably_py._workflow import REGISTRY, load_script
+from durably_py._authoring.workflow import REGISTRY, load_script
 
 JOBS = '''
 import os, re, time

@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from durably_py import FileStorage, create_engine
-from durably_py._workflow import REGISTRY, load_script
+from durably_py._authoring.workflow import REGISTRY, load_script
 
 JOBS = '''
 import os, secrets, time

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .._codec import decode, digest, dump_value, encode, load_error, load_value
-from .._history import RunState, StepState
+from .._state.history import RunState, StepState
 from ..errors import DurablyError, RunNotFoundError, RunParkedError, ValidationError
 
 PREFIX = "durably."

@@ -10,8 +10,12 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from .._branches import First, checked_branches, first_of, foreign_strand, outside_workflow, run_branches
-from .._kernel import (
+from .._authoring.branches import First, checked_branches, first_of, foreign_strand, outside_workflow, run_branches
+from .._authoring.policies import check_timeout
+from .._authoring.result import Err, Ok
+from .._authoring.schema import compile_schema
+from .._authoring.workflow import as_workflow
+from .._replay.kernel import (
     Complete,
     RunHandle,
     StepOptions,
@@ -23,10 +27,6 @@ from .._kernel import (
     not_callable,
     spawn_pairs,
 )
-from .._policies import check_timeout
-from .._result import Err, Ok
-from .._schema import compile_schema
-from .._workflow import as_workflow
 from ..errors import LoopLimitError, ValidationError
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
@@ -147,7 +147,7 @@ class RestateWorkflowContext:
         return self._loop(path, initial, reducer, max_iterations)
 
     async def _loop(self, path: str, state: Any, reducer: Callable[..., Any], limit: int | None) -> Any:
-        from .._context import LoopDone, LoopIteration
+        from .._authoring.context import LoopDone, LoopIteration
 
         i = 0
         while True:

@@ -38,12 +38,12 @@ from restate import RunOptions, TerminalError
 from restate.serde import Serde
 
 from .._codec import decode, dump_error, dump_value, encode, load_error, load_value
-from .._kernel import NOT_RETRYABLE, current_attempt
+from .._replay.kernel import NOT_RETRYABLE, current_attempt
 from .._threads import DaemonPool
 from ..errors import PurityError, StepInterruptedError, StepTimeoutError, WaitTimeoutError
 
 if TYPE_CHECKING:
-    from .._workflow import Workflow
+    from .._authoring.workflow import Workflow
 
 SCHED = "durably:sched"
 TOMBSTONE = {"$durably": "timed-out"}

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._workflow import REGISTRY, load_script
+from .._authoring.workflow import REGISTRY, load_script
 from ..errors import ValidationError
 
 DEFAULT_ADMIN = "http://127.0.0.1:9070"

@@ -8,8 +8,8 @@ from typing import Any
 import restate
 from restate import TerminalError
 
+from .._authoring.workflow import REGISTRY, Workflow, as_workflow
 from .._codec import load_value
-from .._workflow import REGISTRY, Workflow, as_workflow
 from .context import RestateWorkflowContext, run_body
 from .runtime import WIRE, Pump, failure_of
 

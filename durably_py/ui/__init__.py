@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DurablyError
 
 if TYPE_CHECKING:
-    from .._engine import Engine
+    from .._engine.engine import Engine
 
 INSTALL = "pip install 'durably-py[ui]'"
 

@@ -26,10 +26,10 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .._engine import Engine
-from .._history import RunState
-from .._live import is_step
-from .._logtext import record_text
+from .._engine.engine import Engine
+from .._state.history import RunState
+from .._view.live import is_step
+from .._view.logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
 
 STATIC = Path(__file__).parent / "static"

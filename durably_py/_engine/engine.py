@@ -1,0 +1,890 @@
+"""The engine: finds or creates a run, takes its lease and runs the kernel; operations by id live in _operations.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import contextlib
+import inspect as pyinspect
+import os
+import re
+import secrets
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from .. import records as log_format
+from .._authoring.context import AttemptContext, WorkflowContext
+from .._authoring.graphs import GraphState
+from .._authoring.resources import Gates, Resource
+from .._authoring.workflow import Workflow, as_workflow
+from .._clock import Clock
+from .._codec import digest, dump_error, dump_value, load_value, to_iso
+from .._events import StepEvent
+from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunHandle, RunKernel, Selector, Spawned
+from .._state.advisories import Advisory, AdvisoryTracker
+from .._state.history import BUDGET_KINDS, History, RunState
+from .._state.timeline import Span
+from .._threads import DaemonPool, SyncPlacement
+from .._worker.queue import RunQueue
+from .._worker.schedules import Schedule
+from .._worker.worker import check_concurrency
+from ..errors import (
+    CorruptLogError,
+    KeyConflictError,
+    LeaseLostError,
+    RunParkedError,
+    StaleRunError,
+    ValidationError,
+)
+from ..storage import FileStorage, RunInfo, Storage, validate_key
+from ..storage.url import open_storage, parse_storage_url
+from . import versioning
+from .children import ChildRuns, check_bound, joined
+from .code import CodeSource
+from .heartbeat import Heartbeat
+from .operations import BulkResult, Operations, SignalSent
+from .runs import PruneReport, Runs, check_retention
+
+JOIN_POLL = 0.05
+RESERVED_WAIT = 2.0
+
+
+def check_budget(budget: Any) -> dict[str, float] | None:
+    """Validate a `budget=` mapping of kind -> non-negative limit."""
+    if budget is None:
+        return None
+    if not isinstance(budget, dict):
+        raise ValidationError(f"budget= must be a dict like {{'usd': 5}}, got {budget!r}",
+                              hint="Pass budget={'usd': 5.0, 'tokens': 100000}.", docs="docs/policies.md#budgets")
+    for kind, limit in budget.items():
+        if kind not in BUDGET_KINDS:
+            raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
+                                  docs="docs/policies.md#budgets")
+        if isinstance(limit, bool) or not isinstance(limit, int | float) or not limit >= 0 or limit == float("inf"):
+            raise ValidationError(f"budget {kind}={limit!r} must be a finite number >= 0",
+                                  hint="Give each kind a finite limit, e.g. {'usd': 5}.",
+                                  docs="docs/policies.md#budgets")
+    return {k: float(v) for k, v in budget.items()}
+
+
+def check_cleanup(value: Any) -> float:
+    """Validate `cleanup=`: the seconds a cancelled workflow may spend on its clean-up."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise ValidationError(f"cleanup= must be seconds >= 0, got {value!r}",
+                              hint="cleanup=60 gives a cancelled workflow a minute to clean up.",
+                              docs="docs/operations.md#cancel")
+    return float(value)
+
+
+def check_checkpoint(value: Any) -> int | None:
+    """Validate `checkpoint_every=` (an int >= 1, or None for the default policy)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValidationError(f"checkpoint_every= must be an int >= 1, got {value!r}",
+                              hint="checkpoint_every=1 fsyncs after every step.", docs="docs/storage.md#checkpoints")
+    return value
+
+
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+_sources: dict[Any, str | None] = {}  # workflow function -> the file defining it (a spawn_all asks once per child)
+
+
+def script_of(workflow: Workflow) -> str | None:
+    """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
+    script = os.environ.get("DURABLY_SCRIPT")
+    if script:
+        return script
+    fn: Any = workflow.fn
+    try:
+        return _sources[fn]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable: looked up every time
+        fn = None
+    try:
+        source = pyinspect.getsourcefile(workflow.fn)
+    except TypeError:
+        return None
+    found = os.path.abspath(source) if source else None
+    if fn is not None and len(_sources) < 4096:
+        _sources[fn] = found
+    return found
+
+
+_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: no i, l, o, u
+_TO_ID_ALPHABET = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ID_ALPHABET.encode())  # from RFC 4648's
+_slugs: dict[str, str] = {}  # workflow name -> the slug its run ids start with
+
+
+def new_run_id(workflow: str) -> str:
+    """A readable id that cannot collide: the workflow's name, then 80 random bits as 16 base-32 digits
+    (lowercase, so ids differ on case-insensitive file systems too; the old 32 bits per workflow per day
+    collided among 10,000 children)."""
+    slug = _slugs.get(workflow)
+    if slug is None:
+        slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
+        if len(_slugs) < 4096:
+            _slugs[workflow] = slug
+    return f"{slug}-{base64.b32encode(secrets.token_bytes(10)).translate(_TO_ID_ALPHABET).decode()}"
+
+
+class Engine:
+    """Runs workflows against one storage; operates its runs by id or key."""
+
+    def __init__(self, storage: Storage | None = None, *, concurrency: int = 4, checkpoint_every: int | None = None,
+                 budget: dict[str, float] | None = None,
+                 on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
+                 lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
+                 resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
+                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP) -> None:
+        self.storage: Storage = storage if storage is not None else FileStorage(".durably")
+        self.runs = Runs(self.storage)
+        self.retention = check_retention(retention)
+        self.cleanup = check_cleanup(cleanup)
+        self.concurrency = check_concurrency(concurrency)
+        self.checkpoint_every = check_checkpoint(checkpoint_every)
+        self.budget = check_budget(budget)
+        self.on_run_failed = on_run_failed
+        self.clock = clock or Clock()
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        if sync_steps not in ("auto", "thread"):
+            raise ValidationError(f"sync_steps= must be 'auto' or 'thread', got {sync_steps!r}",
+                                  hint="'thread' runs every sync step on a worker thread; 'auto' calls quick ones "
+                                       "directly on the event loop.", docs="docs/policies.md#where-sync-steps-run")
+        self.executor = DaemonPool(max_workers=64)
+        self.placement = SyncPlacement(enabled=sync_steps == "auto")
+        self.heartbeat = Heartbeat(self.storage, lease, heartbeat, CONTROL_EVERY)
+        self.code = CodeSource()
+        self.gates = Gates(resources)
+        self.schedules: dict[str, Schedule] = {}
+        self.queue = RunQueue(self)
+        self.children = ChildRuns(self)
+        self.operations = Operations(self)
+        self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
+
+    @property
+    def lease_ttl(self) -> float:
+        """Seconds a run this engine claims stays held past its last renewal (`lease=`)."""
+        return self.heartbeat.ttl
+
+    @property
+    def heartbeat_every(self) -> float:
+        """Seconds between renewals of the leases this engine holds (`heartbeat=`)."""
+        return self.heartbeat.every
+
+    def configure(self, *, lease: float | None = None, heartbeat: float | None = None,
+                  concurrency: int | None = None, retention: float | None = None) -> None:
+        """Change settings after construction (the CLI applies its flags, environment and config so), each
+        checked as the constructor checks it; None keeps a setting. A new lease without a heartbeat renews
+        every third of it. Takes effect for every claim, renewal and child pool from then on."""
+        if lease is not None or heartbeat is not None:
+            self.heartbeat.configure(self.lease_ttl if lease is None else lease, heartbeat)
+        if concurrency is not None:
+            self.concurrency = check_concurrency(concurrency)
+        if retention is not None:
+            self.retention = check_retention(retention)
+
+    # ---- finding and describing runs (_runs.py) ----------------------------------------------------
+    def _read(self, run_id: str) -> tuple[History, str | None]:
+        return self.runs.read(run_id)
+
+    def _where(self) -> str:
+        return self.runs.where()
+
+    def resolve(self, run: str) -> str:
+        """A run id from a run id or a run key."""
+        return self.runs.resolve(run)
+
+    async def inspect(self, run: str) -> RunState:
+        """The state of a run (by id or key): status, steps, advisories, result or error."""
+        return await self.runs.inspect(run)
+
+    async def export(self, run: str) -> bytes:
+        """The run's whole log (by id or key) as validated JSONL: its header, with the workflow name and input,
+        then every record. A self-contained history for `TestEngine.replay` (`durably export`); a child run
+        has a log of its own, which the parent's history does not include (its joins record the results)."""
+        return await self.runs.export(run)
+
+    async def list(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                   key: str | None = None, key_prefix: str | None = None,
+                   since: datetime | None = None, until: datetime | None = None, search: str | None = None,
+                   limit: int | None = None, offset: int = 0, parent: str | None = None,
+                   without_patch: str | None = None) -> builtins.list[RunState]:
+        """Runs newest activity first, filtered by status, workflow name, key, parent run, last activity time
+        and a search text.
+
+        `without_patch` keeps only the runs that may still take the old branch of ``ctx.patched(change)``:
+        not completed or cancelled, and not recorded as on its new branch (see docs/versioning.md).
+
+        `status` is one status or several (any of them matches); `key` matches exactly, `key_prefix` the
+        start of the key; `parent` keeps the child runs of that run; `since`/`until` bound a run's last
+        activity; `search` matches a case-insensitive substring of the run id, workflow or key; `offset`
+        skips that many matching runs and `limit` keeps at most that many. The page is found in the
+        storage's run catalog (an index, not every log) and only its runs are read."""
+        return await self.runs.list(status=status, workflow=workflow, key=key, key_prefix=key_prefix, since=since,
+                                    until=until, search=search, limit=limit, offset=offset, parent=parent,
+                                    without_patch=without_patch)
+
+    async def count(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                    key: str | None = None, key_prefix: str | None = None,
+                    since: datetime | None = None, until: datetime | None = None, search: str | None = None,
+                    parent: str | None = None, without_patch: str | None = None) -> int:
+        """How many runs `list` gives for the same filters."""
+        return await self.runs.count(status=status, workflow=workflow, key=key, key_prefix=key_prefix,
+                                     since=since, until=until, search=search, parent=parent,
+                                     without_patch=without_patch)
+
+    async def timeline(self, run: str) -> builtins.list[Span]:
+        """Where the time of a run (by id or key) went: every step attempt, backoff, sleep and wait as a span."""
+        return await self.runs.timeline(run)
+
+    async def records(self, run: str) -> builtins.list[dict[str, Any]]:
+        """A run's log (by id or key) as plain JSON objects, header first, exactly as recorded."""
+        return await self.runs.records(run)
+
+    def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
+        """A run's records (by id or key) as plain JSON objects, then each record appended later by any
+        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
+        return self.runs.follow(run, poll=poll)
+
+    async def graph(self, run: str) -> builtins.list[GraphState]:
+        """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""
+        return await self.runs.graph(run)
+
+    async def prune(self, *, older_than: float, status: str | Iterable[str] | None = None,
+                    workflow: str | None = None, dry_run: bool = False) -> PruneReport:
+        """Delete runs that ended (completed, failed or cancelled; `status` narrows) over `older_than` seconds
+        ago, with their logs, index entries, queue entries, inboxes and key bindings; `dry_run` only reports.
+        Unfinished runs, runs a process holds and children of unfinished parents are never touched."""
+        return await self.runs.prune(older_than=older_than, status=status, workflow=workflow, dry_run=dry_run)
+
+    def _status(self, run_id: str) -> str:
+        """A run's status as `list` tells it ("corrupt" for a damaged log)."""
+        return self.runs.status(run_id)
+
+    def _valid(self, info: RunInfo) -> None:
+        self.runs.valid(info)
+
+    def _damaged(self, info: RunInfo, error: CorruptLogError) -> RunState:
+        return self.runs.damaged(info, error)
+
+    def _brief(self, info: RunInfo) -> History:
+        return self.runs.brief(info)
+
+    async def signal(self, run: str, name: str, payload: Any = None, *, strict: bool = False) -> SignalSent:
+        """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
+
+        The run need not be live: the signal waits in the run's inbox until the run reads it. An ended run is a
+        `ValidationError` naming its status; `strict` also refuses a waiting run whose waits are all for other
+        names (else `SignalSent.mismatched` tells it). See `Operations.signal`."""
+        return await self.operations.signal(run, name, payload, strict=strict)
+
+    # ---- running --------------------------------------------------------------------------------
+    async def run(self, wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+                  budget: dict[str, float] | None = None, checkpoint_every: int | None = None,
+                  advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
+                  on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                  run_id: str | None = None,
+                  on_run: Callable[[str], Any] | None = None) -> Any:
+        """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
+
+        `on_run` is called with the run id as soon as the run is found or created (before any step runs).
+        """
+        workflow = as_workflow(wf)
+        budget = check_budget(budget) if budget is not None else self.budget
+        checkpoint_every = check_checkpoint(checkpoint_every) or self.checkpoint_every
+        if advisories not in (None, "silent"):
+            raise ValidationError(f"advisories= must be None or 'silent', got {advisories!r}",
+                                  hint="advisories='silent' stops printing advisories to stderr.",
+                                  docs="docs/advisories.md")
+        if key is not None:
+            validate_key(key)
+        hooks = run_hooks()
+        for hook in hooks:
+            on_step = hook.chain(on_step)
+        def joining(held: str) -> None:  # another process runs it: this one waits (and watchers say so)
+            for hook in hooks:
+                hook.started(held, workflow.name, joined=True)
+
+        lease, history, wire_input, torn = await self._acquire(workflow, input, key, fresh, budget, run_id, joining)
+        if lease is None:
+            for hook in hooks:
+                hook.started(history.header.run_id, workflow.name, joined=True)
+            if on_run is not None:
+                on_run(history.header.run_id)
+            return joined(workflow, history)
+        run_id = lease.run_id
+        for hook in hooks:
+            hook.started(run_id, workflow.name)
+        if on_run is not None:
+            on_run(run_id)
+        if not self.storage.wake(run_id) and not self.children.in_pool() and self.storage.entry(run_id) is None:
+            self.storage.schedule(run_id, time.time())  # due at once should this process die while it runs
+        outcome: tuple[str, BaseException | None] = ("interrupted", None)
+        try:
+            value = await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                      advisories, on_advisory, on_step, torn, wait)
+            outcome = ("completed", None)
+            return value
+        except Parked as parked:
+            outcome = (parked.status, None)
+            raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
+                                 hint=self._parked_hint(run_id, parked.status)) from None
+        except Exception as exc:
+            outcome = (self._status(run_id), exc)
+            raise
+        finally:
+            for hook in hooks:
+                hook.ended(run_id, *outcome)
+
+    async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                     budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                     on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
+                     torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
+                     ends: Callable[[Any], None] | None = None) -> Any:
+        """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after.
+        A worker passes `stopping`: the run it serves parks in joins and long retry backoffs. A run that ends
+        without its own fsync hands its lease over instead: a child run of this engine's pool to the pool's
+        group commit (`ChildRuns.hand_over`), which makes it durable, unqueues and releases it before its
+        parent learns the outcome; a run a worker serves to `ends`, the worker's group commit of the ends of
+        the runs it holds (`Storage.finish_all`)."""
+        run_id = lease.run_id
+        parked_on: tuple[str, ...] = ()
+        grouped = stopping is None and self.children.in_pool()
+        try:
+            return await self._execute(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                       advisories, on_advisory, on_step, torn, wait, stopping,
+                                       end_sync=not grouped and ends is None)
+        except Parked as parked:
+            if parked.children:
+                self.storage.join_wait(run_id, parked.children)
+                raise
+            self.storage.schedule(run_id, parked.at, wait=parked.names)
+            raise
+        except StaleRunError as exc:
+            try:
+                self.storage.append(lease, log_format.encode(log_format.Stale(error=dump_error(exc), ts=time.time())))
+                self.storage.sync(lease)
+                self.storage.schedule(run_id, None)
+            except LeaseLostError:
+                pass
+            raise
+        finally:
+            if grouped and history.end is not None:  # a child here: made durable with its siblings' ends
+                self.children.hand_over(lease)
+            elif ends is not None and history.end is not None:  # served: made durable with the worker's others
+                ends(lease)
+            else:
+                if history.end is not None:
+                    self.storage.unschedule(run_id)
+                self.storage.release(lease)
+            if parked_on and any(m.get("name") in parked_on for m in self.storage.inbox(run_id)):
+                self.storage.wake(run_id)  # a signal that arrived while it parked
+
+    def _parked_hint(self, run_id: str, status: str) -> str:
+        """The next move for a parked run, naming the signals it waits for."""
+        if status == "paused":
+            return f"Resume it with `durably resume {run_id}`, then run it again; nothing is lost meanwhile."
+        if status == "sleeping":
+            return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
+        try:
+            history, _ = self._read(run_id)
+            names = [w.name for p, w in history.waits.items() if p not in history.done]
+            came = [n for n in names if any(m.get("name") == n for m in self.storage.inbox(run_id))]
+        except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
+            names = came = []
+        if came:
+            return f"Signal {came[0]!r} received; due for the next worker or re-run: `durably retry {run_id}` " \
+                   "continues it now."
+        sends = " or ".join(f"`durably signal {run_id} {name} PAYLOAD`" for name in names or ["NAME"])
+        return f"Send the signal with {sends} (then run it again if no process waits for it); " \
+               "nothing is lost meanwhile."
+
+    async def _acquire(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
+                       budget: dict[str, float] | None, run_id: str | None,
+                       joining: Callable[[str], None] | None = None) -> tuple[Any, History, Any, str | None]:
+        """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease
+        (`joining(run_id)` is told once, when the wait begins)."""
+        if run_id is None:
+            run_id = await self._identify(workflow, input, key, fresh, budget)
+        check = _of_workflow(workflow)
+        reopen = False  # a run that had failed before this call is run again; one that ends meanwhile is not
+        told = False
+        while True:
+            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check, reopen=reopen)
+            if lease is not None:
+                history = History(lease.records, lease.where)
+                if history.end is not None and history.end.status == "completed":
+                    self.storage.release(lease)
+                    return None, history, None, lease.torn
+                return lease, history, history.header.input, lease.torn
+            if not self.storage.held(run_id):
+                history, torn = self._read(run_id)
+                if history.end is not None and history.end.status == "failed" and not reopen:
+                    reopen = True
+                    continue
+                if history.end is not None:
+                    return None, history, None, torn
+                continue  # released between the claim and the look
+            while self.storage.held(run_id):
+                if joining is not None and not told:
+                    told = True
+                    joining(run_id)
+                await asyncio.sleep(JOIN_POLL)
+            history, torn = self._read(run_id)
+            if history.end is not None:
+                return None, history, None, torn
+
+    async def _identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
+                        budget: dict[str, float] | None, at: float | None = None, priority: int = 0) -> str:
+        """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
+        wire_input, input_digest, identity = self._identity_of(workflow, input, key)
+        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
+                                          at, priority)
+
+    def _identity_of(self, workflow: Workflow, input: Any, key: str | None) -> tuple[Any, str, str]:
+        """The input as recorded (checked against the workflow's schema), its digest and the identity naming
+        the run: the key, else the workflow and the digest."""
+        schema = workflow.input_schema
+        wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
+        if schema is not None:
+            wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
+        if input is not None and not workflow.takes_input:
+            raise ValidationError(f"workflow {workflow.name!r} takes no input, got {_short(input)}",
+                                  hint=f"Run it without input, or give it one: `async def {workflow.name}(ctx, "
+                                       "input)`.", docs="docs/running.md")
+        input_digest = digest(load_value(wire_input))
+        return wire_input, input_digest, f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
+
+    # ---- the durable queue (_queue.py) ----------------------------------------------------------------
+    async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
+                      delay: float = 0.0, budget: dict[str, float] | None = None,
+                      checkpoint_every: int | None = None) -> RunHandle:
+        """Record the run as `pending` in the storage's queue and return its handle; nothing runs yet.
+
+        A worker runs it once due (`delay` seconds from now), highest `priority` first, then oldest: this
+        engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
+        same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
+        this engine has no worker); `drain` works the queue off."""
+        return await self.queue.enqueue(wf, input, key=key, priority=priority, delay=delay, budget=budget,
+                                        checkpoint_every=checkpoint_every)
+
+    async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
+                           budget: dict[str, float] | None = None) -> builtins.list[RunHandle]:
+        """Record many pending runs at once and return their handles, in order: each item is
+        `(workflow, input)` or `(workflow, input, key)`. Like `enqueue` of each, under the same identity rules
+        (an item naming a run that exists, or an earlier item of the batch, gets that run's handle), but the
+        new runs are written `ENQUEUE_BATCH` at a time in one durable write each (one fsync or commit per
+        batch, not per run). Every item is checked before anything is written."""
+        return await self.queue.enqueue_many(runs, priority=priority, delay=delay, budget=budget)
+
+    async def start(self, *, poll: float = 0.2) -> None:
+        """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
+        and release them, and repeat, until `stop()`. Returns at once; idempotent."""
+        await self.queue.start(poll=poll)
+
+    async def join(self, handle: RunHandle) -> Any:
+        """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
+        in this engine the run is run here and now."""
+        return await self.queue.join(handle)
+
+    async def drain(self) -> None:
+        """Wait until the queue holds no run that is due now or running here, and every run this engine
+        enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
+        for the duration when it is not running."""
+        await self.queue.drain()
+
+    async def stop(self) -> builtins.list[str]:
+        """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
+        finish and are recorded; leases are released, so the runs are due again at once for any worker.
+        Returns the ids of the runs it stopped part-way."""
+        return await self.queue.stop()
+
+    async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
+                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
+                              at: float | None = None, priority: int = 0) -> str:
+        """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
+        waited = 0.0
+        while True:
+            previous = self.storage.lookup(identity)
+            info = self.storage.info(previous) if previous is not None else None
+            if previous is not None and info is None and waited < RESERVED_WAIT:
+                await asyncio.sleep(JOIN_POLL / 5)  # another process bound it and is writing its header now
+                waited += JOIN_POLL / 5
+                continue
+            if info is not None and not fresh:
+                self._valid(info)
+                check_bound(identity, info)
+                if key is not None and info.header.get("input_digest") != input_digest:
+                    bound = load_value(info.header.get("input"))
+                    raise KeyConflictError(
+                        f"key {key!r} is bound to run {info.run_id} with input {bound!r}, not {input!r}",
+                        hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
+                             "to rebind the key.",
+                        run_id=info.run_id, key=key, bound_input=bound, input=input)
+                if not (info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled")):
+                    return info.run_id
+            run_id = new_run_id(workflow.name)
+            if self.storage.bind(identity, run_id, expect=previous):
+                self._create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
+                             priority=priority)
+                return run_id
+
+    def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
+        """Start `wf(input)` on every tick of `cron` (five fields, UTC) wherever this engine's loop serves
+        schedules; like `durably_py.schedule`, but for this engine only."""
+        from .._worker.schedules import check
+
+        item = check(wf, cron, input, name)
+        self.schedules[item.name] = item
+        return item
+
+    def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                   identity: str, *, scheduled_at: datetime | None = None) -> None:
+        """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`);
+        `scheduled_at` is the tick of the schedule that starts it (`ctx.scheduled_at`)."""
+        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
+                     scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
+
+    def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
+                **extra: Any) -> None:
+        """Write the header of a run whose identity is already bound to `run_id`, and queue it (due at `at`,
+        None: now). An id that exists already is a loud `ValidationError`, never a silent re-bind."""
+        header = self._header(run_id, workflow, wire_input, input_digest, key, identity, budget, **extra)
+        self.storage.create(run_id, header, at=at, priority=priority)
+
+    @staticmethod
+    def _header(run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                identity: str, budget: dict[str, float] | None, **extra: Any) -> bytes:
+        """The header line of a new run."""
+        return log_format.encode(log_format.Header(
+            v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name, fingerprint=workflow.fingerprint,
+            key=key, input=wire_input, input_digest=input_digest, identity=identity, budget=budget,
+            created_at=to_iso(datetime.now(UTC)), script=script_of(workflow), module=workflow.fn.__module__,
+            ts=time.time(), **extra))
+
+    # ---- child runs (_children.py): what the kernel asks of `EngineServices` ---------------------------
+    def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
+                     queued: bool = True) -> str:
+        """The child run spawned at `path` of `parent` (created once: a resumed parent finds the same one)."""
+        return self.children.create_child(parent, path, workflow, input, detached, queued=queued)
+
+    def create_children(self, parent: str, children: builtins.list[tuple[str, Workflow, Any]],
+                        detached: bool, *, queued: bool = True) -> builtins.list[str]:
+        """The child runs spawned at each `(path, workflow, input)` of `parent`, in order (`ChildRuns`)."""
+        return self.children.create_children(parent, children, detached, queued=queued)
+
+    def start_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> asyncio.Future[Any]:
+        """The outcome of a child run in this process (at most `concurrency` children run at once)."""
+        return self.children.start_child(run_id, workflow, rerun_failed=rerun_failed)
+
+    def start_children(self, handles: builtins.list[RunHandle], *, rerun_failed: bool,
+                       on_start: Callable[[str, asyncio.Future[Any]], None]) -> Spawned:
+        """Queue spawned children to run in this process in spawn order, with no future each until one starts."""
+        return self.children.start_children(handles, rerun_failed=rerun_failed, on_start=on_start)
+
+    async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
+        """Wait for a child to end (running it here if no process does) and return its result or raise."""
+        return await self.children.join_child(run_id, workflow, rerun_failed=rerun_failed)
+
+    def ended_child(self, run_id: str, workflow: Workflow | None) -> asyncio.Future[Any] | None:
+        """How a child run ended, as a settled future (its result or error), or None while it has not ended."""
+        return self.children.ended_child(run_id, workflow)
+
+    def queued_child(self, run_id: str) -> None:
+        """A child a served run spawned waits in the queue: this engine's worker looks for it at once."""
+        self.children.queued_child(run_id)
+
+    def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""
+        return self.children.parked_in_join()
+
+    async def _execute(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                       budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                       on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
+                       torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
+                       end_sync: bool = True) -> Any:
+        if torn:
+            print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
+        threshold = getattr(self.storage, "compact_above_bytes", None)
+        if threshold and (lease.size if lease.size >= 0 else self.storage.size(lease.run_id)) > threshold:
+            kept = history.compacted()
+            if len(kept) <= 0.75 * len(lease.records):
+                self.storage.rewrite(lease, b"".join(log_format.encode(r) for r in kept))
+        tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
+                                  silent=advisories == "silent",
+                                  restored=[Advisory.from_dict(a) for a in history.advisories.values()])
+        kernel = RunKernel(engine=self, storage=self.storage, lease=lease, history=history, workflow=workflow,
+                           attempt_cls=AttemptContext,
+                           input=None, clock=self.clock, executor=self.executor, checkpoint_every=checkpoint_every,
+                           on_step=on_step, advisories=tracker, wait=wait)
+        kernel.stopping = stopping
+        kernel.end_sync = end_sync
+        kernel.cleanup = self.cleanup
+        failed = history.end is not None and history.end.status == "failed"
+        retried = lease.run_id in self.retries
+        if failed or retried and history.failing:
+            kernel.write(log_format.Reopen(ts=time.time()))
+        kernel.retrying = failed or retried
+        kernel.parks = stopping is not None and not kernel.retrying
+        if kernel.code_changed and history.fingerprint != workflow.fingerprint:
+            kernel.write(log_format.Code(fingerprint=workflow.fingerprint))
+        if budget is not None and budget != history.budget:
+            kernel.write(log_format.Budget(budget=budget))
+            kernel.budget = budget
+        value = load_value(wire_input)
+        if workflow.input_schema is not None:
+            value = workflow.input_schema.convert(value, "input")
+        kernel.input = value
+        self.heartbeat.add(kernel, lease)
+        try:
+            return await kernel.run(WorkflowContext(kernel))
+        except Exception as exc:
+            ended = kernel.history.end
+            if self.on_run_failed is not None and ended is not None and ended.status == "failed":
+                try:
+                    result = self.on_run_failed({"run_id": lease.run_id, "error": exc})
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:  # noqa: BLE001 - a failing hook never hides the run's own error
+                    pass
+            raise
+        finally:
+            self.heartbeat.remove(kernel)
+
+    # ---- operating runs by id ---------------------------------------------------------------------
+    def workflow_for(self, run: str) -> Workflow:
+        """The workflow code that runs an existing run (by id or key): registered by name, else imported."""
+        run_id = self.resolve(run)
+        return self.code_for(self._read(run_id)[0].header)
+
+    def code_for(self, header: log_format.Header) -> Workflow:
+        """The workflow code for a run header: registered by name, else the one module or script it recorded,
+        where `code` allows it (`CodeSource`)."""
+        return self.code.workflow(header)
+
+    async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
+                     cleanup: float | None = None) -> RunState:
+        """Cancel a run (by id or key): its workflow gets `RunCancelledError` where it waits, may clean up (for
+        `cleanup` seconds, default the engine's `cleanup=`), and ends cancelled; `compensate=True` also runs the
+        compensations of its completed steps. See docs/operations.md#cancel."""
+        return await self.operations.cancel(run, timeout=timeout, compensate=compensate, cleanup=cleanup)
+
+    async def pause(self, run: str, *, timeout: float = 30.0) -> RunState:
+        """Pause a run (by id or key): at once when no process runs it, else at the running process's next boundary."""
+        return await self.operations.pause(run, timeout=timeout)
+
+    async def resume(self, run: str, *, timeout: float = 30.0) -> RunState:
+        """Resume a paused run (by id or key): its waiting process continues it, or the next run()/retry does."""
+        return await self.operations.resume(run, timeout=timeout)
+
+    async def retry(self, run: str, *, from_step: Selector | None = None,
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                    on_run: Callable[[str], Any] | None = None) -> Any:
+        """Resume a failed or interrupted run (by id or key); `from_step=` also runs that step and all later ones again."""
+        return await self.operations.retry(run, from_step=from_step, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def restart(self, run: str, *, on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                      on_run: Callable[[str], Any] | None = None) -> Any:
+        """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
+        return await self.operations.restart(run, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def cancel_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Cancel every run `list(status=, workflow=)` selects (by default every run that has not ended);
+        returns the runs it cancelled and, for each it could not, why (`dry_run`: only what it selects)."""
+        return await self.operations.cancel_many(status=status, workflow=workflow, timeout=timeout, dry_run=dry_run)
+
+    async def resume_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                          timeout: float = 30.0, dry_run: bool = False) -> BulkResult:
+        """Resume every paused run `list(status=, workflow=)` selects; returns the runs it resumed and why not."""
+        return await self.operations.resume_many(status=status, workflow=workflow, timeout=timeout, dry_run=dry_run)
+
+    async def retry_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
+                         dry_run: bool = False) -> BulkResult:
+        """Retry every failed or interrupted run `list(status=, workflow=)` selects, in this process; returns
+        each run's state afterwards and, for each it could not retry, why."""
+        return await self.operations.retry_many(status=status, workflow=workflow, dry_run=dry_run)
+
+    async def adopt(self, run: str, path: Any = None, *, on_step: Callable[[StepEvent], Any] | None = None,
+                    wait: bool = True, on_run: Callable[[str], Any] | None = None) -> Any:
+        """Continue a `stale` run (by id or key) asserting that the step the code now calls at `path` (default:
+        where its replay stopped; ``(2,)``, ``(3, 1, 0)`` or ``"3.1.0"``) is the recorded one under a new name:
+        its recorded result is used, the adoption is recorded, and the run goes on as `retry` would. A run that
+        is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
+        return await versioning.adopt(self, run, path, on_step=on_step, wait=wait, on_run=on_run)
+
+    def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
+        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
+        return self.operations.amend(run_id, record)
+
+
+def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:
+    """An engine over `storage`: a Storage, a storage URL (a directory, ``file:PATH``, ``sqlite:PATH``,
+    ``postgresql://...``), or None for $DURABLY_STORAGE, else FileStorage at `.durably/`."""
+    if storage is None and os.environ.get("DURABLY_STORAGE"):
+        storage = os.environ["DURABLY_STORAGE"]
+    if isinstance(storage, str | os.PathLike):
+        return Engine(open_storage(os.fspath(storage)), **options)
+    return Engine(storage, **options)
+
+
+_engines: dict[str, Engine] = {}
+
+
+def engine_for(dir: str | os.PathLike[str] | None, storage: str | None = None) -> Engine:
+    """The shared engine over storage URL `storage`, else rooted at `dir`, else $DURABLY_STORAGE, else
+    $DURABLY_DIR, else `.durably/`."""
+    url = storage or (None if dir else os.environ.get("DURABLY_STORAGE")) or None
+    if url is not None:
+        kind, target = parse_storage_url(url)
+        name = f"{kind}:{target if kind == 'postgres' else os.path.abspath(target)}"
+        engine = _engines.get(name)
+        if engine is None:
+            engine = _engines[name] = Engine(open_storage(url))
+        return engine
+    root = os.path.abspath(dir or os.environ.get("DURABLY_DIR") or ".durably")
+    engine = _engines.get(root)
+    if engine is None:
+        engine = _engines[root] = Engine(FileStorage(root))
+    return engine
+
+
+def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], builtins.list[log_format.Record]]:
+    """The claim check for running `workflow`: the log validates and its header names this workflow.
+
+    Runs before the claim record is written, so resuming a damaged log, or another workflow's run,
+    writes nothing."""
+    def check(raw: builtins.list[Any], where: str) -> builtins.list[log_format.Record]:
+        typed = log_format.load(raw, where)
+        header = typed[0]
+        assert isinstance(header, log_format.Header)
+        if header.workflow != workflow.name:
+            raise ValidationError(
+                f"run {header.run_id} belongs to workflow {header.workflow!r}, not {workflow.name!r}",
+                hint=f"Resume it with its own workflow (`durably retry {header.run_id}` picks it), or use another "
+                     "key or run id for a new run of this one.",
+                docs="docs/operations.md#which-code-runs-an-old-run", run_id=header.run_id,
+                recorded=header.workflow, called=workflow.name)
+        return typed
+    return check
+
+
+class DefaultEngine:
+    """`durably`: the engine rooted at `.durably/` (or $DURABLY_DIR), created on first use."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(engine_for(None), name)
+
+    def __repr__(self) -> str:
+        return "<durably default engine>"
+
+
+durably = DefaultEngine()
+
+
+async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+                    budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
+                    checkpoint_every: int | None = None, advisories: str | None = None,
+                    on_advisory: Callable[[Advisory], Any] | None = None,
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+    """`run()` for code already inside an event loop."""
+    return await engine_for(dir).run(wf, input, key=key, fresh=fresh, budget=budget,
+                                     checkpoint_every=checkpoint_every, advisories=advisories,
+                                     on_advisory=on_advisory, on_step=on_step, wait=wait)
+
+
+def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
+        budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None, advisories: str | None = None,
+        on_advisory: Callable[[Advisory], Any] | None = None,
+        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+    """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off.
+
+    A run that parks (`ctx.sleep`, `ctx.wait_for`) keeps this call waiting; with `wait=False` it raises
+    `RunParkedError` instead, and a later call resumes it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise ValidationError("run() was called inside a running event loop",
+                              hint="Use `await run_async(...)` inside async code.", docs="docs/running.md")
+    return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
+                                 checkpoint_every=checkpoint_every, advisories=advisories,
+                                 on_advisory=on_advisory, on_step=on_step, wait=wait))
+
+
+class RunHook:
+    """Watches every run this process runs: its step events, when it starts and how it ends.
+
+    The CLI's live view is one (`set_run_hook`); OpenTelemetry export is another (`add_run_hook`)."""
+
+    def __init__(self, listener: Callable[[StepEvent], Any], on_run: Callable[[str], Any] | None = None) -> None:
+        self.listener = listener
+        self.on_run = on_run
+
+    def started(self, run_id: str, workflow: str = "", *, joined: bool = False) -> None:
+        """A run was found or created (also one with no step of its own); `joined`: another process runs it."""
+        if self.on_run is not None:
+            self.on_run(run_id)
+
+    def ended(self, run_id: str, status: str, error: BaseException | None) -> None:
+        """This process stopped running the run: completed, failed, cancelled, parked or interrupted."""
+
+    def active(self) -> bool:
+        """Whether to watch a run starting now; a watcher with nothing to report opts out and costs nothing."""
+        return True
+
+    def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
+        def both(event: StepEvent) -> None:
+            self.listener(event)
+            if on_step is not None:
+                on_step(event)
+        return both
+
+
+_run_hook: RunHook | None = None
+
+
+def set_run_hook(hook: RunHook | None) -> None:
+    """Install (or remove) the process-wide step listener the CLI uses."""
+    global _run_hook
+    _run_hook = hook
+
+
+_added_hooks: list[RunHook] = []
+_otel_checked = False
+
+
+def add_run_hook(hook: RunHook) -> None:
+    """Add a process-wide run watcher (in addition to the CLI's)."""
+    _added_hooks.append(hook)
+
+
+def remove_run_hook(hook: RunHook) -> None:
+    """Remove a watcher `add_run_hook` added."""
+    with contextlib.suppress(ValueError):
+        _added_hooks.remove(hook)
+
+
+def run_hooks() -> builtins.list[RunHook]:
+    """The watchers of a run starting now; the first call installs OpenTelemetry export when it is available."""
+    global _otel_checked
+    if not _otel_checked:
+        _otel_checked = True
+        from . import otel
+
+        otel.install_if_available()
+    return ([_run_hook] if _run_hook is not None else []) + [hook for hook in _added_hooks if hook.active()]

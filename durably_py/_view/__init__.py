@@ -1,0 +1,1 @@
+"""What a person reads: the live view of a run and a log record as one line."""

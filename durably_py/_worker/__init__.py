@@ -1,0 +1,1 @@
+"""Workers: the durable queue, schedules and the loop that claims due runs."""

@@ -1,0 +1,350 @@
+"""The worker loop: claim due runs from the storage's queue, run them, park and release them, repeat.
+
+`Engine.start()` runs one in-process; `durably worker` runs one as a long-lived process. Several workers,
+in one process or many, on one machine (a shared `.durably/`, leases are OS file locks) or many (SQLite or
+PostgreSQL, time-based leases fenced by epoch), share one queue: a claim is exclusive, so a run is never
+run by two workers at once, and a worker that dies leaves its runs due again (at once for files, once the
+lease lapses for databases).
+
+A graceful stop (`Worker.stop`, SIGTERM/SIGINT in `durably worker`) claims nothing more and starts no new
+step: each running run stops before its next step, keeping every finished step, and is released due at
+once, so another worker takes it over without waiting for a lease to lapse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._replay.kernel import Parked
+from .._state.history import History
+from ..errors import DurablyError, RunCancelledError, ValidationError
+from .schedules import fire_due
+
+if TYPE_CHECKING:
+    from .._engine.engine import Engine
+
+ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
+SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
+SETTINGS_DOCS = "docs/deploying.md#settings"
+
+
+def check_concurrency(concurrency: Any) -> int:
+    """Validate `concurrency=` (runs, and child runs, at once: an int >= 1)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValidationError(f"concurrency must be an int >= 1, got {concurrency!r}",
+                              hint="concurrency=4 runs up to four runs at once.", docs=SETTINGS_DOCS)
+    return concurrency
+
+
+def check_poll(poll: Any) -> float:
+    """Validate a worker's `poll=` (seconds between looks at the queue when idle: 0.01 to 60)."""
+    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0.01 <= poll <= 60:
+        raise ValidationError(f"poll must be 0.01 to 60 seconds, got {poll!r}",
+                              hint="poll=0.2 (the default) looks for due runs five times a second when idle.",
+                              docs=SETTINGS_DOCS)
+    return float(poll)
+
+
+class EndCommit:
+    """Group commit of the ends of the runs one worker holds. A served run that ended hands its lease here and
+    waits: every lease handed over while the previous commit was under way goes into the next one, a single
+    `Storage.finish_all` on a worker thread (one fsync or durable commit for all of them, each run out of the
+    queue and released), so a worker running several runs at once pays one durable write for several ends."""
+
+    def __init__(self, storage: Any, run_in_thread: Callable[[Callable[[], Any]], Any]) -> None:
+        self.storage = storage
+        self.run_in_thread = run_in_thread
+        self.waiting: list[tuple[Any, asyncio.Future[BaseException | None]]] = []
+        self.task: asyncio.Task[None] | None = None
+        self.commits = 0
+
+    async def finish(self, lease: Any) -> BaseException | None:
+        """Make the ended run of `lease` durable, out of the queue and released in the next group commit; the
+        error that kept it from being so (None: done)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+        self.waiting.append((lease, done))
+        if self.task is None:
+            self.task = loop.create_task(self._commit())
+        return await asyncio.shield(done)
+
+    async def _commit(self) -> None:
+        try:
+            while self.waiting:
+                group, self.waiting = self.waiting, []
+                leases = [lease for lease, _ in group]
+                try:
+                    errors = await self.run_in_thread(functools.partial(self.storage.finish_all, leases))
+                except Exception as exc:  # noqa: BLE001 - each run's own outcome: its end is recorded again later
+                    errors = [exc] * len(group)
+                    for lease in leases:
+                        self.storage.release(lease)
+                self.commits += 1
+                for (_, done), error in zip(group, errors, strict=True):
+                    if not done.done():
+                        done.set_result(error)
+        finally:
+            self.task = None
+
+
+class Worker:
+    """One worker loop over an engine's storage, running at most `concurrency` runs at once, of the workflows
+    its engine's `code` claims (`CodeSource.claims`)."""
+
+    def __init__(self, engine: Engine, *, concurrency: int = 4, poll: float = 0.2,
+                 log: Callable[[str], Any] | None = None) -> None:
+        self.engine = engine
+        self.concurrency = check_concurrency(concurrency)
+        self.poll = check_poll(poll)
+        self._schedules_at = 0.0
+        self._prune_at = 0.0
+        self.pruned = 0
+        self.log = log
+        self.active: dict[str, asyncio.Task[None]] = {}
+        self.ending: dict[str, asyncio.Task[None]] = {}  # ended runs waiting for the group commit: no slot held
+        self.stopped: list[str] = []
+        self.ran = 0
+        self.finished = False
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._skip: dict[str, float] = {}
+        self._advertised_at = 0.0
+        self.started = time.time()
+        self.ends = EndCommit(engine.storage, lambda call: asyncio.get_running_loop().run_in_executor(
+            engine.executor, call))
+
+    # ---- control --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop as a task of the running event loop (idempotent)."""
+        if self._task is None:
+            self._wake, self._changed = asyncio.Event(), asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def run(self) -> None:
+        """Start the loop and return once it has stopped (after `stop()` or `request_stop()`)."""
+        self.start()
+        assert self._task is not None
+        await asyncio.shield(self._task)
+
+    def request_stop(self) -> None:
+        """Ask for a graceful stop without waiting for it (safe from a signal handler)."""
+        self._stopping = True
+        self.poke()
+
+    async def stop(self) -> list[str]:
+        """Stop gracefully and wait for it; the ids of the runs stopped part-way (due again at once)."""
+        self.request_stop()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        self.finished = True
+        return list(self.stopped)
+
+    def poke(self) -> None:
+        """Look for due work now instead of at the next poll."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def skipped(self) -> tuple[str, ...]:
+        """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
+        now = time.monotonic()
+        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+
+    async def settled(self, timeout: float) -> None:
+        """Wait until a run this worker ran stops, or `timeout` seconds."""
+        if self._changed is None:
+            await asyncio.sleep(timeout)
+            return
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _say(self, message: str) -> None:
+        if self.log is not None:
+            self.log(message)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        engine = self.engine
+        assert self._wake is not None
+        unwatch = self._watch()
+        try:
+            while not self._stopping:
+                self._advertise()
+                await self._fire_schedules()
+                await self._prune()
+                free = self.concurrency - len(self.active)
+                claimed = 0
+                if free > 0:
+                    try:
+                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped(),
+                                                          workflows=engine.code.claims())
+                    except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
+                        self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
+                        leases = []
+                    for lease in leases:
+                        if self._stopping:
+                            engine.storage.release(lease)
+                            continue
+                        self.active[lease.run_id] = asyncio.get_running_loop().create_task(self._serve(lease))
+                        claimed += 1
+                if claimed and len(self.active) < self.concurrency:
+                    continue
+                self._wake.clear()
+                waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+                try:
+                    await asyncio.wait([*waits, *self.active.values()], timeout=self._idle(free > claimed),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            self._stopping = True
+            if unwatch is not None:
+                unwatch()
+            while self.active or self.ending:
+                await asyncio.gather(*self.active.values(), *self.ending.values(), return_exceptions=True)
+            try:
+                engine.storage.retire(engine.owner)
+            except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
+                self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
+            self.finished = True
+
+    def _watch(self) -> Callable[[], None] | None:
+        """Have the storage poke this loop whenever another process makes work due (`Storage.watch`: local
+        wake-ups for a shared directory or SQLite file, LISTEN/NOTIFY on PostgreSQL); None: polling only."""
+        watch = getattr(self.engine.storage, "watch", None)
+        if watch is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def poke() -> None:
+            try:
+                loop.call_soon_threadsafe(self.poke)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        try:
+            return watch(poke)
+        except Exception as exc:  # noqa: BLE001 - the poll still finds the work
+            self._say(f"watching for new work failed: {type(exc).__name__}: {exc}; polling every {self.poll:g}s")
+            return None
+
+    def _idle(self, drained: bool) -> float:
+        """How long to wait for a poke before looking again: the poll, or less when a queued run falls due
+        sooner (a sleep ending, a backoff over), looked up once the due work is `drained`."""
+        if not drained:
+            return self.poll
+        try:
+            soonest = self.engine.storage.next_due()
+        except Exception:  # noqa: BLE001 - a storage hiccup: the poll interval
+            return self.poll
+        return self.poll if soonest is None else min(self.poll, max(0.0, soonest - time.time()))
+
+    def _advertise(self) -> None:
+        """Tell the storage, every third of the lease, that this worker is live and which workflows it serves
+        (`Storage.advertise`): `durably list` and `inspect` say when no live worker serves a queued run."""
+        if time.monotonic() < self._advertised_at:
+            return
+        engine = self.engine
+        self._advertised_at = time.monotonic() + max(engine.lease_ttl / 3, self.poll)
+        info = {**engine.code.describe(), "pid": os.getpid(), "host": socket.gethostname(),
+                "concurrency": self.concurrency, "lease": engine.lease_ttl, "started": self.started}
+        try:
+            engine.storage.advertise(engine.owner, info, engine.lease_ttl)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
+            self._say(f"advertising this worker failed: {type(exc).__name__}: {exc}")
+
+    async def _fire_schedules(self) -> None:
+        """Queue the due ticks of the schedules this process serves (at most once a second)."""
+        if time.monotonic() < self._schedules_at:
+            return
+        self._schedules_at = time.monotonic() + max(self.poll, 1.0)
+        try:
+            fired = await fire_due(self.engine)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next poll
+            self._say(f"firing schedules failed: {type(exc).__name__}: {exc}")
+            return
+        for run_id in fired:
+            self._say(f"{run_id}: queued by its schedule")
+
+    async def _prune(self) -> None:
+        """Delete the runs that ended more than the engine's `retention` ago (a tenth of it apart, at most
+        hourly), on a worker thread; nothing without a retention."""
+        retention = self.engine.retention
+        if retention is None or time.monotonic() < self._prune_at:
+            return
+        self._prune_at = time.monotonic() + min(3600.0, max(retention / 10, self.poll))
+        try:
+            report = await self.engine.prune(older_than=retention)
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
+            self._say(f"pruning ended runs failed: {type(exc).__name__}: {exc}")
+            return
+        if report.runs:
+            self.pruned += len(report.runs)
+            self._say(f"pruned {len(report.runs)} ended runs ({report.bytes:,} bytes)")
+
+    async def _serve(self, lease: Any) -> None:
+        """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
+        engine = self.engine
+        run_id = lease.run_id
+        try:
+            history = History(lease.records)
+            if history.end is not None:
+                engine.storage.unschedule(run_id)  # it ended, and its process died before leaving the queue
+                engine.storage.release(lease)
+                return
+            try:
+                workflow = engine.code_for(history.header)
+            except DurablyError as exc:
+                engine.storage.release(lease)
+                self._skip[run_id] = time.monotonic() + SKIP_SECONDS
+                self._say(f"{run_id}: {exc} (retrying in {SKIP_SECONDS:g}s)")
+                return
+            self._say(f"{run_id}: running {history.header.get('workflow')}")
+            ended: list[Any] = []
+            try:
+                try:
+                    await engine._drive(workflow, lease, history, history.header.get("input"), history.budget,
+                                        engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
+                                        stopping=lambda: self._stopping, ends=ended.append)
+                finally:
+                    for done in ended:  # its end made durable with the others' before anything says it ended
+                        if len(self.ending) < ENDING_MAX * self.concurrency and run_id in self.active:
+                            self.ending[run_id] = self.active.pop(run_id)  # its slot is free meanwhile
+                            self.poke()
+                        error = await self.ends.finish(done)
+                        if error is not None:
+                            self._say(f"{run_id}: its end could not be made durable ({type(error).__name__}: "
+                                      f"{error}); it leaves the queue when the run is next claimed")
+            except Parked as parked:
+                if parked.status == "interrupted":
+                    self.stopped.append(run_id)
+                self._say(f"{run_id}: {parked.detail}")
+            except RunCancelledError:
+                self._say(f"{run_id}: cancelled")
+            except Exception as exc:  # noqa: BLE001 - the run's error is recorded in its log, not the worker's
+                status = "failed" if history.end is not None else "stopped"
+                self._say(f"{run_id}: {status}: {type(exc).__name__}: {exc}")
+            else:
+                self._say(f"{run_id}: completed")
+            self.ran += 1
+        except Exception as exc:  # noqa: BLE001 - one broken run never stops the worker
+            print(f"durably worker: {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            engine.storage.release(lease)
+        finally:
+            self.active.pop(run_id, None)
+            self.ending.pop(run_id, None)
+            if self._changed is not None:
+                self._changed.set()
+            self.poke()
