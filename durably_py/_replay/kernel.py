@@ -687,6 +687,7 @@ class RunKernel:
         self.halted: asyncio.Future[tuple[str, Any]] | None = None  # how this execution of the run stops
         self.root: asyncio.Task[Any] | None = None  # the task running the workflow body
         self.driver: asyncio.Task[Any] | None = None  # the task that runs this execution (`run`)
+        self.torn_down = False  # ended by a BaseException of the workflow's (KeyboardInterrupt...): as by a kill
         self.canceller: asyncio.Task[Any] | None = None  # delivers a cancel request in its turn
         self.cancel_rec: records.Cancel | None = None  # the cancel delivered, once it is
         self.cancel_pending: records.Cancel | None = None  # a cancel requested in this process, not delivered yet
@@ -995,6 +996,8 @@ class RunKernel:
         run (a crash, a lost lease) or a tear-down leaves the handle pending: nothing of the workflow sees it."""
         if h.done() or isinstance(exc, GeneratorExit) or self.stops(exc):
             return
+        if not isinstance(exc, Exception | asyncio.CancelledError):
+            self.torn_down = True  # KeyboardInterrupt, SystemExit...: the steps it cuts off are cut as by a kill
         fail(h, exc)
         if h.observed:
             self.turns.hop()
@@ -1215,7 +1218,7 @@ class RunKernel:
         """Whether what runs this execution is being cancelled (Ctrl-C, a worker stopping, the event loop
         closing): a step cut off then is cut as by a kill, and recorded as nothing."""
         driver = self.driver
-        return driver is not None and driver.cancelling() > 0
+        return self.torn_down or (driver is not None and driver.cancelling() > 0)
 
     def cut_inline(self, att: Any) -> None:
         """A quick sync step on the loop thread saw a cancel request while it ran (the heartbeat flagged it).
@@ -2449,7 +2452,9 @@ class RunKernel:
             except BaseException:
                 discard(turns.close())
                 raise
-            if kind in ("return", "raise"):
+            if kind == "raise" and not isinstance(value, Exception):
+                self.torn_down = True  # as a process dying: the steps it cuts off are recorded as nothing
+            elif kind in ("return", "raise"):
                 self.abandon_running()
             discard(turns.close())
             if kind == "park":
