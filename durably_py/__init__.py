@@ -6,6 +6,7 @@ and the `durably_py.storage` adapters); every other module is internal (docs/arc
 
 from typing import TYPE_CHECKING
 
+from ._authoring.calls import RunHandle
 from ._authoring.context import AttemptContext, BudgetView, First, WorkflowContext, attempt
 from ._authoring.graphs import GraphState, NodeState, Task
 from ._authoring.handles import Handle
@@ -17,7 +18,6 @@ from ._clock import Clock, FakeClock
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
 from ._engine.operations import BulkResult, SignalSent
 from ._events import StepEvent
-from ._replay.kernel import RunHandle
 from ._state.advisories import Advisory
 from ._state.history import RunState, StepState
 from ._worker.schedules import Schedule, schedule

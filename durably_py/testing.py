@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import records
+from ._authoring.calls import RunHandle
 from ._authoring.context import AttemptContext, WorkflowContext
 from ._authoring.workflow import Workflow, as_workflow
 from ._clock import FakeClock
 from ._codec import encode, load_error, load_value
 from ._engine.engine import Engine
 from ._events import StepEvent
-from ._replay.kernel import Crash, Observer, Parked, RunHandle, RunKernel, Selector, observing, selects
+from ._replay.kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
 from ._state.advisories import Advisory, AdvisoryTracker
 from ._state.history import History, RunState, path_tuple
 from ._worker.schedules import Schedule, fire_due

@@ -499,7 +499,7 @@ def test_a_wide_spawn_all_is_created_in_bounded_batches(tmp_path, monkeypatch) -
     """The children of one spawn_all are created CREATE_BATCH at a time (each batch one durable write), so
     a very wide fan-out never holds every child's header in memory at once; all of them run."""
     from durably_py import SqliteStorage
-    from durably_py._engine.engine import children as children_module
+    from durably_py._engine import children as children_module
 
     monkeypatch.setattr(children_module, "CREATE_BATCH", 5)
     storage = SqliteStorage(tmp_path / "runs.db")

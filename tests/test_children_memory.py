@@ -116,7 +116,7 @@ def test_a_loop_compaction_after_a_wide_join_keeps_every_spawn_and_join(tmp_path
 KILL_SCRIPT = """
 import asyncio, os, signal, sys
 from durably_py import SqliteStorage, create_engine, workflow
-from durably_py._engine.engine import children as _children
+from durably_py._engine import children as _children
 from durably_py._replay import kernel as _kernel
 
 _children.CREATE_BATCH = _kernel.SPAWN_BATCH = 5

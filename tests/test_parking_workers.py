@@ -16,7 +16,7 @@ from helpers import storage_of
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, records, workflow
 from durably_py._codec import digest, dump_value
-from durably_py._worker.worker import queue as queue_rules
+from durably_py._replay import kernel as park_rules
 
 ran: list[str] = []
 
@@ -148,7 +148,7 @@ async def pk_backoff(ctx, x):
 
 
 def test_a_long_retry_backoff_parks_the_run_due_at_its_end(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(queue_rules, "PARK_BACKOFF", 0.5)
+    monkeypatch.setattr(park_rules, "PARK_BACKOFF", 0.5)
     attempts.clear()
 
     async def main() -> None:
@@ -305,7 +305,7 @@ def test_a_run_taken_over_in_its_backoff_parks_for_what_is_left_and_never_retrie
                                                                                          monkeypatch: Any) -> None:
     """Its process died between recording the failed attempt and parking: the worker that takes it over
     parks it again until the recorded time, then runs the next attempt once."""
-    monkeypatch.setattr(queue_rules, "PARK_BACKOFF", 0.5)
+    monkeypatch.setattr(park_rules, "PARK_BACKOFF", 0.5)
     attempts.clear()
     attempts.append(time.time())  # the first attempt, in the process that died
     storage = FileStorage(tmp_path / "state")

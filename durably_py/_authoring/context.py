@@ -9,11 +9,11 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
 from .._codec import dump_value, from_iso, load_value
-from .._replay.kernel import Complete, LoopDone, RunHandle, current_attempt
 from .._state.history import BUDGET_KINDS
 from ..errors import ValidationError
 from ..records import Stash
 from .branches import First, first_of
+from .calls import Complete, LoopDone, RunHandle, current_attempt
 from .policies import check_timeout
 from .result import Err, Ok
 

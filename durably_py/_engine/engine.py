@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .. import records as log_format
+from .._authoring.calls import RunHandle
 from .._authoring.context import AttemptContext, WorkflowContext
 from .._authoring.graphs import GraphState
 from .._authoring.resources import Gates, Resource
@@ -25,7 +26,7 @@ from .._authoring.workflow import Workflow, as_workflow
 from .._clock import Clock
 from .._codec import digest, dump_error, dump_value, load_value, to_iso
 from .._events import StepEvent
-from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunHandle, RunKernel, Selector, Spawned
+from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunKernel, Selector, Spawned
 from .._state.advisories import Advisory, AdvisoryTracker
 from .._state.history import BUDGET_KINDS, History, RunState
 from .._state.timeline import Span

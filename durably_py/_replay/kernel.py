@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
@@ -28,7 +28,28 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from .. import records
 from .._authoring import graphs
 from .._authoring.branches import checked_branches, foreign_strand, outside_workflow, run_branches
+from .._authoring.calls import (
+    CO_COROUTINE,
+    LABELS,
+    NOT_RETRYABLE,
+    PLAIN,
+    Attempt,
+    Complete,
+    LoopDone,
+    RunHandle,
+    StepOptions,
+    check_handle,
+    check_signal_name,
+    check_wake_time,
+    current_attempt,
+    is_async_callable,
+    label_of,
+    not_callable,
+    spawn_pairs,
+    step_options,
+)
 from .._authoring.handles import Handle, cancelled, fail, handle, not_durable, set_result
+from .._authoring.paths import NUMBERS, Scope, current_scope, number
 from .._authoring.policies import Retry, check_timeout
 from .._authoring.result import Err, Ok
 from .._authoring.schema import compile_schema
@@ -47,18 +68,14 @@ from .._codec import (
     load_value,
     to_iso,
 )
-from .._engine.versioning import stale_hint
 from .._events import StepEvent
 from .._state.advisories import AdvisoryTracker, RetryStormWindow, level_for
 from .._state.history import BUDGET_KINDS, History, path_tuple
-from .._worker import queue
 from ..errors import (
-    ArgumentError,
     BudgetExceededError,
     DependencyFailedError,
     LeaseLostError,
     LoopLimitError,
-    NonRetryableError,
     PurityError,
     RunCancelledError,
     SerializationError,
@@ -69,7 +86,7 @@ from ..errors import (
     ValidationError,
     WaitTimeoutError,
 )
-from ..storage.base import validate_name
+from .stale import stale_hint
 from .turns import Turns, current_turns, deadline_over, discard, guarded, install_factory, raw_timers
 
 if TYPE_CHECKING:
@@ -78,11 +95,8 @@ if TYPE_CHECKING:
     from .._threads import SyncPlacement
     from ..storage.base import Lease, Storage
 
-CO_COROUTINE = inspect.CO_COROUTINE
 _Ok = records.Ok
 PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable
-NOT_RETRYABLE = (ValidationError, SerializationError, PurityError, BudgetExceededError, StepInterruptedError,
-                 NonRetryableError)
 DEFAULT_SYNC_STEPS = 1000
 DEFAULT_SYNC_SECONDS = 1.0
 CONTROL_EVERY = 0.5
@@ -92,18 +106,15 @@ JOIN_AHEAD = 1024  # a join_all asks for the outcomes of this many children ahea
 PARK_LISTS = 100  # a join's park record names at most this many of the children it waits for (and counts all)
 YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 LOOP_COMPACT_BYTES = 64 * 1024
+PARK_BACKOFF = 5.0
+"""A retry backoff at least this long parks a run a worker serves (due at the backoff's end, its process free
+meanwhile); a shorter one is waited out in place, as every backoff is in a run with no worker."""
 
 
 class Crash(BaseException):  # noqa: N818 - it is not an error but a simulated process death
     """Raised by crash injection: the run stops exactly as a killed process would."""
 
 
-class Complete(BaseException):  # noqa: N818 - control flow, not an error
-    """`ctx.complete(value)`: unwinds to the top of the workflow with its result."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self.value = value
 
 
 def retry_started(prior: records.Fail | None, now: datetime, ms: float) -> datetime:
@@ -208,60 +219,12 @@ def make_task(loop: asyncio.AbstractEventLoop, coro: Any, previous: Callable[...
     return task
 
 
-class Scope:
-    """Allocates the child paths of one sequential strand (the workflow body, a branch, a loop turn)."""
-
-    __slots__ = ("prefix", "n", "owner", "loop", "thread", "labels", "pending", "outer")
-
-    def __init__(self, prefix: str, owner: asyncio.Task[Any] | None,
-                 outer: tuple[tuple[str, int], ...] = ()) -> None:
-        self.prefix = prefix
-        self.n = 0
-        self.owner = owner
-        # where the owner runs: the caller is the owner when `running_task(loop)` is it on `thread`
-        self.loop = owner.get_loop() if owner is not None else None
-        self.thread = threading.get_ident()
-        self.labels: dict[str, int] = {}
-        self.pending = 0
-        self.outer = outer  # (prefix, first index) of the positions that come after this strand in its enclosing ones
-
-    def alloc(self) -> str:
-        n = self.n
-        self.n = n + 1
-        return self.prefix + number(n)
 
 
-_NUMBERS: list[str] = []
-_NUMBERS_KEPT = 1 << 15
 
 
-def number(n: int) -> str:
-    """`str(n)` for a path index, from a table of the first `_NUMBERS_KEPT` (a path is built per step)."""
-    global _NUMBERS
-    try:
-        return _NUMBERS[n]
-    except IndexError:
-        if n >= _NUMBERS_KEPT:
-            return str(n)
-        # a new table, swapped in whole: a thread reading the old one meanwhile still reads true entries
-        _NUMBERS = list(map(str, range(min(max(n + 1, 2 * len(_NUMBERS), 64), _NUMBERS_KEPT))))
-        return _NUMBERS[n]
 
 
-current_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("durably_scope")
-class Attempt(Protocol):
-    """What the kernel needs of the object `attempt()` returns inside a step (`context.AttemptContext`)."""
-
-    kernel: Any
-    path: str
-    did_stash: bool
-    number: int
-    label: str  # set by the kernel as the attempt starts
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    def cancel(self) -> None: ...
 
 
 class EngineServices(Protocol):
@@ -304,16 +267,8 @@ class Spawned(Protocol):
         """Done once `done()` is."""
 
 
-class LoopDone:
-    """What a loop reducer returns to end the loop with `value` (`it.done(value)`)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
-current_attempt: contextvars.ContextVar[Attempt] = contextvars.ContextVar("durably_attempt")
 
 Selector = tuple[int, ...] | str | tuple[str, int]
 
@@ -369,77 +324,20 @@ running_task: Callable[[asyncio.AbstractEventLoop | None], asyncio.Task[Any] | N
 get_ident = threading.get_ident
 
 
-_LABELS: dict[Any, str] = {}
 
 
-def label_of(fn: Callable[..., Any]) -> str:
-    """The default step label: the callable's qualified name, without the enclosing function's."""
-    try:
-        return _LABELS[fn]
-    except (KeyError, TypeError):
-        pass
-    target = getattr(fn, "func", fn)
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
-    label: str = name.rpartition("<locals>.")[2]
-    if callable(fn):  # `RunKernel.step` takes a label found here as proof that `fn` is callable
-        try:
-            if len(_LABELS) >= 4096:
-                _LABELS.clear()
-            _LABELS[fn] = label
-        except TypeError:  # an unhashable callable: computed every time
-            pass
-    return label
 
 
-def not_callable(fn: Any) -> ValidationError:
-    """`ctx.step` of something that is not a function."""
-    return ValidationError(f"ctx.step needs a callable, got {fn!r}",
-                           hint="Pass the function itself: ctx.step(fetch, url), not ctx.step(fetch(url)).",
-                           docs="docs/authoring.md#steps")
 
 
-def check_wake_time(when: Any) -> None:
-    """`ctx.sleep_until`'s argument: a timezone-aware datetime."""
-    if not isinstance(when, datetime) or when.tzinfo is None:
-        raise ValidationError(f"ctx.sleep_until needs a timezone-aware datetime, got {when!r}",
-                              hint="Use ctx.now() + timedelta(...) or datetime(..., tzinfo=UTC).",
-                              docs="docs/authoring.md#parking")
 
 
-def check_signal_name(name: Any) -> None:
-    """`ctx.wait_for`'s signal name: 1-200 characters, not starting with '$'."""
-    if not isinstance(name, str) or not name or len(name) > 200 or name.startswith("$"):
-        raise ValidationError(f"a signal name is 1-200 characters not starting with '$', got {name!r}",
-                              hint="Name what you wait for, e.g. ctx.wait_for('approval').",
-                              docs="docs/authoring.md#parking")
-    validate_name(name)
 
 
-def check_handle(handle: Any) -> None:
-    """`ctx.join`'s argument: the `RunHandle` that `ctx.spawn` returned."""
-    if not isinstance(handle, RunHandle):
-        raise ValidationError(f"ctx.join takes the RunHandle that ctx.spawn returned, got {handle!r}",
-                              hint="handle = await ctx.spawn(child, input); value = await ctx.join(handle)",
-                              docs="docs/authoring.md#child-runs")
 
 
-def spawn_pairs(definitions: Iterable[Any]) -> list[tuple[Workflow, Any]]:
-    """`ctx.spawn_all`'s argument as `(workflow, input)` pairs."""
-    pairs = []
-    for i, item in enumerate(definitions):
-        if not (isinstance(item, tuple | list) and len(item) == 2):
-            raise ValidationError(f"ctx.spawn_all item {i} is {item!r}, not a (workflow, input) pair",
-                                  hint="ctx.spawn_all([(summarize, url) for url in urls])",
-                                  docs="docs/authoring.md#child-runs")
-        pairs.append((as_workflow(item[0]), item[1]))
-    return pairs
 
 
-def _is_async(fn: Callable[..., Any]) -> bool:
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        return bool(code.co_flags & CO_COROUTINE)
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) -> Any:
@@ -479,12 +377,6 @@ async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) 
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class RunHandle:
-    """A child run: its id, and the workflow that runs it (so a resumed parent can restart it)."""
-
-    run_id: str
-    workflow: Workflow | None = field(default=None, compare=False, repr=False)
 
 
 class _Schema:
@@ -497,73 +389,10 @@ class _Schema:
         self.compensate = None
 
 
-class StepOptions:
-    """Validated options of one `ctx.step` call."""
-
-    __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe")
-
-    def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
-                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any) -> None:
-        if retry is not None and not isinstance(retry, Retry):
-            raise ValidationError(f"retry= of step {label!r} must be a Retry(...), got {retry!r}",
-                                  hint="Use retry=Retry(3, backoff='exponential').", docs="docs/policies.md#retry")
-        if compensate is not None and not callable(compensate):
-            raise ValidationError(f"compensate= of step {label!r} must be callable, got {compensate!r}",
-                                  hint="Pass a function that takes the step's output and undoes it.",
-                                  docs="docs/policies.md#compensation")
-        if replay not in ("safe", "unsafe"):
-            raise ValidationError(f"replay= of step {label!r} must be 'safe' or 'unsafe', got {replay!r}",
-                                  hint="replay='unsafe' stops a resumed run from re-running an interrupted step.",
-                                  docs="docs/policies.md#replay")
-        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
-            raise ValidationError(f"concurrency_limit= of step {label!r} must be an int >= 1",
-                                  hint="concurrency_limit caps the steps sharing a concurrency_key.",
-                                  docs="docs/policies.md#concurrency-keys")
-        if concurrency_limit is not None and concurrency_key is None:
-            raise ValidationError(f"step {label!r} sets concurrency_limit= without concurrency_key=",
-                                  hint="Name the shared key, e.g. concurrency_key=host, concurrency_limit=5.",
-                                  docs="docs/policies.md#concurrency-keys")
-        self.retry = retry
-        self.timeout = check_timeout(timeout, f"timeout= of step {label!r}")
-        self.compensate = compensate
-        self.concurrency_key = concurrency_key
-        self.concurrency_limit = concurrency_limit
-        self.uses = uses
-        self.schema = compile_schema(schema, f"schema of step {label!r}")
-        self.unsafe = replay == "unsafe"
 
 
-PLAIN = StepOptions("", None, None, None, None, None, None, None, "safe")
-_OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call shape: repeated steps skip validation
 
 
-def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any = None, timeout: float | None = None,
-                 compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
-                 concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
-                 replay: str = "safe", **unknown: Any) -> tuple[str | None, StepOptions]:
-    """The step name and validated options of a `ctx.step` call with keywords (validated once per call shape)."""
-    if unknown:
-        raise ArgumentError(
-            f"ctx.step() got unknown keyword argument(s) {', '.join(map(repr, unknown))}",
-            hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
-                 "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
-    if (retry is None and timeout is None and compensate is None and concurrency_key is None
-            and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
-        return name, PLAIN
-    label = name or label_of(fn)
-    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
-    try:
-        opts = _OPTIONS.get(key)
-    except TypeError:
-        key, opts = None, None  # type: ignore[assignment]
-    if opts is None:
-        opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
-                           replay)
-        if key is not None and compensate is None:
-            if len(_OPTIONS) >= 4096:
-                _OPTIONS.clear()
-            _OPTIONS[key] = opts
-    return name, opts
 
 
 class Watchdog:
@@ -897,7 +726,7 @@ class RunKernel:
             label = name
         else:
             try:
-                label = _LABELS[fn]  # holds callables only
+                label = LABELS[fn]  # holds callables only
             except (KeyError, TypeError):
                 if not callable(fn):
                     raise not_callable(fn) from None
@@ -909,7 +738,7 @@ class RunKernel:
         n = scope.n
         scope.n = n + 1
         try:
-            path = scope.prefix + _NUMBERS[n]
+            path = scope.prefix + NUMBERS[n]
         except IndexError:
             path = scope.prefix + number(n)
         pending = scope.pending
@@ -1075,7 +904,7 @@ class RunKernel:
             if self.budget is not None:
                 self.check_budget()
             code = getattr(fn, "__code__", None)
-            is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else _is_async(fn)
+            is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else is_async_callable(fn)
             running = self.running
             # `alone(scope)` before this step is registered as running
             inline = not is_async and not running and scope.pending == 1 and not self.branches \
@@ -1240,7 +1069,7 @@ class RunKernel:
 
     async def _attempts(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
                         args: tuple[Any, ...], opts: StepOptions, number: int) -> Any:
-        is_async = _is_async(fn)
+        is_async = is_async_callable(fn)
         while True:
             if opts.unsafe:
                 self.write(records.Start(path=path, label=label, attempt=number, ts=time.time()))
@@ -1399,14 +1228,14 @@ class RunKernel:
         await self.back_off(path, label, wake)
 
     async def back_off(self, path: str, label: str, wake: datetime) -> None:
-        """Wait until a retry's `wake` time in place; a backoff of `queue.PARK_BACKOFF` s or more left in a run a
+        """Wait until a retry's `wake` time in place; a backoff of `PARK_BACKOFF` s or more left in a run a
         worker serves may park the run meanwhile (due again at `wake`), when the rest of it rests too."""
         left = (wake - self.clock.now()).total_seconds()
         if left <= 0:
             await self.nap(wake)
             return
         rest = Rest("sleeping", f"retrying step {label!r} at {to_iso(wake)}",
-                    parkable=self.parks and left >= queue.PARK_BACKOFF, at=wake.timestamp(),
+                    parkable=self.parks and left >= PARK_BACKOFF, at=wake.timestamp(),
                     record=records.Park(path=path, until=to_iso(wake), ts=time.time()), path=path, label=label)
         with self.resting(rest):
             await self.nap(wake)
@@ -2393,7 +2222,7 @@ class RunKernel:
             if self.observer is not None:
                 self.observer.unrecorded(self, path, "compensation", label)
             try:
-                out = await self._invoke(fn, (value,), _is_async(fn))
+                out = await self._invoke(fn, (value,), is_async_callable(fn))
                 del out
             except (Crash, asyncio.CancelledError):
                 raise

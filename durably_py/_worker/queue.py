@@ -10,7 +10,7 @@ Every run has a queue entry in its storage from creation until the engine record
 - parked in a join (a run a worker serves waits in `ctx.join` / `ctx.join_all`, or at its end for attached
   children): due only when the last child it waits for ends (`Storage.join_wait`; the child's
   `Storage.unschedule` makes it due, atomically with leaving the queue itself);
-- parked in a retry backoff of at least `PARK_BACKOFF` seconds (a run a worker serves): due when it ends;
+- parked in a retry backoff of at least `PARK_BACKOFF` seconds (a run a worker serves; `_replay.kernel`): due when it ends;
 - paused: due only when resumed; stopped by a worker's graceful stop, or claimed by a process that runs
   it in place: due at once (so it is taken over at once should that process die);
 - stale (its replay stopped with `StaleRunError`): due only when someone retries it;
@@ -34,8 +34,8 @@ from ..storage import validate_key
 from ..storage.base import NewRun
 
 if TYPE_CHECKING:
+    from .._authoring.calls import RunHandle
     from .._engine.engine import Engine
-    from .._replay.kernel import RunHandle
     from .worker import Worker
 
 JOIN_POLL = 0.05
@@ -43,9 +43,6 @@ ENQUEUE_BATCH = 1000
 """New runs `Engine.enqueue_many` writes in one durable write (`Storage.create_bound`)."""
 
 QUEUE_DOCS = "docs/running.md#the-queue"
-PARK_BACKOFF = 5.0
-"""A retry backoff at least this long parks a run a worker serves (due at the backoff's end, its process free
-meanwhile); a shorter one is waited out in place, as every backoff is in a run with no worker."""
 
 
 def _item(run: Any) -> tuple[Any, Any, str | None]:
@@ -95,8 +92,8 @@ class RunQueue:
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
         """The body of `Engine.enqueue`, whose docstring says what it does."""
+        from .._authoring.calls import RunHandle
         from .._engine.engine import check_budget, check_checkpoint
-        from .._replay.kernel import RunHandle
 
         workflow = as_workflow(wf)
         priority = check_priority(priority)
@@ -114,8 +111,8 @@ class RunQueue:
     async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
                            budget: dict[str, float] | None = None) -> list[RunHandle]:
         """The body of `Engine.enqueue_many`, whose docstring says what it does."""
+        from .._authoring.calls import RunHandle
         from .._engine.engine import check_budget, new_run_id
-        from .._replay.kernel import RunHandle
 
         priority = check_priority(priority)
         delay = check_delay(delay)

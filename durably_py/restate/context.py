@@ -11,22 +11,22 @@ from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 from .._authoring.branches import First, checked_branches, first_of, foreign_strand, outside_workflow, run_branches
-from .._authoring.policies import check_timeout
-from .._authoring.result import Err, Ok
-from .._authoring.schema import compile_schema
-from .._authoring.workflow import as_workflow
-from .._replay.kernel import (
+from .._authoring.calls import (
     Complete,
     RunHandle,
     StepOptions,
-    _is_async,
     check_handle,
     check_signal_name,
     check_wake_time,
+    is_async_callable,
     label_of,
     not_callable,
     spawn_pairs,
 )
+from .._authoring.policies import check_timeout
+from .._authoring.result import Err, Ok
+from .._authoring.schema import compile_schema
+from .._authoring.workflow import as_workflow
 from ..errors import LoopLimitError, ValidationError
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
@@ -120,7 +120,7 @@ class RestateWorkflowContext:
                               "Restate has no shared rate limits or circuit breakers across runs")
         path = self._scope().alloc()
         return StepOp(self._pump, fn, args, label, path, opts.retry, opts.timeout, opts.schema, opts.unsafe,
-                      compensate, _is_async(fn))
+                      compensate, is_async_callable(fn))
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Awaitable[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

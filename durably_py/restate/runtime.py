@@ -37,8 +37,8 @@ import restate
 from restate import RunOptions, TerminalError
 from restate.serde import Serde
 
+from .._authoring.calls import NOT_RETRYABLE, current_attempt
 from .._codec import decode, dump_error, dump_value, encode, load_error, load_value
-from .._replay.kernel import NOT_RETRYABLE, current_attempt
 from .._threads import DaemonPool
 from ..errors import PurityError, StepInterruptedError, StepTimeoutError, WaitTimeoutError
 
