@@ -14,11 +14,11 @@ from durably_py import (
     MemoryStorage,
     RunCancelledError,
     SqliteStorage,
-    _kernel,
     create_engine,
     is_ok,
     workflow,
 )
+from durably_py._replay import kernel as _kernel
 
 done: list[int] = []
 

@@ -106,7 +106,8 @@ def test_durably_otel_0_turns_export_off(tmp_path: Path) -> None:
 def test_no_tracer_provider_means_no_span_hook_in_the_run(tmp_path: Path) -> None:
     code = textwrap.dedent('''
         import sys
-        from durably_py import _engine as engine, run, workflow
+        from durably_py import run, workflow
+        from durably_py._engine import engine
         from durably_py._engine.otel import OtelHook
 
         @workflow

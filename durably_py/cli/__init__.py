@@ -1951,8 +1951,3 @@ def main() -> None:
 
 
 __all__ = ["app", "main", "parse_duration", "parse_step", "step_tree", "to_json", "user_frame"]
-
-
-if __name__ == "__main__":
-    main()
-
