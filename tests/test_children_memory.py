@@ -18,7 +18,7 @@ from durably_py import (
     is_ok,
     workflow,
 )
-from durably_py._replay import kernel as _kernel
+from durably_py._replay import children as _kernel
 
 done: list[int] = []
 
@@ -117,7 +117,7 @@ KILL_SCRIPT = """
 import asyncio, os, signal, sys
 from durably_py import SqliteStorage, create_engine, workflow
 from durably_py._engine import children as _children
-from durably_py._replay import kernel as _kernel
+from durably_py._replay import children as _kernel
 
 _children.CREATE_BATCH = _kernel.SPAWN_BATCH = 5
 state, effects, where, at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -340,7 +340,7 @@ def test_rounds_of_spawn_all_and_join_all_leave_nothing_behind(tmp_path) -> None
 OUT_OF_ORDER_SCRIPT = """
 import asyncio, os, random, signal, sys, threading
 from durably_py import SqliteStorage, create_engine, workflow
-from durably_py._replay import kernel as _kernel
+from durably_py._replay import children as _kernel
 
 _kernel.JOIN_AHEAD = 3
 state, effects, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -16,7 +16,7 @@ from helpers import storage_of
 
 from durably_py import FileStorage, MemoryStorage, Retry, SqliteStorage, create_engine, records, workflow
 from durably_py._codec import digest, dump_value
-from durably_py._replay import kernel as park_rules
+from durably_py._replay import steps as park_rules
 
 ran: list[str] = []
 

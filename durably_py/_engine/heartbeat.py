@@ -185,7 +185,7 @@ class Heartbeat:
 
     def _record_starts(self, kernel: RunKernel) -> None:
         try:
-            kernel.record_long_steps()
+            kernel.log.record_long_steps()
         except Exception:  # noqa: BLE001 - a start record is a courtesy to `inspect`; the step's result is what counts
             pass
 
