@@ -16,10 +16,8 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import random
 import sys
 import time
-import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
 from datetime import datetime
@@ -52,7 +50,7 @@ from .._clock import Clock
 from .._codec import DT_TAG, ESC_TAG, SCALARS, dump_error, dump_value, encode_line, load_error, load_value
 from .._events import StepEvent
 from .._state.advisories import AdvisoryTracker
-from .._state.history import BUDGET_KINDS, History, path_tuple
+from .._state.history import History, path_tuple
 from ..errors import LeaseLostError, LoopLimitError, PurityError, RunCancelledError, StaleRunError, ValidationError
 from .children import Children
 from .control import CONTROL_EVERY, DEFAULT_CLEANUP, Control
@@ -63,6 +61,7 @@ from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
 from .tasks import current_task, get_ident, make_task, running_task
 from .turns import Turns, current_turns, discard, install_factory
+from .values import Values
 
 __all__ = ["CONTROL_EVERY", "DEFAULT_CLEANUP", "Crash", "EngineServices", "Observer", "Parked", "RunKernel",
            "Selector", "Spawned", "observing", "selects"]
@@ -147,7 +146,6 @@ class RunKernel:
         self.spent = history.spent()
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
-        self.annotations: dict[str, int] = {}  # `ctx.annotate` calls made so far in this process, per strand
         self.ctx: object = None  # the `ctx` handed to the workflow (a `context.WorkflowContext`)
         self.replay_error: PurityError | StaleRunError | None = None
         self.root: asyncio.Task[Any] | None = None  # the task running the workflow body
@@ -165,6 +163,9 @@ class RunKernel:
                            parks=lambda: self.child_runs.parks, running=self.running)
         self.log.flight = self.steps
         self.emit = self.steps.emit
+        self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
+                             check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
+                             budget=lambda: self.steps.budget)
         self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
                                    busy=self.steps, calls=self, code_changed=self.code_changed,
                                    emits=on_step is not None)
@@ -179,6 +180,13 @@ class RunKernel:
         self.join = self.child_runs.join
         self.join_all = self.child_runs.join_all
         self.graph = self.child_runs.graph
+        self.now = self.values.now
+        self.random = self.values.random
+        self.uuid = self.values.uuid
+        self.patched = self.values.patched
+        self.replaying = self.values.replaying
+        self.annotate = self.values.annotate
+        self.charge = self.values.charge
         self._observer: Observer | None = None
         make = observing.get()
         self.observer = make(self) if make is not None else None
@@ -193,7 +201,7 @@ class RunKernel:
     def observer(self, observer: Observer | None) -> None:
         self._observer = observer
         hooks = Hooks(observer, self) if observer is not None else None
-        self.steps.hooks = self.control.hooks = self.child_runs.hooks = hooks
+        self.steps.hooks = self.control.hooks = self.child_runs.hooks = self.values.hooks = hooks
 
     @property
     def dead(self) -> bool:
@@ -478,120 +486,6 @@ class RunKernel:
         path, scope, replayed = self.replay_next("ctx.wait_for", PLAIN if compiled is None else _Schema(compiled),
                                                  f"signal {name!r}")
         return replayed or self.op(scope, path, "ctx.wait_for", self.control.wait_for, path, name, compiled, timeout)
-
-    # ---- recorded values and the rest of the context --------------------------------------------
-    def recorded(self, label: str, make: Callable[[], Any]) -> Any:
-        """A value recorded once at the next path (ctx.now/random/uuid): live it is made, on replay read."""
-        scope = self.scope()
-        path = scope.alloc()
-        rec = self.done.get(path)
-        if rec is not None:
-            self.check_label(path, rec, label)
-            self.turns.take(path)
-            if isinstance(rec, records.Err):
-                raise load_error(rec.error)
-            return load_value(rec.value)
-        if self.observer is not None:
-            self.observer.unrecorded(self, path, label, label)
-        wire = dump_value(make(), label)
-        self.write(records.Ok(attempt=1, path=path, label=label, value=wire, ms=0, ts=time.time()))
-        self.log.step_done()
-        return load_value(wire)
-
-    def now(self) -> Any:
-        return self.recorded("ctx.now", self.clock.now)
-
-    def random(self) -> float:
-        return self.recorded("ctx.random", random.random)
-
-    def uuid(self) -> str:
-        return self.recorded("ctx.uuid", lambda: str(uuidlib.uuid4()))
-
-    def patched(self, change: str, deprecated: bool = False) -> bool:
-        """`ctx.patched(change)`: True on the new code's branch, False in a run recorded before the change.
-
-        The first answer is recorded and kept for the rest of the run. Without one, the run was recorded
-        before the change exactly when it already holds work at or after the point the calling strand
-        stands at (its next path, or a later position of an enclosing strand or loop); at its live frontier
-        the answer is True. `deprecated` (`ctx.deprecate_patch`): the old branch is gone, so a run that
-        answered (or would answer) False cannot go on and is stale."""
-        if not isinstance(change, str) or not change or len(change) > 200:
-            what = "ctx.deprecate_patch" if deprecated else "ctx.patched"
-            raise ValidationError(f"{what} needs a change id of 1-200 characters, got {change!r}",
-                                  hint="Name the change, e.g. ctx.patched('send-receipt-by-email').",
-                                  docs="docs/versioning.md#ctxpatched")
-        scope = self.scope()
-        here = f"{scope.prefix}{scope.n}"
-        rec = self.history.patches.get(change)
-        if rec is None:
-            value = not self.history.recorded_from(((scope.prefix, scope.n), *scope.outer))
-            rec = records.Patch(change=change, path=here, value=value, ts=time.time())
-            self.write(rec)
-            self.history.patches.setdefault(change, rec)
-        if deprecated and not rec.value:
-            where = f"step path {path_tuple(rec.path)}"
-            raise self.replay_failed(StaleRunError(
-                f"run {self.run_id} is on the old branch of patch {change!r} (recorded before the change, at "
-                f"{where}), but the code now calls ctx.deprecate_patch({change!r}): that branch was removed",
-                hint=f"Deploy the code with `if ctx.patched({change!r}): ... else: <old branch>` again until "
-                     f"`durably list --without-patch {change}` shows no unfinished run, then retry this run "
-                     f"(`durably retry {self.run_id}`), or start it over with `durably restart {self.run_id}`.",
-                docs="docs/versioning.md#retiring-the-old-branch", run_id=self.run_id, path=path_tuple(rec.path),
-                recorded=f"patched({change!r}) = False", called=f"deprecate_patch({change!r})", patch=change))
-        return rec.value
-
-    def replaying(self) -> bool:
-        """True while the calling strand is before the end of its recorded steps (or a wait or sleep it parked on)."""
-        try:
-            scope = current_scope.get()
-        except LookupError:
-            return False
-        path = f"{scope.prefix}{scope.n}"
-        return path in self.done or path in self.history.waits or path in self.history.wakes
-
-    def charge(self, amounts: dict[str, float]) -> None:
-        """Record spend; inside a step it is always new spend, in the workflow body it replays once."""
-        for kind, amount in amounts.items():
-            if kind not in BUDGET_KINDS:
-                raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
-                                      docs="docs/policies.md#budgets")
-            if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount >= 0:
-                raise ValidationError(f"charge {kind}={amount!r} must be a non-negative number",
-                                      hint="Charge what was spent, e.g. ctx.charge(usd=0.02, tokens=1200).",
-                                      docs="docs/policies.md#budgets")
-        amounts = {k: float(v) for k, v in amounts.items() if v}
-        att = current_attempt.get(None)
-        if att is not None and att.kernel is self:
-            path = f"{att.path}@{uuidlib.uuid4().hex[:12]}"
-        else:
-            path = "$" + self.scope().alloc()
-            if path in self.history.charges:
-                return
-        self.write(records.Charge(path=path, amounts=amounts, ts=time.time()))
-        for kind, amount in amounts.items():
-            self.spent[kind] += amount
-            if self.budget and kind in self.budget and self.budget[kind] > 0:
-                self.advise("BUDGET_NEAR", self.spent[kind] / self.budget[kind],
-                            f"spent {self.spent[kind]:g} of the {self.budget[kind]:g} {kind} budget")
-
-    def annotate(self, values: dict[str, Any]) -> None:
-        """Attach JSON values to the run (shown by inspect); the latest value of a name wins.
-
-        A call the run already made (its strand is replaying, or the log has this call of its strand) writes
-        nothing, so a resumed run never appends an older value again; a call inside a step is new each time
-        the step runs."""
-        wire = dump_value(values, "annotations")
-        strand = index = None
-        att = current_attempt.get(None)
-        scope = current_scope.get(None) if att is None or att.kernel is not self else None
-        if scope is not None and (scope.owner is None or scope.owner is asyncio.current_task()):
-            strand = scope.prefix
-            index = self.annotations.get(strand, 0)
-            self.annotations[strand] = index + 1
-            if index <= self.history.noted.get(strand, -1) or self.replaying():
-                return
-        if any(self.history.notes.get(k, object()) != v for k, v in wire.items()):
-            self.write(records.Note(notes=wire, strand=strand, index=index, ts=time.time()))
 
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
              max_iterations: int | None) -> Handle[Any]:
