@@ -121,8 +121,8 @@ class Children:
         prefix = scope.alloc()
         if len(pairs) > self.engine.concurrency:
             self.log.advise("CONCURRENCY_CAPPED", len(pairs) - self.engine.concurrency,
-                        f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once",
-                        children=len(pairs), concurrency=self.engine.concurrency)
+                            f"ctx.spawn_all of {len(pairs)} children; the engine runs {self.engine.concurrency} at once",
+                            children=len(pairs), concurrency=self.engine.concurrency)
         return self.op(scope, prefix, "ctx.spawn_all", self._spawn_all, prefix, pairs, detached)
 
     async def _spawn_all(self, h: Handle, prefix: str, pairs: list[tuple[Workflow, Any]], detached: bool) -> Any:
@@ -185,7 +185,7 @@ class Children:
             run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)
             await self.control.live_turn()
             self.log.write(records.Ok(attempt=1, path=path, label="ctx.spawn",
-                                  value={"run_id": run_id, "detached": detached}, ms=0, ts=time.time()))
+                                      value={"run_id": run_id, "detached": detached}, ms=0, ts=time.time()))
             self.log.step_done()
         return self._spawned([RunHandle(run_id, workflow)], detached)[0]
 
@@ -276,7 +276,7 @@ class Children:
                 raise
             await self.control.live_turn()
             self.log.write(records.Err(attempt=1, path=path, label="ctx.join", error=dump_error(exc),
-                                   ts=time.time()))
+                                       ts=time.time()))
             self.log.step_done()
             raise
         await self.control.live_turn()

@@ -5,8 +5,8 @@ a path with a recorded result returns it without running the function, any
 other path runs live and appends its result before returning it.
 
 `RunKernel` is one execution of one run, made of parts that never see it: its log and the fence on it
-(`log.RunLog`), its control requests, rests and stops (`control.Control`), its live steps (`steps.Steps`)
-and its child runs (`children.Children`). The kernel allocates paths, replays recorded outcomes, and runs
+(`log.RunLog`), its control requests, rests and stops (`control.Control`), its live steps (`steps.Steps`),
+its child runs (`children.Children`) and the values it records once (`values.Values`). The kernel allocates paths, replays recorded outcomes, and runs
 the workflow from its start to its end.
 """
 
@@ -109,8 +109,6 @@ async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) 
     return value
 
 
-
-
 class _Schema:
     """Step options carrying only a schema (a replayed wait_for converts its payload like a live one)."""
 
@@ -156,19 +154,19 @@ class RunKernel:
         self.control = Control(storage=storage, log=self.log, turns=self.turns, clock=clock, running=self.running,
                                wait=wait, poll=poll)
         self.control.cut = self.cut
-        self.steps = Steps(log=self.log, control=self.control, turns=self.turns, clock=clock,
-                           placement=engine.placement, gates=engine.gates, executor=executor,
-                           new_attempt=functools.partial(attempt_cls, self), on_step=on_step,
-                           compensations=self.compensations, spent=self.spent, budget=history.budget,
-                           parks=lambda: self.child_runs.parks, running=self.running)
+        steps = self.steps = Steps(log=self.log, control=self.control, turns=self.turns, clock=clock,
+                                   placement=engine.placement, gates=engine.gates, executor=executor,
+                                   new_attempt=functools.partial(attempt_cls, self), on_step=on_step,
+                                   compensations=self.compensations, spent=self.spent, budget=history.budget,
+                                   parks=lambda: children.parks, running=self.running)
         self.log.flight = self.steps
         self.emit = self.steps.emit
         self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
                              check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
-                             budget=lambda: self.steps.budget)
-        self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
-                                   busy=self.steps, calls=self, code_changed=self.code_changed,
-                                   emits=on_step is not None)
+                             budget=lambda: steps.budget)
+        children = self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
+                                              busy=steps, calls=self, code_changed=self.code_changed,
+                                              emits=on_step is not None)
         # what the engine, the heartbeat and `ctx` call, served by the parts themselves
         self.write = self.log.write
         self.advise = self.log.advise
