@@ -38,6 +38,7 @@ from .._authoring.calls import (
     LoopDone,
     RunHandle,
     StepOptions,
+    check_budget_kind,
     check_handle,
     check_signal_name,
     check_wake_time,
@@ -70,7 +71,7 @@ from .._codec import (
 )
 from .._events import StepEvent
 from .._state.advisories import AdvisoryTracker, RetryStormWindow, level_for
-from .._state.history import BUDGET_KINDS, History, path_tuple
+from .._state.history import History, path_tuple
 from ..errors import (
     BudgetExceededError,
     DependencyFailedError,
@@ -2085,9 +2086,7 @@ class RunKernel:
     def charge(self, amounts: dict[str, float]) -> None:
         """Record spend; inside a step it is always new spend, in the workflow body it replays once."""
         for kind, amount in amounts.items():
-            if kind not in BUDGET_KINDS:
-                raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
-                                      docs="docs/policies.md#budgets")
+            check_budget_kind(kind)
             if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount >= 0:
                 raise ValidationError(f"charge {kind}={amount!r} must be a non-negative number",
                                       hint="Charge what was spent, e.g. ctx.charge(usd=0.02, tokens=1200).",
@@ -2476,3 +2475,16 @@ class RunKernel:
         self.finish_cancelled(error)
 
 
+    # ---- what `ctx` asks of its kernel besides the above (`_authoring.context.Kernel`) -------------------
+    cancels_losers = True  # `ctx.first` cancels the operations that lost (each cancellation is recorded)
+
+    def sleep(self, seconds: float) -> Handle[None]:
+        """`ctx.sleep`: wake `seconds` after the run clock's now."""
+        return self.sleep_until(self.clock.now() + timedelta(seconds=seconds))
+
+    def stash(self, path: str, value: Any) -> Any:
+        """`attempt().stash`: record the partial progress of the step at `path`; return it as its next attempt
+        will find it."""
+        wire = dump_value(value, "stash")
+        self.write(records.Stash(path=path, value=wire))
+        return load_value(wire)
