@@ -2474,7 +2474,6 @@ class RunKernel:
             await self.compensate(error)
         self.finish_cancelled(error)
 
-
     # ---- what `ctx` asks of its kernel besides the above (`_authoring.context.Kernel`) -------------------
     cancels_losers = True  # `ctx.first` cancels the operations that lost (each cancellation is recorded)
 
