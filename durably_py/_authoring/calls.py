@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from .._state.history import BUDGET_KINDS
 from ..errors import (
     ArgumentError,
     BudgetExceededError,
@@ -131,6 +132,14 @@ def spawn_pairs(definitions: Iterable[Any]) -> list[tuple[Workflow, Any]]:
                                   docs="docs/authoring.md#child-runs")
         pairs.append((as_workflow(item[0]), item[1]))
     return pairs
+
+
+def check_budget_kind(kind: Any) -> str:
+    """A budget kind (`usd`, `tokens`, `units`), as `budget=`, `ctx.charge` and `ctx.budget` take it."""
+    if kind not in BUDGET_KINDS:
+        raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
+                              docs="docs/policies.md#budgets")
+    return kind
 
 
 def is_async_callable(fn: Callable[..., Any]) -> bool:

@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
-from .._codec import dump_value, from_iso, load_value
-from .._state.history import BUDGET_KINDS
+from .._codec import from_iso
 from ..errors import ValidationError
-from ..records import Stash
 from .branches import First, first_of
-from .calls import Complete, LoopDone, RunHandle, current_attempt
+from .calls import Complete, LoopDone, RunHandle, check_budget_kind, current_attempt
 from .policies import check_timeout
 from .result import Err, Ok
 
 if TYPE_CHECKING:
-    from .._clock import Clock
     from .._engine.engine import Engine
-    from .._state.history import History
-    from ..records import Record
     from .graphs import Task
     from .handles import Handle
 
@@ -29,26 +25,50 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Kernel(Protocol):
-    """What a workflow's `ctx` and `attempt()` need from the kernel running the workflow.
+class RunHeader(Protocol):
+    """What `ctx` reads of the run's header."""
 
-    The kernel (`kernel.RunKernel`) implements this; it never imports this module, and the engine hands
-    it `AttemptContext` to build attempts with."""
+    @property
+    def scheduled_at(self) -> str | None: ...
+
+
+class RunHistory(Protocol):
+    """What `ctx` reads of the run's history: the process attempt and the header."""
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def header(self) -> RunHeader: ...
+
+
+class Kernel(Protocol):
+    """What a workflow's `ctx` and `attempt()` forward to: the kernel running the workflow in its mode.
+
+    The local kernel (`_replay.kernel.RunKernel`) and Restate's (`restate.context.RestateKernel`) implement
+    it; neither is imported here. A feature a mode does not provide raises its `NotSupportedError` from
+    that mode's kernel. The operations return what `ctx` hands the workflow to await."""
 
     run_id: str
-    history: History
-    clock: Clock
-    engine: Any
-    budget: dict[str, float] | None
-    spent: dict[str, float]
 
-    def write(self, rec: Record) -> None: ...
+    @property
+    def history(self) -> RunHistory: ...
+    @property
+    def engine(self) -> Any: ...
+    @property
+    def budget(self) -> dict[str, float] | None: ...
+    @property
+    def spent(self) -> dict[str, float]: ...
+    @property
+    def cancels_losers(self) -> bool: ...
+
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
     def now(self) -> Any: ...
     def random(self) -> float: ...
     def uuid(self) -> str: ...
     def replaying(self) -> bool: ...
     def patched(self, change: str, deprecated: bool = False) -> bool: ...
+    def sleep(self, seconds: float) -> Handle[None]: ...
     def sleep_until(self, when: datetime) -> Handle[None]: ...
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Handle[Any]: ...
     def parallel(self, items: list[Any], concurrency: int | None) -> Handle[list[Ok[Any] | Err]]: ...
@@ -61,6 +81,8 @@ class Kernel(Protocol):
     def graph(self, tasks: Mapping[str, Task]) -> Handle[dict[str, Ok[Any] | Err]]: ...
     def charge(self, amounts: dict[str, float]) -> None: ...
     def annotate(self, values: dict[str, Any]) -> None: ...
+    def stash(self, path: str, value: Any) -> Any: ...
+
 
 _EVENT_LOCK = threading.Lock()
 
@@ -88,9 +110,7 @@ class AttemptContext:
 
     def stash(self, value: Any) -> None:
         """Record partial progress durably now; the next attempt of this step starts from it."""
-        wire = dump_value(value, "stash")
-        self.kernel.write(Stash(path=self.path, value=wire))
-        self._stashed = load_value(wire)
+        self._stashed = self.kernel.stash(self.path, value)
         self.did_stash = True
 
     @property
@@ -137,19 +157,13 @@ class BudgetView:
     def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
 
-    def _kind(self, kind: str) -> str:
-        if kind not in BUDGET_KINDS:
-            raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
-                                  docs="docs/policies.md#budgets")
-        return kind
-
     def spent(self, kind: str) -> float:
         """Total charged so far, across every process that ran this run."""
-        return self._kernel.spent[self._kind(kind)]
+        return self._kernel.spent[check_budget_kind(kind)]
 
     def remaining(self, kind: str) -> float:
         """Budget left (infinity when the kind has no budget)."""
-        limit = (self._kernel.budget or {}).get(self._kind(kind))
+        limit = (self._kernel.budget or {}).get(check_budget_kind(kind))
         return float("inf") if limit is None else limit - self._kernel.spent[kind]
 
 
@@ -186,7 +200,8 @@ class WorkflowContext:
 
     @property
     def attempt(self) -> int:
-        """The workflow attempt: 1 for the first process, +1 for every resume."""
+        """The workflow attempt: 1 for the first process, +1 for every resume (always 1 on Restate, which does
+        not tell a workflow)."""
         return self._kernel.history.attempt
 
     @property
@@ -240,6 +255,13 @@ class WorkflowContext:
         if not callable(reducer):
             return self._kernel.loop(initial, reducer, snapshot_every, max_iterations)  # the kernel explains
 
+        if inspect.iscoroutinefunction(reducer):  # an async reducer keeps an async wrapper: Restate's kernel asks
+
+            async def turn(state: Any, number: int) -> Any:
+                return await reducer(state, LoopIteration(self, number))
+
+            return self._kernel.loop(initial, turn, snapshot_every, max_iterations)
+
         def iterate(state: Any, number: int) -> Any:
             return reducer(state, LoopIteration(self, number))
 
@@ -270,7 +292,7 @@ class WorkflowContext:
         """Wait `seconds` durably: the wake time is recorded, so a resumed run waits only what is left."""
         if seconds != 0:
             check_timeout(seconds, "ctx.sleep seconds")
-        return self._kernel.sleep_until(self._kernel.clock.now() + timedelta(seconds=seconds))
+        return self._kernel.sleep(seconds)
 
     def sleep_until(self, when: datetime) -> Handle[None]:
         """Wait durably until `when` (timezone-aware)."""
@@ -285,11 +307,12 @@ class WorkflowContext:
         """Race durable operations: wait for the first to complete, cancel the others (their cancellation is
         recorded), and return which won and with what: ``First(name, value)``, `name` being the keyword (or
         the position of a positional operation). The winner's exception is raised if it failed. Whichever won
-        wins again on every replay, even when a resumed run finds several ready at once.
+        wins again on every replay, even when a resumed run finds several ready at once. (On Restate the
+        losers are left pending: Restate cannot take back a journaled step, timer or promise.)
 
             which, value = await ctx.first(approval=ctx.wait_for("approval"), timeout=ctx.sleep(3600))
         """
-        return await first_of(operations, named, cancel_losers=True)
+        return await first_of(operations, named, cancel_losers=self._kernel.cancels_losers)
 
     def now(self) -> datetime:
         """The current time, recorded (replay returns the same instant)."""

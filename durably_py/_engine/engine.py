@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .. import records as log_format
-from .._authoring.calls import RunHandle
+from .._authoring.calls import RunHandle, check_budget_kind
 from .._authoring.context import AttemptContext, WorkflowContext
 from .._authoring.graphs import GraphState
 from .._authoring.resources import Gates, Resource
@@ -28,7 +28,7 @@ from .._codec import digest, dump_error, dump_value, load_value, to_iso
 from .._events import StepEvent
 from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunKernel, Selector, Spawned
 from .._state.advisories import Advisory, AdvisoryTracker
-from .._state.history import BUDGET_KINDS, History, RunState
+from .._state.history import History, RunState
 from .._state.timeline import Span
 from .._threads import DaemonPool, SyncPlacement
 from .._worker.queue import RunQueue
@@ -63,9 +63,7 @@ def check_budget(budget: Any) -> dict[str, float] | None:
         raise ValidationError(f"budget= must be a dict like {{'usd': 5}}, got {budget!r}",
                               hint="Pass budget={'usd': 5.0, 'tokens': 100000}.", docs="docs/policies.md#budgets")
     for kind, limit in budget.items():
-        if kind not in BUDGET_KINDS:
-            raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
-                                  docs="docs/policies.md#budgets")
+        check_budget_kind(kind)
         if isinstance(limit, bool) or not isinstance(limit, int | float) or not limit >= 0 or limit == float("inf"):
             raise ValidationError(f"budget {kind}={limit!r} must be a finite number >= 0",
                                   hint="Give each kind a finite limit, e.g. {'usd': 5}.",

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .. import records
@@ -790,7 +790,6 @@ class RunKernel:
         self.log.sync()
         self.child_runs.cancel_all()
 
-
     async def end_cancelled(self, error: BaseException) -> None:
         """The run ends cancelled: compensations of its completed steps first when the cancel asked for them."""
         rec = self.control.cancel_rec
@@ -798,3 +797,16 @@ class RunKernel:
             await self.compensate(error)
         self.finish_cancelled(error)
 
+    # ---- what `ctx` asks of its kernel besides the above (`_authoring.context.Kernel`) -------------------
+    cancels_losers = True  # `ctx.first` cancels the operations that lost (each cancellation is recorded)
+
+    def sleep(self, seconds: float) -> Handle[None]:
+        """`ctx.sleep`: wake `seconds` after the run clock's now."""
+        return self.sleep_until(self.clock.now() + timedelta(seconds=seconds))
+
+    def stash(self, path: str, value: Any) -> Any:
+        """`attempt().stash`: record the partial progress of the step at `path`; return it as its next attempt
+        will find it."""
+        wire = dump_value(value, "stash")
+        self.write(records.Stash(path=path, value=wire))
+        return load_value(wire)

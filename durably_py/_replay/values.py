@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import records
-from .._authoring.calls import current_attempt
+from .._authoring.calls import check_budget_kind, current_attempt
 from .._authoring.paths import Scope, current_scope
 from .._clock import Clock
 from .._codec import dump_value, load_error, load_value
-from .._state.history import BUDGET_KINDS, path_tuple
+from .._state.history import path_tuple
 from ..errors import PurityError, StaleRunError, ValidationError
 from .log import RunLog
 from .turns import Turns
@@ -118,9 +118,7 @@ class Values:
     def charge(self, amounts: dict[str, float]) -> None:
         """Record spend; inside a step it is always new spend, in the workflow body it replays once."""
         for kind, amount in amounts.items():
-            if kind not in BUDGET_KINDS:
-                raise ValidationError(f"unknown budget kind {kind!r}", hint=f"Use one of {', '.join(BUDGET_KINDS)}.",
-                                      docs="docs/policies.md#budgets")
+            check_budget_kind(kind)
             if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount >= 0:
                 raise ValidationError(f"charge {kind}={amount!r} must be a non-negative number",
                                       hint="Charge what was spent, e.g. ctx.charge(usd=0.02, tokens=1200).",

@@ -38,6 +38,7 @@ from restate import RunOptions, TerminalError
 from restate.serde import Serde
 
 from .._authoring.calls import NOT_RETRYABLE, current_attempt
+from .._authoring.context import AttemptContext, Kernel
 from .._codec import decode, dump_error, dump_value, encode, load_error, load_value
 from .._threads import DaemonPool
 from ..errors import PurityError, StepInterruptedError, StepTimeoutError, WaitTimeoutError
@@ -83,41 +84,6 @@ def error_of(failure: TerminalError) -> BaseException:
     return RuntimeError(f"[{failure.status_code}] {failure.message}")
 
 
-class _Attempt:
-    """`attempt()` inside a step on Restate: number, operation id, cancellation; no stash."""
-
-    def __init__(self, run_id: str, path: str, number: int) -> None:
-        self.path = path
-        self.number = number
-        self._run_id = run_id
-        self._cancelled = threading.Event()
-
-    @property
-    def stashed(self) -> Any:
-        return None
-
-    def stash(self, value: Any) -> None:
-        from .unsupported import unsupported
-        raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",
-                          "Split the work into smaller steps, or keep progress in your own store keyed by "
-                          "attempt().operation_id.")
-
-    @property
-    def operation_id(self) -> str:
-        return f"{self._run_id}/{self.path}"
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    @property
-    def cancelled_event(self) -> threading.Event:
-        return self._cancelled
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-
 # ---- operations (registered by workflow code, driven by the pump) ----------------------------------------
 
 
@@ -148,12 +114,14 @@ class Op:
 class StepOp(Op):
     """`ctx.step`: one `run` entry per attempt (the outcome is its value), durable backoff sleeps between."""
 
-    __slots__ = ("fn", "args", "label", "path", "retry", "timeout", "schema", "unsafe", "compensate", "number",
-                 "marker_live", "is_async", "first")
+    __slots__ = ("kernel", "fn", "args", "label", "path", "retry", "timeout", "schema", "unsafe", "compensate",
+                 "number", "marker_live", "is_async", "first")
 
-    def __init__(self, pump: Pump, fn: Callable[..., Any], args: tuple[Any, ...], label: str, path: str,
-                 retry: Any, timeout: float | None, schema: Any, unsafe: bool, compensate: Any, is_async: bool) -> None:
+    def __init__(self, pump: Pump, kernel: Kernel, fn: Callable[..., Any], args: tuple[Any, ...], label: str,
+                 path: str, retry: Any, timeout: float | None, schema: Any, unsafe: bool, compensate: Any,
+                 is_async: bool) -> None:
         super().__init__(pump, f"{label}@{path}")
+        self.kernel = kernel  # whose `attempt()` each attempt is
         self.fn, self.args, self.label, self.path = fn, args, label, path
         self.retry, self.timeout, self.schema, self.unsafe = retry, timeout, schema, unsafe
         self.compensate = compensate
@@ -226,8 +194,9 @@ class StepOp(Op):
                 path=[int(p) if p.isdigit() else p for p in self.path.split(".")], label=self.label,
                 operation_id=f"{self.pump.run_id}/{self.path}")
             return {"err": dump_error(error)}
-        att = _Attempt(self.pump.run_id, self.path, self.number)
-        token = current_attempt.set(att)  # type: ignore[arg-type]
+        att = AttemptContext(self.kernel, self.path, self.number, None)
+        att.label = self.label
+        token = current_attempt.set(att)
         started = time.perf_counter()
         at = time.time()
         try:
