@@ -27,32 +27,39 @@ if TYPE_CHECKING:  # imported where used: `durably run` without a terminal needs
 
 
 def err_console() -> Console:
+    """The console for messages: stderr, colour as the settings say."""
     return Console(file=sys.stderr, highlight=False, soft_wrap=True, no_color=not Output.color or None)
 
 
 def out_console() -> Console:
+    """The console for results: stdout, 200 columns wide when piped (unless $COLUMNS says otherwise)."""
     wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
     return Console(file=sys.stdout, highlight=False, width=wide, no_color=not Output.color or None)
 
 
 def preview(value: Any, limit: int = 100) -> str:
+    """A value's repr, cut to `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def utc_text(value: datetime | None) -> str:
+    """A time in UTC to the minute (schedules are cron in UTC)."""
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC") if value else ""
 
 
 def path_text(path: tuple[int, ...]) -> str:
+    """A step path as Python writes the tuple: (2,) or (2, 0, 1)."""
     return "(" + ", ".join(map(str, path)) + ("," if len(path) == 1 else "") + ")"
 
 
 def status_text(status: str) -> Text:
+    """A status in its colour."""
     return Text(status, style=COLOURS.get(status, ""))
 
 
 def filters_text(**filters: Any) -> str:
+    """The filter flags a command was given, as the user would type them (`--status failed`)."""
     return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in filters.items() if value is not None)
 
 
@@ -126,6 +133,7 @@ def step_extras(spans: list[Any]) -> dict[tuple[int, ...], StepExtras]:
 
 
 def step_line(step: StepState, extras: StepExtras | None = None) -> Text:
+    """One step of the tree in `inspect`: path, label, status, attempts, time, and what it returned or waits for."""
     line = Text.assemble((path_text(step.path), "bright_black"), " ", (step.label, "bold"), "  ", status_text(step.status))
     if step.attempts != 1:
         line.append(f"  {step.attempts} attempts", "yellow" if step.attempts > 1 else "")
@@ -266,6 +274,7 @@ def stale_text(stale: dict[str, Any]) -> str:
 
 
 def run_header(state: RunState) -> Text:
+    """The header of `inspect`: one aligned row per fact about the run, its next move last."""
     rows: list[tuple[str, Text | str]] = [("run", Text(state.run_id, "bold")), ("workflow", state.workflow),
                                           ("status", status_text(state.status))]
     if state.key is not None:
