@@ -12,27 +12,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-from pathlib import Path
-
-
-def direct_run(argv: list[str]) -> int | None:
-    """The exit code of `durably run SCRIPT [ARGS...]` written without options, run here; None when the line
-    is not of that shape (or the run is on Restate), for typer to parse."""
-    if argv[:1] != ["run"]:
-        return None
-    rest = argv[1:]
-    cut = rest.index("--") if "--" in rest else len(rest)
-    before, after = rest[:cut], rest[cut + 1:]
-    if not before or any(token.startswith("-") for token in before):
-        return None
-    from ._run_command import run_plain
-
-    return run_plain(Path(before[0]), before[1:] + after)
 
 
 def main() -> None:
     """Entry point of the `durably` console script: SIGTERM is handled like Ctrl-C (exit 143)."""
-    from ._run_command import EXIT_INTERRUPTED, EXIT_TERMINATED, Output, on_sigterm
+    from ._run_command import EXIT_INTERRUPTED, EXIT_TERMINATED, Output, direct_run, on_sigterm
 
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, on_sigterm)

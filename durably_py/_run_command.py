@@ -129,7 +129,9 @@ def err_print(*lines: Line) -> None:
         console.print(Text.assemble(*line))
 
 
-def _json_default(value: Any) -> Any:
+def json_default(value: Any) -> Any:
+    """How a CLI result that is not JSON prints: times as ISO text, sets and tuples as lists, typed values as
+    their stored form, anything else as its repr."""
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, set | frozenset | tuple):
@@ -144,23 +146,24 @@ def _json_default(value: Any) -> Any:
 
 def to_json(value: Any) -> str:
     """JSON text of a CLI result (datetimes as ISO strings)."""
-    return json.dumps(value, indent=2, ensure_ascii=False, default=_json_default)
+    return json.dumps(value, indent=2, ensure_ascii=False, default=json_default)
 
 
 def print_json(value: Any, jsonl: bool = False) -> None:
     """Print a JSON value on stdout: indented, or on one line (`jsonl`)."""
     if jsonl:
-        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=_json_default) + "\n")
+        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=json_default) + "\n")
     else:
         sys.stdout.write(to_json(value) + "\n")
     sys.stdout.flush()
 
 
-def _when(value: datetime | None) -> str:
+def local_time(value: datetime | None) -> str:
+    """A time as the tables show it: local, to the second."""
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else ""
 
 
-def _exit_code(exc: BaseException, started: bool) -> int:
+def exit_code(exc: BaseException, started: bool) -> int:
     """The exit code for an error: usage errors before any step ran are 2, parked runs 3, the rest 1."""
     if isinstance(exc, RunParkedError):
         return EXIT_PARKED
@@ -169,7 +172,8 @@ def _exit_code(exc: BaseException, started: bool) -> int:
     return EXIT_FAILED
 
 
-def _report_durably_error(exc: DurablyError, debug: bool) -> None:
+def report_durably_error(exc: DurablyError, debug: bool) -> None:
+    """A durably error on stderr: its message, hint and docs location (and with `debug`, its traceback)."""
     lines: list[Line] = []
     if debug:
         lines.append([("".join(traceback.format_exception(exc)).rstrip(), "bright_black")])
@@ -214,7 +218,8 @@ def user_frame(exc: BaseException) -> tuple[str, int, str, str] | None:
     return None
 
 
-def _report_exception(exc: BaseException, debug: bool, source: str = "durably") -> None:
+def report_exception(exc: BaseException, debug: bool, source: str = "durably") -> None:
+    """Any other error on stderr in one red line naming `source`, with the user's frame that raised it."""
     lines: list[Line] = []
     if debug:
         lines.append([("".join(traceback.format_exception(exc)).rstrip(), "bright_black")])
@@ -236,7 +241,7 @@ def _report_exception(exc: BaseException, debug: bool, source: str = "durably") 
 # ---- watching runs -----------------------------------------------------------------------------
 
 
-def _settle(watcher: Watcher, engine: Engine | None) -> None:
+def settle(watcher: Watcher, engine: Engine | None) -> None:
     """Read back the final status of every run the watcher saw (and what a parked one waits for)."""
     for tally in watcher.runs.values():
         try:
@@ -250,7 +255,8 @@ def _settle(watcher: Watcher, engine: Engine | None) -> None:
         tally.detail = parked_detail(state)
 
 
-def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
+def print_summary(watcher: Watcher, code: int, as_json: bool) -> None:
+    """The end-of-command summary on stderr: one line per run the watcher saw (JSON with `as_json`)."""
     if as_json:
         sys.stderr.write(json.dumps({"runs": [t.to_dict() for t in watcher.runs.values()],
                                      "elapsed": round(watcher.elapsed, 3), "exit_code": code}) + "\n")
@@ -278,7 +284,7 @@ def _summary(watcher: Watcher, code: int, as_json: bool) -> None:
     err_print(*lines)
 
 
-def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error: BaseException | None) -> dict[str, Any]:
+def outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error: BaseException | None) -> dict[str, Any]:
     """The one JSON object `run --workflow`, `retry` and `restart` print with `--json`."""
     tally = watcher.runs.get(run_id) if run_id is not None else None
     failure = None
@@ -290,7 +296,7 @@ def _outcome(watcher: Watcher, run_id: str | None, code: int, result: Any, error
 
 
 @contextmanager
-def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
+def live_view(watcher: Watcher, enabled: bool) -> Iterator[None]:
     """Show the live view on stderr while the body runs; what the body prints goes above it (stdout too, when it
     is the terminal). See `durably_py._view.live`."""
     if not enabled:
@@ -305,7 +311,7 @@ def _live(watcher: Watcher, enabled: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _environment(script: Path, settings: config.Settings, argv: list[str]) -> Iterator[None]:
+def script_environment(script: Path, settings: config.Settings, argv: list[str]) -> Iterator[None]:
     """Set DURABLY_SCRIPT, DURABLY_DIR (or DURABLY_STORAGE), sys.argv and sys.path as the script should see them."""
     saved_env = {k: os.environ.get(k) for k in ("DURABLY_SCRIPT", "DURABLY_DIR", "DURABLY_STORAGE")}
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -327,7 +333,8 @@ def _environment(script: Path, settings: config.Settings, argv: list[str]) -> It
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _parse_input(text: str | None, option: str = "--input") -> Any:
+def parse_input(text: str | None, option: str = "--input") -> Any:
+    """A JSON value given as text or as @file (`option` names the flag in errors); None when not given."""
     if text is None:
         return None
     source = option
@@ -353,7 +360,8 @@ def _parse_input(text: str | None, option: str = "--input") -> Any:
                               hint="Pass a big number as a JSON string and convert it in the workflow.") from None
 
 
-def _find_workflow(name: str, script: Path) -> Workflow:
+def find_workflow(name: str, script: Path) -> Workflow:
+    """The workflow `name` of the imported `script`; a usage error listing the ones it defines."""
     wf = REGISTRY.get(name)
     if wf is not None:
         return wf
@@ -381,7 +389,7 @@ def check_input_given(wf: Workflow, given: bool, script: Path, command: str = "r
                           docs="docs/cli.md#durably-run")
 
 
-def _import_script(script: Path) -> None:
+def import_script(script: Path) -> None:
     """Import the script for `--workflow`; a script that cannot be imported is reported as such."""
     try:
         load_script(script)
@@ -416,15 +424,15 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
     result: Any = None
     error: BaseException | None = None
     try:
-        with _environment(script, settings, args):
+        with script_environment(script, settings, args):
             try:
-                with _live(watcher, live):
+                with live_view(watcher, live):
                     if workflow is None:
                         runpy.run_path(str(script), run_name="__main__")
                     else:
-                        value = _parse_input(input)
-                        _import_script(script)
-                        wf = _find_workflow(workflow, script)
+                        value = parse_input(input)
+                        import_script(script)
+                        wf = find_workflow(workflow, script)
                         check_input_given(wf, input is not None, script)
                         result = asyncio.run(open_engine(settings).run(wf, value, key=key, fresh=fresh,
                                                                        wait=not no_wait, on_run=main_run.append))
@@ -435,23 +443,36 @@ def run_script(script: Path, args: list[str], settings: config.Settings, *, work
             except KeyboardInterrupt:
                 code = interrupted_exit()
             except DurablyError as exc:
-                code, error = _exit_code(exc, started=bool(watcher.runs)), exc
-                _report_durably_error(exc, debug)
+                code, error = exit_code(exc, started=bool(watcher.runs)), exc
+                report_durably_error(exc, debug)
             except Exception as exc:  # noqa: BLE001 - the script's own error, reported without a traceback
                 code, error = EXIT_FAILED, exc
-                _report_exception(exc, debug, "the script" if workflow is None else f"workflow {workflow!r}")
+                report_exception(exc, debug, "the script" if workflow is None else f"workflow {workflow!r}")
     finally:
         set_run_hook(None)
-    _settle(watcher, engine)
+    settle(watcher, engine)
     if workflow is not None and as_json:
         if main_run or code != EXIT_USAGE:
-            print_json(_outcome(watcher, main_run[0] if main_run else None, code, result, error), jsonl)
+            print_json(outcome(watcher, main_run[0] if main_run else None, code, result, error), jsonl)
     else:
         if workflow is not None and code == EXIT_OK:
             print_json(result, jsonl)
         if watcher.runs or code != EXIT_USAGE:
-            _summary(watcher, code, as_json)
+            print_summary(watcher, code, as_json)
     return code
+
+
+def direct_run(argv: list[str]) -> int | None:
+    """The exit code of `durably run SCRIPT [ARGS...]` written without options, run here; None when the line
+    is not of that shape (or the run is on Restate), for the command-line parser."""
+    if argv[:1] != ["run"]:
+        return None
+    rest = argv[1:]
+    cut = rest.index("--") if "--" in rest else len(rest)
+    before, after = rest[:cut], rest[cut + 1:]
+    if not before or any(token.startswith("-") for token in before):
+        return None
+    return run_plain(Path(before[0]), before[1:] + after)
 
 
 def run_plain(script: Path, args: list[str]) -> int | None:
@@ -466,11 +487,11 @@ def run_plain(script: Path, args: list[str]) -> int | None:
             raise ValidationError(f"no script file {str(script)!r}",
                                   hint="Pass the path of a Python file, e.g. durably run job.py.")
     except DurablyError as exc:
-        _report_durably_error(exc, False)
-        return _exit_code(exc, started=False)
+        report_durably_error(exc, False)
+        return exit_code(exc, started=False)
     except KeyboardInterrupt:
         return EXIT_TERMINATED if Output.terminated else EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - shown as one red line, the traceback only with --debug
-        _report_exception(exc, False)
+        report_exception(exc, False)
         return EXIT_FAILED
     return run_script(script.resolve(), args, settings)
