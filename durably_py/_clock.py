@@ -67,6 +67,7 @@ class FakeClock(Clock):
         self.busy = 0
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
+        self._added = 0  # sleepers registered so far: the driver waits for quiet after the latest of them
         self._driver: asyncio.Task[None] | None = None
         self.on_advance: Callable[[datetime], None] | None = None
 
@@ -125,6 +126,7 @@ class FakeClock(Clock):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (self._mono + seconds, next(self._seq), fut))
+        self._added += 1
         loop = asyncio.get_running_loop()
         if self.auto and (self._driver is None or self._driver.done() or self._driver.get_loop() is not loop):
             # in a context of its own: it is the clock's, not one of the tasks of the run whose wait started it
@@ -138,8 +140,11 @@ class FakeClock(Clock):
     async def _drive(self) -> None:
         """Jump to the earliest wake time whenever no step is executing and the loop has gone quiet."""
         while self._sleepers:
+            added = self._added
             for _ in range(20):
                 await asyncio.sleep(0)
+            if added != self._added:
+                continue  # a wait began meanwhile: its run may be about to park on it rather than sleep
             if self.busy:
                 await asyncio.sleep(0.001)
                 continue
