@@ -39,6 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
+from ..records import is_end_line, may_change_state
 from .base import (
     Check,
     Choose,
@@ -137,7 +138,6 @@ CREATE TABLE IF NOT EXISTS {s}.workers (
 """
 
 
-_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
 _CATALOG = """
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS workflow TEXT;
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS key TEXT;
@@ -304,7 +304,7 @@ class PostgresStorage:
         rows = conn.execute(f"SELECT run_id, last, extract(epoch FROM created)::float8,"
                             f" extract(epoch FROM updated)::float8 FROM {self._runs}").fetchall()
         for run_id, last, created, updated in rows:
-            if (decode_record(bytes(last)) or {}).get("t") != "end":
+            if not is_end_line(bytes(last)):
                 conn.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created) VALUES (%s, %s, 0, %s)"
                              " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
@@ -587,7 +587,7 @@ class PostgresStorage:
             validate_lines(data)
         data = bytes(data)
         state = ""
-        if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
+        if may_change_state(data):  # an end, reopen or reset
             rows = self._fetch(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
             state = state_after(rows[0][0] if rows else OPEN, data)
         if not self._mine(lease) or self._write(

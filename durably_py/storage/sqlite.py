@@ -39,6 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
+from ..records import is_end_line, may_change_state
 from .base import (
     Check,
     Choose,
@@ -379,7 +380,7 @@ class SqliteStorage:
         if type(data) is not bytes or not data.endswith(b"\n"):
             validate_lines(data)
         data = bytes(data)
-        if not (_MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data):
+        if not may_change_state(data):
             self._append_step(lease, data)
             return
         with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
@@ -789,7 +790,6 @@ class SqliteStorage:
         return infos
 
 
-_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
 _CATALOG_COLUMNS = {"workflow": "TEXT", "key": "TEXT", "parent": "TEXT", "state": "TEXT NOT NULL DEFAULT 'open'"}
 _CATALOG_INDEXES = """
 CREATE INDEX IF NOT EXISTS runs_by_updated ON runs (updated DESC, run_id DESC);
@@ -855,7 +855,7 @@ def _queue_unended(db: sqlite3.Connection) -> None:
     """A database from before the queue: every run that has not ended enters it, due now, so a worker takes
     its interrupted, sleeping and waiting runs over."""
     for run_id, last, created, updated in db.execute("SELECT run_id, last, created, updated FROM runs").fetchall():
-        if (decode_record(last) or {}).get("t") != "end":
+        if not is_end_line(last):
             db.execute("INSERT OR IGNORE INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                        (run_id, updated, created))
 
