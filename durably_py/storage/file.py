@@ -74,24 +74,10 @@ from .base import (
     max_epoch,
     parse_log,
     storage_full,
-    validate_at,
-    validate_header,
-    validate_identity,
-    validate_limit,
-    validate_lines,
-    validate_new_runs,
-    validate_owner,
-    validate_priority,
-    validate_rewrite,
     validate_run_id,
-    validate_signal,
-    validate_signal_id,
-    validate_ttl,
-    validate_wait,
-    validate_worker,
-    validate_workflows,
 )
-from .catalog import OPEN, RunFilter, header_fields, validate_page
+from .catalog import OPEN, RunFilter, header_fields
+from .front import StorageFront
 from .wakeup import LocalWakeups
 
 try:
@@ -279,7 +265,7 @@ def _lost(lease: Lease) -> LeaseLostError:
     return LeaseLostError(f"lease on run {lease.run_id} is not a live file-storage lease", run_id=lease.run_id)
 
 
-class FileStorage:
+class FileStorage(StorageFront):
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
@@ -316,8 +302,8 @@ class FileStorage:
         return f"FileStorage({str(self.dir)!r})"
 
     def _log(self, run_id: str) -> Path:
-        """The log path of a validated run id."""
-        return self.runs_dir / f"{validate_run_id(run_id)}.jsonl"
+        """The log path of a run id (checked by the front)."""
+        return self.runs_dir / f"{run_id}.jsonl"
 
     def _lock_path(self, run_id: str) -> str:
         """The resolved lock path of a run: the key of the in-process lease registry."""
@@ -352,12 +338,11 @@ class FileStorage:
         os.close(fd)
         return tmp
 
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now); its queue
         entry is written first, so a crash in between leaves an entry without a log, which `due` skips."""
-        fields = header_fields(validate_header(validate_run_id(run_id), header))
-        at = validate_at(at)
-        priority = validate_priority(priority)
+        fields = header_fields(record)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         with self._queue_lock():
@@ -423,7 +408,7 @@ class FileStorage:
         finally:
             os.close(fd)
 
-    def read(self, run_id: str) -> Log | None:
+    def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown); a torn last line is dropped and named in `Log.torn`."""
         log = self._log(run_id)
         try:
@@ -434,13 +419,10 @@ class FileStorage:
         records, _, torn = parse_log(data, str(log))
         return Log(records, torn, str(log))
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
         An ended run (without `reopen`) is refused, and under its lock taken out of the queue."""
-        path = os.path.join(self._runs_path, f"{validate_run_id(run_id)}.jsonl")
-        validate_owner(owner)
-        validate_ttl(ttl)
+        path = os.path.join(self._runs_path, f"{run_id}.jsonl")
         if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         log = Path(path)
@@ -484,7 +466,7 @@ class FileStorage:
         self._unregister(held)
         return None
 
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Under the run's lock, append and fsync the lines `choose` returns, without a claim record or a new
         epoch; False while another owner holds the lock."""
         log = self._log(run_id)
@@ -503,7 +485,6 @@ class FileStorage:
             records, good, _ = parse_log(data, str(log))
             line = choose(checked(records, str(log), check), str(log))
             if line is not None:
-                line = validate_lines(line)
                 try:
                     if good < len(data):
                         os.ftruncate(held.fd, good)
@@ -612,9 +593,8 @@ class FileStorage:
         self._unregister(held)
         self._mine.discard(held)
 
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """True while the lease is live (the OS lock needs no renewal; `ttl` is ignored)."""
-        validate_ttl(ttl)
         held = lease.state.get("file")
         if not isinstance(held, _Held):
             return False
@@ -631,18 +611,15 @@ class FileStorage:
         if isinstance(held, _Held):
             self._drop(held)
 
-    def held(self, run_id: str) -> bool:
+    def _do_held(self, run_id: str) -> bool:
         """True while any process, this one included, holds the run's lock."""
-        validate_run_id(run_id)
         return _probe(self._lock_path(run_id))
 
-    def append(self, lease: Lease, data: bytes) -> None:
+    def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines with one write after checking the log is as this lease left it."""
         held = lease.state.get("file")
         if held is None:
             raise _lost(lease)
-        if type(data) is not bytes or not data or data[-1] != 10:  # 10: b"\n"
-            validate_lines(data)
         with held.mutex:
             if not held.live:
                 held.check()
@@ -702,7 +679,7 @@ class FileStorage:
                 held.synced = size if held.synced < size else held.synced
                 held.dir_synced = True
 
-    def size(self, run_id: str) -> int:
+    def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log file."""
         log = self._log(run_id)
         try:
@@ -710,12 +687,11 @@ class FileStorage:
         except FileNotFoundError:
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id) from None
 
-    def rewrite(self, lease: Lease, data: bytes) -> None:
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the log with `data` via a fsynced temp file and rename; the lease stays valid for appends."""
         held = lease.state.get("file")
         if held is None:
             raise _lost(lease)
-        data = validate_rewrite(lease.run_id, data)
         with held.mutex:
             held.check()
             tmp = held.log.with_name(held.log.name + ".tmp")
@@ -739,7 +715,7 @@ class FileStorage:
             self.fsyncs += 1
             held.size = held.synced = len(data)
 
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not.
 
         The index file (named by the identity's SHA-256) is replaced atomically under a lock on its own
@@ -750,13 +726,13 @@ class FileStorage:
         self.fsyncs += 1
         return True
 
-    def create_bound(self, runs: list[NewRun]) -> str | None:
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create the runs as one batch in two passes, each made durable once: first every binding
         (up to the first one lost), then every queue entry and log. With ``syncfs`` (Linux) each pass is one
         call for all its files; without it each binding is fsynced before its rename and the directories once.
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
-        fields = [header_fields(header) for header in validate_new_runs(runs)]
+        fields = [header_fields(header) for header in headers]
         grouped = _syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
@@ -802,9 +778,6 @@ class FileStorage:
         fails if the name exists, so it needs no lock; anything else is decided under the binding's own lock
         file, where a damaged binding counts as none."""
         path = self._index_path(identity)
-        validate_run_id(run_id)
-        if expect is not None:
-            validate_run_id(expect)
         os.makedirs(self._index_path_str, exist_ok=True)
         if expect is None:
             tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
@@ -842,7 +815,7 @@ class FileStorage:
         finally:
             lock.release()
 
-    def lookup(self, identity: str) -> str | None:
+    def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
         try:
             fd = os.open(self._index_path(identity), os.O_RDONLY)
@@ -857,14 +830,14 @@ class FileStorage:
         except ValidationError:
             return None
 
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
         """The run each identity is bound to (None where none), in order: one `lookup` each, since every
         binding is a small file of its own and a batch has no cheaper way to read them."""
         return lookup_each(self, identities)
 
     def _index_path(self, identity: str) -> str:
         """Where an identity's binding lives: its SHA-256, never the identity itself."""
-        digest = hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
+        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
         return os.path.join(self._index_path_str, digest)
 
     def catalog(self) -> FileCatalog:
@@ -920,12 +893,11 @@ class FileStorage:
         return [name[:-6] for name in names
                 if name.endswith(".jsonl") and not name.startswith(".") and _is_run_id(name[:-6])]
 
-    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently active first, from the catalog; each
         run's `RunInfo` read from its log's first and last lines."""
         self._refresh_now()
         query = RunFilter.of(**where)
-        limit, offset = validate_page(limit, offset)
         if not self.runs_dir.exists():
             return []
         import sqlite3
@@ -954,7 +926,7 @@ class FileStorage:
         except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
             return self.catalog().scan(query, None, 0)[1]
 
-    def delete(self, run_id: str) -> int | None:
+    def _do_delete(self, run_id: str) -> int | None:
         """Remove a run for good: its identity binding (while it still names this run), queue entry, log,
         sidecars, inbox and catalog row. The bytes freed; None, with nothing removed, while a process holds
         the run; 0 for an unknown run. The log goes first after the binding, so a crash part-way leaves
@@ -1016,9 +988,8 @@ class FileStorage:
         self._refresh_now()
         return self.catalog().rebuild()
 
-    def info(self, run_id: str) -> RunInfo | None:
+    def _do_info(self, run_id: str) -> RunInfo | None:
         """One run's `RunInfo` from its log's ends (None if unknown or the log vanished meanwhile)."""
-        validate_run_id(run_id)
         try:
             with open(self.runs_dir / f"{run_id}.jsonl", "rb") as f:
                 st = os.fstat(f.fileno())
@@ -1035,10 +1006,8 @@ class FileStorage:
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         return self.runs_dir / f"{run_id}.inbox"
 
-    def send(self, run_id: str, data: bytes) -> None:
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal as its own file, fsynced then renamed into the run's inbox (no lease needed)."""
-        validate_run_id(run_id)
-        line, _ = validate_signal(data)
         directory = self._inbox_dir(run_id)
         try:
             directory.mkdir()
@@ -1061,7 +1030,7 @@ class FileStorage:
         if isinstance(name, str) and name:
             self.wake(run_id, name)
 
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, oldest first, from one listing of its inbox (garbled files skipped)."""
         directory = self._inbox_dir(run_id)
         ids: dict[str, str] = {}
@@ -1074,9 +1043,8 @@ class FileStorage:
         self._signal_ids[run_id] = ids
         return signals
 
-    def ack(self, run_id: str, signal_id: str) -> None:
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every inbox file holding signal `signal_id`, reading only files `inbox` has not seen."""
-        validate_signal_id(signal_id)
         directory = self._inbox_dir(run_id)
         known = self._signal_ids.get(run_id, {})
         for name in _signal_files(directory):
@@ -1162,14 +1130,9 @@ class FileStorage:
             os.close(fd)
         return _entry(run_id, raw)
 
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals."""
         log = self._log(run_id)
-        at = validate_at(at)
-        wait = validate_wait(wait)
-        if priority is not None:
-            validate_priority(priority)
         if not log.exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         with self._queue_lock():
@@ -1192,12 +1155,10 @@ class FileStorage:
             (folder / name).unlink(missing_ok=True)
         folder.rmdir()
 
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """One file per child still queued under joins/<run_id>/, then the run's entry due only when woken (or
         now, when no child is queued); all under the queue flock."""
         log = self._log(run_id)
-        for child in children:
-            validate_run_id(child)
         if not log.exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         with self._queue_lock():
@@ -1216,11 +1177,11 @@ class FileStorage:
             self.wakeups.notify()
         return not queued
 
-    def unschedule(self, run_id: str) -> None:
+    def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
         join, remove its file there and make the parent due if it was the last. A run without an entry (a
         child its parent ran in place) is waited for in no join: only its catalog row changes."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")) \
+        if not os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")) \
                 and not os.path.exists(os.path.join(self._joins_path, run_id)):
             self._refresh_later(run_id)
             return
@@ -1297,9 +1258,9 @@ class FileStorage:
                 self.release(lease)
         return errors
 
-    def wake(self, run_id: str, name: str | None = None) -> bool:
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")):
+        if not os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")):
             return False  # not queued (an entry written after this look is as if written after the wake)
         with self._queue_lock():
             old = self._read_entry(run_id)
@@ -1312,9 +1273,9 @@ class FileStorage:
         self.wakeups.notify()
         return True
 
-    def entry(self, run_id: str) -> QueueEntry | None:
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if it is queued."""
-        return self._read_entry(validate_run_id(run_id))
+        return self._read_entry(run_id)
 
     def entries(self) -> list[QueueEntry]:
         """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
@@ -1339,12 +1300,10 @@ class FileStorage:
         self._listed = (mtime, out) if settled else None
         return out
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                names: frozenset[str] | None) -> list[str]:
         """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
-        `workflows`, whose header names one of them: read once per run, headers never change)."""
-        validate_limit(limit)
-        names = validate_workflows(workflows)
+        `names`, whose header names one of them: read once per run, headers never change)."""
         ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
         now = time.time() if now is None else now
         out: list[str] = []
@@ -1361,7 +1320,7 @@ class FileStorage:
                 out.append(entry.run_id)
         if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
             self._ready_list = None
-            return self.due(limit, skip=skip, workflows=workflows)
+            return self._do_due(limit, None, skip, names)
         return out
 
     def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
@@ -1407,13 +1366,10 @@ class FileStorage:
         """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this state directory."""
         return self.wakeups.watch(callback)
 
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
-        validate_owner(owner)
-        validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
-                                check)
+        return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
 
     # ---- workers --------------------------------------------------------------------------------
     def _worker_paths(self, owner: str) -> tuple[str, str]:
@@ -1421,11 +1377,9 @@ class FileStorage:
         folder = os.path.join(self.dir, "workers")
         return os.path.join(folder, f"{name}.json"), os.path.join(folder, f"{name}.lock")
 
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Write the worker's advertisement and hold its lock from now until `retire` or this process's end
         (`ttl` is ignored: the lock says whether the worker lives); files of dead workers are removed."""
-        line = validate_worker(owner, info)
-        validate_ttl(ttl)
         path, lock_path = self._worker_paths(owner)
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -1443,9 +1397,8 @@ class FileStorage:
         tmp = self._write_tmp(folder, "worker", line, durable=False)
         os.replace(tmp, path)
 
-    def retire(self, owner: str) -> None:
+    def _do_retire(self, owner: str) -> None:
         """Remove the worker's advertisement and release its lock."""
-        validate_owner(owner)
         path, _ = self._worker_paths(owner)
         lock = self._advertised.pop(owner, None)
         if lock is not None:
