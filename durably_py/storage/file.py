@@ -24,13 +24,8 @@ Layout under ``dir``::
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
 
-Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
-non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
-make a lease taken in one thread unreleasable from another, and flock's per-open-file semantics are exactly
-what we want (a fresh open of the lock file conflicts with any holder, in this process or another). Without
-fcntl (Windows) the same calls fall back to ``filelock.FileLock(thread_local=False, is_singleton=False)``.
-Leases held by this process are also kept in a module-level registry keyed by the resolved lock path, so a
-second claim or `held` in the same process is answered without relying on platform lock semantics.
+Leases are OS file locks (`filelocks.py`: the locks, this process's registry of its leases, the claimant
+sidecar and the fsync helpers); the queue entries and join files are `filequeue.py`'s.
 
 Appends are fenced by the log's size: each lease remembers how long the log should be, and an append first
 checks ``os.fstat`` of its descriptor (size, and that the file was not replaced) before one ``os.write``.
@@ -42,8 +37,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,6 +70,23 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields
+from .filelocks import (
+    Held,
+    OsLock,
+    drop,
+    fsync_dir,
+    held_epoch,
+    holder_info,
+    lock_run,
+    lost,
+    probe,
+    registered,
+    sidecar_epoch,
+    syncfs,
+    syncfs_call_for,
+    write_sidecar,
+)
+from .filelocks import write_all as _write_all  # looked up here at each call, so a test can stand in for the disk
 from .front import StorageFront
 from .wakeup import LocalWakeups
 
@@ -91,178 +101,10 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
-_CLAIM_TRIES = 3
-_OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
 _ENTRY = msgspec.json.Decoder()
 _READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileStorage.due`
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
-_registry: dict[str, _Held] = {}
-_registry_lock = threading.Lock()
-
-
-class _OsLock:
-    """A non-blocking lock on one file that the OS releases when the holding process dies."""
-
-    __slots__ = ("path", "_fd", "_filelock")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._filelock: Any = None
-
-    def acquire(self, *, shared: bool = False, create: bool = True) -> bool:
-        """Try once to take the lock; False if someone holds it (or the file is missing and `create` is off)."""
-        if fcntl is None:  # pragma: no cover - Windows
-            import filelock
-
-            if not create and not os.path.exists(self.path):
-                return False
-            lock = filelock.FileLock(self.path, thread_local=False, is_singleton=False)
-            try:
-                lock.acquire(blocking=False)
-            except filelock.Timeout:
-                return False
-            self._filelock = lock
-            return True
-        try:
-            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        return True
-
-    def read(self) -> bytes | None:
-        """The start of the held lock file's content (None where the lock has no descriptor of its own)."""
-        if self._fd is None:
-            return None
-        return os.pread(self._fd, 65536, 0)
-
-    def write(self, data: bytes) -> bool:
-        """Write `data` over the start of the held lock file in one write; False where the lock has no
-        descriptor of its own (Windows)."""
-        if self._fd is None:
-            return False
-        os.pwrite(self._fd, data, 0)
-        return True
-
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases the flock)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-        if self._filelock is not None:  # pragma: no cover - Windows
-            lock, self._filelock = self._filelock, None
-            lock.release()
-
-
-def _probe(lock_path: str) -> bool:
-    """True if some process (this one included) holds the lock at `lock_path`."""
-    with _registry_lock:
-        if lock_path in _registry:
-            return True
-    probe = _OsLock(lock_path)
-    if probe.acquire(shared=True, create=False):
-        probe.release()
-        return False
-    return os.path.exists(lock_path)
-
-
-class _Held:
-    """This process's side of one lease: the lock, the append descriptor and the log size it expects."""
-
-    __slots__ = ("run_id", "log", "lock", "fd", "size", "synced", "dir_synced", "live", "mutex")
-
-    def __init__(self, run_id: str, log: Path, lock: _OsLock) -> None:
-        self.run_id = run_id
-        self.log = log
-        self.lock = lock
-        self.fd = -1
-        self.size = 0
-        self.synced = -1
-        self.dir_synced = False
-        self.live = False
-        self.mutex = threading.Lock()
-
-    def check(self) -> None:
-        """Raise `LeaseLostError` unless this lease is live and the log is exactly as this process left it."""
-        if not self.live:
-            raise LeaseLostError(f"the lease on run {self.run_id} was released", run_id=self.run_id)
-        st = os.fstat(self.fd)
-        if st.st_size != self.size or st.st_nlink == 0:
-            raise self.changed()
-
-    def changed(self) -> LeaseLostError:
-        """The error for a log that is not as this lease left it (grown, cut or replaced by someone else)."""
-        return LeaseLostError(f"the log of run {self.run_id} was changed by someone else ({self.log})",
-                              run_id=self.run_id)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of `data` to `fd` (one syscall unless the OS writes short)."""
-    written = os.write(fd, data)
-    while written < len(data):
-        written += os.write(fd, memoryview(data)[written:])
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or create in directory `path` durable (a no-op where directories cannot be opened)."""
-    if os.name != "posix":  # pragma: no cover - Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_syncfs_call: Any = None
-
-
-def _syncfs_call_for() -> Any:
-    """libc's ``syncfs`` (Linux), loaded on first use; None where the OS has none."""
-    global _syncfs_call
-    if _syncfs_call is None:
-        _syncfs_call = False
-        if sys.platform.startswith("linux") and os.environ.get("DURABLY_NO_SYNCFS") != "1":
-            try:
-                import ctypes
-
-                _syncfs_call = ctypes.CDLL(None, use_errno=True).syncfs
-            except (OSError, AttributeError):  # pragma: no cover - a libc without syncfs
-                pass
-    return _syncfs_call or None
-
-
-def _syncfs(path: str) -> bool:
-    """``syncfs(2)`` of the file system holding `path` (every file's data and metadata on it, one call):
-    True once done, False where the OS has no syncfs; an `OSError` when the file system reports a write error."""
-    call = _syncfs_call_for()
-    if call is None:
-        return False
-    import ctypes
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if call(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), path)
-    finally:
-        os.close(fd)
-    return True
-
-
-def _lost(lease: Lease) -> LeaseLostError:
-    """The error for a lease that does not belong to any file storage (or was never granted)."""
-    return LeaseLostError(f"lease on run {lease.run_id} is not a live file-storage lease", run_id=lease.run_id)
 
 
 class FileStorage(StorageFront):
@@ -288,12 +130,12 @@ class FileStorage(StorageFront):
         self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
-        self._mine: set[_Held] = set()
+        self._mine: set[Held] = set()
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
         self._catalog: FileCatalog | None = None
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
-        self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
+        self._advertised: dict[str, OsLock] = {}  # owner -> the lock this process holds for its advertisement
         self.wakeups = LocalWakeups(self.dir / "wake")
         self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
         self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
@@ -426,7 +268,7 @@ class FileStorage(StorageFront):
         if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         log = Path(path)
-        held = self._lock_run(run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log)
         if held is None:
             return None
         try:
@@ -446,33 +288,13 @@ class FileStorage(StorageFront):
         self._mine.add(held)
         return Lease(run_id, owner, epoch, {"file": held}, records, torn, path, held.size)
 
-    def _lock_run(self, run_id: str, log: Path) -> _Held | None:
-        """Take the run's lock (registered in this process); None while another owner holds it."""
-        lock_path = self._lock_path(run_id)
-        held = _Held(run_id, log, _OsLock(lock_path))
-        with _registry_lock:
-            if lock_path in _registry:
-                return None
-            _registry[lock_path] = held
-        try:
-            for attempt in range(_CLAIM_TRIES):
-                if held.lock.acquire():
-                    return held
-                if attempt + 1 < _CLAIM_TRIES:
-                    time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
-        except BaseException:
-            self._unregister(held)
-            raise
-        self._unregister(held)
-        return None
-
     def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Under the run's lock, append and fsync the lines `choose` returns, without a claim record or a new
         epoch; False while another owner holds the lock."""
         log = self._log(run_id)
         if not log.exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        held = self._lock_run(run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log)
         if held is None:
             return False
         try:
@@ -501,7 +323,7 @@ class FileStorage(StorageFront):
             self._drop(held)
         return True
 
-    def _open_claimed(self, held: _Held, owner: str, check: Check | None,
+    def _open_claimed(self, held: Held, owner: str, check: Check | None,
                       reopen: bool) -> tuple[int, list[Any], str | None] | None:
         """With the lock taken: check the log, cut a torn tail, append the claim record.
 
@@ -521,13 +343,13 @@ class FileStorage(StorageFront):
             return None
         if good < len(data):
             os.ftruncate(fd, good)
-        epoch = max(max_epoch(records), self._held_epoch(held)) + 1
+        epoch = max(max_epoch(records), held_epoch(self._runs_path, held)) + 1
         line = claimed(records, epoch, owner)
         try:
             _write_all(fd, line)
             held.size = good + len(line)
-            self._write_sidecar(
-                held, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
+            write_sidecar(
+                self._runs_path, held, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
             )
         except OSError as exc:
             try:
@@ -538,65 +360,19 @@ class FileStorage(StorageFront):
         held.live = True
         return epoch, records, torn
 
-    def _held_epoch(self, held: _Held) -> int:
-        """`_sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
-        data = held.lock.read()
-        info = _owner_of(data) if data is not None else None
-        if info is None:
-            return self._sidecar_epoch(held.run_id)
-        epoch = info.get("epoch")
-        return epoch if isinstance(epoch, int) else 0
-
-    def _sidecar_epoch(self, run_id: str) -> int:
-        """The epoch of the last claim per the owner sidecar (survives compactions that drop claim records)."""
-        info = self.holder_info(run_id)
-        epoch = info.get("epoch") if info else None
-        return epoch if isinstance(epoch, int) else 0
-
-    def _write_sidecar(self, held: _Held, info: dict[str, Any]) -> None:
-        """Record the claimant in the lock file it holds (one write of a padded block: a reader sees the old
-        or the new one); where the lock has no descriptor, atomically replace the ``.owner`` sidecar."""
-        data = msgspec.json.encode(info)
-        if held.lock.write(data.ljust(max(_OWNER_BLOCK, len(data)))):
-            return
-        path = os.path.join(self._runs_path, f"{held.run_id}.owner")  # pragma: no cover - Windows
-        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, msgspec.json.encode(info))
-        finally:
-            os.close(fd)
-        os.replace(f"{path}.tmp", path)
-
     def holder_info(self, run_id: str) -> dict[str, Any] | None:
         """What the last claimant wrote about itself (owner, pid, host, epoch, at); meaningful while `held`."""
-        validate_run_id(run_id)
-        for suffix in (".lock", ".owner"):  # .owner: written by older versions, and where locks have no descriptor
-            info = _read_owner(os.path.join(self._runs_path, run_id + suffix))
-            if info is not None:
-                return info
-        return None
+        return holder_info(self._runs_path, validate_run_id(run_id))
 
-    def _unregister(self, held: _Held) -> None:
-        """Forget `held` in the process registry, if it is still the registered lease."""
-        with _registry_lock:
-            if _registry.get(held.lock.path) is held:
-                del _registry[held.lock.path]
-
-    def _drop(self, held: _Held) -> None:
+    def _drop(self, held: Held) -> None:
         """Close the lease's descriptor, release its lock and forget it."""
-        with held.mutex:
-            held.live = False
-            if held.fd >= 0:
-                fd, held.fd = held.fd, -1
-                os.close(fd)
-            held.lock.release()
-        self._unregister(held)
+        drop(held)
         self._mine.discard(held)
 
     def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """True while the lease is live (the OS lock needs no renewal; `ttl` is ignored)."""
         held = lease.state.get("file")
-        if not isinstance(held, _Held):
+        if not isinstance(held, Held):
             return False
         with held.mutex:
             try:
@@ -608,18 +384,18 @@ class FileStorage(StorageFront):
     def release(self, lease: Lease) -> None:
         """Unlock the run and close the log; releasing a stale or released lease does nothing."""
         held = lease.state.get("file")
-        if isinstance(held, _Held):
+        if isinstance(held, Held):
             self._drop(held)
 
     def _do_held(self, run_id: str) -> bool:
         """True while any process, this one included, holds the run's lock."""
-        return _probe(self._lock_path(run_id))
+        return probe(self._lock_path(run_id))
 
     def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines with one write after checking the log is as this lease left it."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
+            raise lost(lease)
         with held.mutex:
             if not held.live:
                 held.check()
@@ -633,7 +409,7 @@ class FileStorage(StorageFront):
                 raise storage_full(exc, "append to", str(held.log)) from exc
             held.size += len(data)
 
-    def _undo_partial_write(self, held: _Held) -> None:
+    def _undo_partial_write(self, held: Held) -> None:
         """After a failed write, cut the log back to its last whole line, or give the lease up if that fails."""
         try:
             os.ftruncate(held.fd, held.size)
@@ -644,32 +420,32 @@ class FileStorage(StorageFront):
         """fsync the log (and its directory, once per lease) unless nothing was appended since the last sync."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
+            raise lost(lease)
         with held.mutex:
             held.check()
             if held.synced != held.size:
                 self._fsync(held.fd)
                 held.synced = held.size
             if not held.dir_synced:
-                _fsync_dir(self.runs_dir)
+                fsync_dir(self.runs_dir)
                 self.fsyncs += 1
                 held.dir_synced = True
 
     def sync_all(self, leases: list[Lease]) -> None:
         """Make every lease's appends durable in one pass: one ``syncfs`` of the state directory's file system
         where the OS has it (Linux), else `sync` of each (an fsync per changed log, one of the runs directory)."""
-        todo: list[tuple[_Held, int]] = []
+        todo: list[tuple[Held, int]] = []
         for lease in leases:
             held = lease.state.get("file")
-            if not isinstance(held, _Held):
-                raise _lost(lease)
+            if not isinstance(held, Held):
+                raise lost(lease)
             with held.mutex:
                 held.check()
                 if held.synced != held.size or not held.dir_synced:
                     todo.append((held, held.size))
         if not todo:
             return
-        if len(todo) == 1 and todo[0][0].dir_synced or not _syncfs(str(self.runs_dir)):
+        if len(todo) == 1 and todo[0][0].dir_synced or not syncfs(str(self.runs_dir)):
             for lease in leases:
                 self.sync(lease)
             return
@@ -691,7 +467,7 @@ class FileStorage(StorageFront):
         """Replace the log with `data` via a fsynced temp file and rename; the lease stays valid for appends."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
+            raise lost(lease)
         with held.mutex:
             held.check()
             tmp = held.log.with_name(held.log.name + ".tmp")
@@ -711,7 +487,7 @@ class FileStorage(StorageFront):
                 raise
             finally:
                 held.fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
-            _fsync_dir(self.runs_dir)
+            fsync_dir(self.runs_dir)
             self.fsyncs += 1
             held.size = held.synced = len(data)
 
@@ -722,7 +498,7 @@ class FileStorage(StorageFront):
         ``.lock`` file, so two processes creating the same run at once agree on one of them."""
         if not self._bind(identity, run_id, expect):
             return False
-        _fsync_dir(self.index_dir)
+        fsync_dir(self.index_dir)
         self.fsyncs += 1
         return True
 
@@ -733,7 +509,7 @@ class FileStorage(StorageFront):
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
         fields = [header_fields(header) for header in headers]
-        grouped = _syncfs_call_for() is not None
+        grouped = syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
         for run in runs:
@@ -764,11 +540,11 @@ class FileStorage(StorageFront):
     def _sync_dirs(self, grouped: bool, *dirs: str) -> None:
         """Make what was just written in `dirs` durable: one syncfs when `grouped`, else an fsync of each
         directory (their files were fsynced as written, or are made durable by their runs' own syncs)."""
-        if grouped and _syncfs(self._runs_path if os.path.isdir(self._runs_path) else str(self.dir)):
+        if grouped and syncfs(self._runs_path if os.path.isdir(self._runs_path) else str(self.dir)):
             self.fsyncs += 1
             return
         for directory in dirs:
-            _fsync_dir(Path(directory))
+            fsync_dir(Path(directory))
             self.fsyncs += 1
 
     def _bind(self, identity: str, run_id: str, expect: str | None, *, durable: bool = True) -> bool:
@@ -790,7 +566,7 @@ class FileStorage(StorageFront):
                 pass
             finally:
                 os.unlink(tmp)
-        lock = _OsLock(path + ".lock")
+        lock = OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -932,9 +708,8 @@ class FileStorage(StorageFront):
         the run; 0 for an unknown run. The log goes first after the binding, so a crash part-way leaves
         leftovers no listing shows, which a later `delete` removes."""
         log = self._log(run_id)
-        lock = _OsLock(self._lock_path(run_id))
-        with _registry_lock:
-            mine = self._lock_path(run_id) in _registry
+        lock = OsLock(self._lock_path(run_id))
+        mine = registered(self._lock_path(run_id))
         if mine or not lock.acquire(create=False) and os.path.exists(lock.path):
             return None
         try:
@@ -970,7 +745,7 @@ class FileStorage(StorageFront):
     def _unbind(self, identity: str, run_id: str) -> None:
         """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""
         path = self._index_path(identity)
-        lock = _OsLock(path + ".lock")
+        lock = OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -997,8 +772,8 @@ class FileStorage(StorageFront):
                 last = _last_record(f, st.st_size) or header
         except FileNotFoundError:
             return None
-        return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime,
-                       self._sidecar_epoch(run_id))
+        return RunInfo(run_id, header, last, probe(self._lock_path(run_id)), st.st_mtime,
+                       sidecar_epoch(self._runs_path, run_id))
 
     def _inbox_dir(self, run_id: str) -> Path:
         """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown."""
@@ -1021,10 +796,10 @@ class FileStorage(StorageFront):
         except BaseException:
             self._unlink(tmp)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
         self.fsyncs += 1
         if created:
-            _fsync_dir(self.runs_dir)
+            fsync_dir(self.runs_dir)
             self.fsyncs += 1
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
@@ -1228,8 +1003,8 @@ class FileStorage(StorageFront):
         for i, lease in enumerate(leases):
             held = lease.state.get("file")
             try:
-                if not isinstance(held, _Held):
-                    raise _lost(lease)
+                if not isinstance(held, Held):
+                    raise lost(lease)
                 with held.mutex:
                     held.check()
                 live.append(lease)
@@ -1316,7 +1091,7 @@ class FileStorage(StorageFront):
                 fresh = self._read_entry(entry.run_id)
                 if fresh is None or fresh.at is None or fresh.at > now:
                     continue
-            if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
+            if not probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
                 out.append(entry.run_id)
         if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
             self._ready_list = None
@@ -1384,14 +1159,14 @@ class FileStorage(StorageFront):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         if owner not in self._advertised:
-            lock = _OsLock(lock_path)
+            lock = OsLock(lock_path)
             if not lock.acquire():
                 raise ValidationError(f"worker {owner} is advertised by another process", hint="Give each worker "
                                       "its own owner name.", docs="docs/deploying.md#what-a-worker-serves")
             self._advertised[owner] = lock
             for name in _listdir(Path(folder)):
                 if name.endswith(".lock") and os.path.join(folder, name) != lock_path \
-                        and not _probe(os.path.join(folder, name)):  # each owner's own lock: it died
+                        and not probe(os.path.join(folder, name)):  # each owner's own lock: it died
                     self._unlink(os.path.join(folder, name[:-5] + ".json"))
                     self._unlink(os.path.join(folder, name))
         tmp = self._write_tmp(folder, "worker", line, durable=False)
@@ -1411,7 +1186,7 @@ class FileStorage(StorageFront):
         out = []
         for name in _listdir(Path(folder)):
             if name.endswith(".json") and not name.startswith("."):
-                if _probe(os.path.join(folder, name[:-5] + ".lock")):
+                if probe(os.path.join(folder, name[:-5] + ".lock")):
                     try:
                         with open(os.path.join(folder, name), "rb") as f:
                             found = decode_worker(f.read())
@@ -1430,32 +1205,6 @@ class FileStorage(StorageFront):
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
-
-
-def _read_owner(path: str) -> dict[str, Any] | None:
-    """The claimant JSON stored in `path` (None: no file, empty, or not a JSON object)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        data = b""
-        while chunk := os.read(fd, 65536):
-            data += chunk
-    finally:
-        os.close(fd)
-    return _owner_of(data)
-
-
-def _owner_of(data: bytes) -> dict[str, Any] | None:
-    """The claimant JSON object in `data` (None: empty, or not a JSON object)."""
-    if not data.strip():
-        return None
-    try:
-        info = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    return info if isinstance(info, dict) else None
 
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
