@@ -62,6 +62,11 @@ def validate_run_id(run_id: object) -> str:
     return run_id
 
 
+def is_run_id(name: str) -> bool:
+    """True if `name` is a valid run id (listings of a directory skip other files)."""
+    return bool(RUN_ID_RE.match(name)) and ".." not in name
+
+
 def validate_key(key: object) -> str:
     """Return `key` if it is a usable run key (1-512 printable characters), else raise `ValidationError`."""
     if not isinstance(key, str) or not key or len(key) > MAX_KEY_LEN or any(

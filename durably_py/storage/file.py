@@ -38,12 +38,9 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import msgspec
 
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
@@ -60,8 +57,8 @@ from .base import (
     decode_record,
     decode_signal,
     decode_worker,
-    due_order,
     ended,
+    is_run_id,
     iso_now,
     lookup_each,
     max_epoch,
@@ -87,13 +84,9 @@ from .filelocks import (
     write_sidecar,
 )
 from .filelocks import write_all as _write_all  # looked up here at each call, so a test can stand in for the disk
+from .filequeue import FileQueue
 from .front import StorageFront
 from .wakeup import LocalWakeups
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from .fileindex import FileCatalog
@@ -101,9 +94,6 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
-_MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
-_ENTRY = msgspec.json.Decoder()
-_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileStorage.due`
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 
 
@@ -118,27 +108,23 @@ class FileStorage(StorageFront):
         self.dir = Path(os.path.abspath(dir))
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
-        self.queue_dir = self.dir / "queue"
-        self.joins_dir = self.dir / "joins"
         self._runs_path = str(self.runs_dir)
-        self._queue_path = str(self.queue_dir)
-        self._joins_path = str(self.joins_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
         self._dir_durable: set[str] = set()
         self._unrefreshed: dict[str, None] = {}  # runs whose catalog row `_refresh_now` brings up to date  # runs created here whose directory entry a group sync made durable
-        self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
         self._mine: set[Held] = set()
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
         self._catalog: FileCatalog | None = None
-        self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._advertised: dict[str, OsLock] = {}  # owner -> the lock this process holds for its advertisement
         self.wakeups = LocalWakeups(self.dir / "wake")
-        self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
-        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
+        self.queue = FileQueue(self.dir, write_tmp=self._write_tmp, held=self._do_held, info=self._do_info,
+                               wakeups=self.wakeups)
+        self.queue_dir = self.queue.dir
+        self.joins_dir = self.queue.joins_dir
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -187,23 +173,13 @@ class FileStorage(StorageFront):
         fields = header_fields(record)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        with self._queue_lock():
-            queued = self._new_entry(QueueEntry(run_id, now if at is None else at, priority, (), now))
+        with self.queue.lock():
+            queued = self.queue.add(QueueEntry(run_id, now if at is None else at, priority, (), now))
         self._new_log(run_id, header, queued)
         # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
         # between leaves a log without a row, which the next listing finds (``runs/`` changed)
         self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
         self.wakeups.notify()
-
-    def _new_entry(self, entry: QueueEntry) -> bool:
-        """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
-        log already (the log's creation then fails loudly)."""
-        run_id = entry.run_id
-        if os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")) \
-                or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
-            return False
-        self._write_entry(entry)
-        return True
 
     def _new_log(self, run_id: str, header: bytes, queued: bool) -> None:
         """Create the log holding `header`, whole or not at all: a hidden temp file hard-linked to its name
@@ -213,14 +189,14 @@ class FileStorage(StorageFront):
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
             if queued:
-                self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
+                self.queue.discard(run_id)
             raise storage_full(exc, "create", log) from exc
         try:
             try:
                 os.link(tmp, log)
             except FileExistsError:
                 if queued:
-                    self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
+                    self.queue.discard(run_id)
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
                     hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
@@ -522,14 +498,14 @@ class FileStorage(StorageFront):
         self._sync_dirs(grouped, self._index_path_str)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        with self._queue_lock():
-            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now if run.at is None else run.at,
+        with self.queue.lock():
+            queued = [run.queued and self.queue.add(QueueEntry(run.run_id, now if run.at is None else run.at,
                                                                 run.priority, (), now)) for run in bound]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
             rows.append((run.run_id, *known, OPEN, now, len(run.header)))
-        self._sync_dirs(grouped, self._runs_path, self._queue_path)
+        self._sync_dirs(grouped, self._runs_path, str(self.queue_dir))
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
         self._indexed(lambda catalog: catalog.put_many(rows))
@@ -667,7 +643,7 @@ class FileStorage(StorageFront):
         except FileNotFoundError:
             return []
         return [name[:-6] for name in names
-                if name.endswith(".jsonl") and not name.startswith(".") and _is_run_id(name[:-6])]
+                if name.endswith(".jsonl") and not name.startswith(".") and is_run_id(name[:-6])]
 
     def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently active first, from the catalog; each
@@ -720,8 +696,8 @@ class FileStorage(StorageFront):
                 identity = None
             if isinstance(identity, str) and identity:
                 self._unbind(identity, run_id)
-            with self._queue_lock():
-                self._entry_path(run_id).unlink(missing_ok=True)
+            with self.queue.lock():
+                self.queue.discard(run_id)
             freed = 0
             inbox = self.runs_dir / f"{run_id}.inbox"
             paths = [log, *(inbox / name for name in _listdir(inbox)), self.runs_dir / f"{run_id}.owner"]
@@ -831,168 +807,26 @@ class FileStorage(StorageFront):
                 (directory / name).unlink(missing_ok=True)
                 known.pop(name, None)
 
-    # ---- the queue ------------------------------------------------------------------------------
-    def _entry_path(self, run_id: str) -> Path:
-        return self.queue_dir / f"{run_id}.json"
-
-    def _ensure_queue(self) -> None:
-        """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
-        that has not ended, so a worker takes its interrupted, sleeping and waiting runs over."""
-        if self._queue_ready:
-            return
-        try:
-            self.queue_dir.mkdir(parents=True)
-        except FileExistsError:
-            self._queue_ready = True
-            return
-        try:
-            names = os.listdir(self.runs_dir)
-        except FileNotFoundError:
-            names = []
-        with self._flock():
-            for name in names:
-                run_id = name[:-6]
-                if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
-                    continue
-                info = self.info(run_id)
-                if info is not None and info.last.get("t") != "end" and self._read_entry(run_id) is None:
-                    self._write_entry(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
-        self._queue_ready = True
-
-    @contextmanager
-    def _queue_lock(self) -> Iterator[None]:
-        """Serialise changes to queue entries among threads and processes (a blocking flock)."""
-        self._ensure_queue()
-        with self._flock():
-            yield
-
-    @contextmanager
-    def _flock(self) -> Iterator[None]:
-        path = str(self.queue_dir / ".lock")
-        if fcntl is None:  # pragma: no cover - Windows
-            import filelock
-
-            with filelock.FileLock(path, thread_local=False, is_singleton=False):
-                yield
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def _write_entry(self, entry: QueueEntry) -> None:
-        """Atomically replace a run's queue entry (call with the queue lock held)."""
-        data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
-        tmp = self._write_tmp(self._queue_path, entry.run_id, data, durable=False)
-        try:
-            os.replace(tmp, os.path.join(self._queue_path, f"{entry.run_id}.json"))
-        except BaseException:
-            self._unlink(tmp)
-            raise
-
-    def _read_entry(self, run_id: str) -> QueueEntry | None:
-        try:
-            fd = os.open(os.path.join(self._queue_path, f"{run_id}.json"), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            raw = _ENTRY.decode(os.read(fd, 65536))
-        except msgspec.DecodeError:
-            return None
-        finally:
-            os.close(fd)
-        return _entry(run_id, raw)
-
+    # ---- the queue (`filequeue.FileQueue`) ---------------------------------------------------------
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals."""
-        log = self._log(run_id)
-        if not log.exists():
+        if not self._log(run_id).exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        with self._queue_lock():
-            old = self._read_entry(run_id)
-            keep = old.priority if old is not None else 0
-            created = old.created if old is not None else time.time()
-            self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
-            self._drop_joins(run_id)
+        self.queue.schedule(run_id, at, wait, priority)
         self._indexed(lambda catalog: catalog.refresh(run_id, lazy=True))
         self.wakeups.notify()
 
-    def _drop_joins(self, run_id: str) -> None:
-        """Forget the children a run waited for in a join (call with the queue lock held)."""
-        folder = self.joins_dir / run_id
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for name in names:
-            (folder / name).unlink(missing_ok=True)
-        folder.rmdir()
-
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
-        """One file per child still queued under joins/<run_id>/, then the run's entry due only when woken (or
-        now, when no child is queued); all under the queue flock."""
-        log = self._log(run_id)
-        if not log.exists():
+        """Park the run until the children still queued end (`FileQueue.join_wait`)."""
+        if not self._log(run_id).exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        with self._queue_lock():
-            self._drop_joins(run_id)
-            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
-            if queued:
-                folder = self.joins_dir / run_id
-                folder.mkdir(parents=True, exist_ok=True)
-                for child in queued:
-                    (folder / child).touch()
-            old = self._read_entry(run_id)
-            now = time.time()
-            self._write_entry(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
-                                         old.created if old else now))
-        if not queued:
-            self.wakeups.notify()
-        return not queued
+        return self.queue.join_wait(run_id, children)
 
     def _do_unschedule(self, run_id: str) -> None:
-        """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
-        join, remove its file there and make the parent due if it was the last. A run without an entry (a
-        child its parent ran in place) is waited for in no join: only its catalog row changes."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")) \
-                and not os.path.exists(os.path.join(self._joins_path, run_id)):
-            self._refresh_later(run_id)
-            return
-        parent = self._parent_of(run_id)
-        with self._queue_lock():
-            self._unqueue(run_id, parent)
+        """Take the run out of the queue and its parent's join (`FileQueue.unschedule`); its catalog row is
+        brought up to date later, in a batch."""
+        self.queue.unschedule(run_id)
         self._refresh_later(run_id)
-
-    def _parent_of(self, run_id: str) -> str | None:
-        """The parent run a run's header names (None: none, or no log)."""
-        try:
-            with open(self._log(run_id), "rb") as f:
-                parent = (decode_record(f.readline()) or {}).get("parent")
-        except FileNotFoundError:
-            return None
-        return parent if isinstance(parent, str) and _is_run_id(parent) else None
-
-    def _unqueue(self, run_id: str, parent: str | None) -> None:
-        """`unschedule` with the queue lock held: the run's file in its parent's join goes first (the last one
-        makes the parent due), then its own joins and its entry."""
-        if parent is not None:
-            folder = self.joins_dir / parent
-            (folder / run_id).unlink(missing_ok=True)
-            try:
-                last = not any(True for _ in os.scandir(folder))
-            except FileNotFoundError:
-                last = False
-            if last:  # also when a crash came between the last file's removal and the parent's wake-up
-                old = self._read_entry(parent)
-                now = time.time()
-                if old is not None and (old.at is None or old.at > now):
-                    self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
-                    self.wakeups.notify()
-                folder.rmdir()
-        self._drop_joins(run_id)
-        self._entry_path(run_id).unlink(missing_ok=True)
 
     def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
         """One `sync_all` (a single ``syncfs`` on Linux) for every lease's log, then every run out of the queue
@@ -1022,10 +856,7 @@ class FileStorage(StorageFront):
         done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
         try:
             if done:
-                parents = [self._parent_of(run_id) for run_id in done]
-                with self._queue_lock():
-                    for run_id, parent in zip(done, parents, strict=True):
-                        self._unqueue(run_id, parent)
+                self.queue.unschedule_all(done)
                 for run_id in done:
                     self._refresh_later(run_id)
         finally:
@@ -1033,109 +864,27 @@ class FileStorage(StorageFront):
                 self.release(lease)
         return errors
 
+
     def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")):
-            return False  # not queued (an entry written after this look is as if written after the wake)
-        with self._queue_lock():
-            old = self._read_entry(run_id)
-            if old is None or (name is not None and name not in old.wait):
-                return False
-            now = time.time()
-            if old.at is not None and old.at <= now:
-                return False
-            self._write_entry(QueueEntry(run_id, now, old.priority, old.wait, old.created))
-        self.wakeups.notify()
-        return True
+        return self.queue.wake(run_id, name)
 
     def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if it is queued."""
-        return self._read_entry(run_id)
+        return self.queue.read(run_id)
 
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
-        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
-        the file system's timestamp granularity), so an idle worker's looks read no entry."""
-        if not self._queue_ready and self.runs_dir.exists():
-            self._ensure_queue()
-        try:
-            mtime = os.stat(self._queue_path).st_mtime_ns
-        except FileNotFoundError:
-            return []
-        if self._listed is not None and self._listed[0] == mtime:
-            return self._listed[1]
-        names = os.listdir(self._queue_path)
-        out = []
-        for name in names:
-            if name.endswith(".json") and not name.startswith(".") and _is_run_id(name[:-5]):
-                found = self._read_entry(name[:-5])
-                if found is not None:
-                    out.append(found)
-        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
-        self._listed = (mtime, out) if settled else None
-        return out
+        """Every queue entry (unfinished runs only), in no particular order (`FileQueue.entries`)."""
+        return self.queue.entries()
 
     def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
                 names: frozenset[str] | None) -> list[str]:
-        """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
-        `names`, whose header names one of them: read once per run, headers never change)."""
-        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
-        now = time.time() if now is None else now
-        out: list[str] = []
-        for entry in ready:
-            if len(out) >= limit:
-                break
-            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
-                continue
-            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
-                fresh = self._read_entry(entry.run_id)
-                if fresh is None or fresh.at is None or fresh.at > now:
-                    continue
-            if not probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
-                out.append(entry.run_id)
-        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
-            self._ready_list = None
-            return self._do_due(limit, None, skip, names)
-        return out
-
-    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
-        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
-        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
-        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
-        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
-        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
-        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
-        present = set(os.listdir(self._queue_path)) if os.path.isdir(self._queue_path) else set()
-        kept = self._ready_list
-        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
-            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
-        ready = self._sorted_due(now)
-        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
-        return ready, False
-
-    def _sorted_due(self, now: float) -> list[QueueEntry]:
-        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
-
-    def _workflow_of(self, run_id: str) -> str | None:
-        """The workflow a run's header names (None: no log, or no header yet)."""
-        if run_id in self._workflows:
-            return self._workflows[run_id]
-        try:
-            with open(self._log(run_id), "rb") as f:
-                name = (decode_record(f.readline()) or {}).get("workflow")
-        except FileNotFoundError:
-            return None
-        if not isinstance(name, str):
-            return None
-        if len(self._workflows) >= 100_000:
-            self._workflows.clear()
-        self._workflows[run_id] = name
-        return name
+        """Due runs no live process holds, from the queue directory (`FileQueue.due`)."""
+        return self.queue.due(limit, now, skip, names)
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
-        now = time.time() if now is None else now
-        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+        return self.queue.next_due(now)
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this state directory."""
@@ -1205,27 +954,6 @@ class FileStorage(StorageFront):
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
-
-
-def _entry(run_id: str, raw: Any) -> QueueEntry | None:
-    """A queue entry from its stored JSON, or None when it is not one."""
-    if not isinstance(raw, dict):
-        return None
-    at, priority, wait, created = raw.get("at"), raw.get("p", 0), raw.get("w") or [], raw.get("c", 0.0)
-    if (at is not None and not isinstance(at, int | float)) or not isinstance(priority, int) \
-            or not isinstance(wait, list) or not isinstance(created, int | float):
-        return None
-    return QueueEntry(run_id, None if at is None else float(at), priority,
-                      tuple(w for w in wait if isinstance(w, str)), float(created))
-
-
-def _is_run_id(name: str) -> bool:
-    """True if `name` is a valid run id (list_runs skips other files)."""
-    try:
-        validate_run_id(name)
-    except ValidationError:
-        return False
-    return True
 
 
 def _listdir(directory: Path) -> list[str]:
