@@ -56,7 +56,6 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
-    decode_worker,
     ended,
     is_run_id,
     iso_now,
@@ -85,6 +84,7 @@ from .filelocks import (
 )
 from .filelocks import write_all as _write_all  # looked up here at each call, so a test can stand in for the disk
 from .filequeue import FileQueue
+from .fileworkers import FileWorkers
 from .front import StorageFront
 from .wakeup import LocalWakeups
 
@@ -119,7 +119,7 @@ class FileStorage(StorageFront):
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
         self._catalog: FileCatalog | None = None
-        self._advertised: dict[str, OsLock] = {}  # owner -> the lock this process holds for its advertisement
+        self._workers = FileWorkers(self.dir, write_tmp=self._write_tmp)
         self.wakeups = LocalWakeups(self.dir / "wake")
         self.queue = FileQueue(self.dir, write_tmp=self._write_tmp, held=self._do_held, info=self._do_info,
                                wakeups=self.wakeups)
@@ -895,62 +895,29 @@ class FileStorage(StorageFront):
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
         return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
 
-    # ---- workers --------------------------------------------------------------------------------
+    # ---- workers (`fileworkers.FileWorkers`) -----------------------------------------------------------
     def _worker_paths(self, owner: str) -> tuple[str, str]:
-        name = hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        folder = os.path.join(self.dir, "workers")
-        return os.path.join(folder, f"{name}.json"), os.path.join(folder, f"{name}.lock")
+        """The advertisement and lock file of worker `owner`."""
+        return self._workers.paths(owner)
 
     def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Write the worker's advertisement and hold its lock from now until `retire` or this process's end
-        (`ttl` is ignored: the lock says whether the worker lives); files of dead workers are removed."""
-        path, lock_path = self._worker_paths(owner)
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        if owner not in self._advertised:
-            lock = OsLock(lock_path)
-            if not lock.acquire():
-                raise ValidationError(f"worker {owner} is advertised by another process", hint="Give each worker "
-                                      "its own owner name.", docs="docs/deploying.md#what-a-worker-serves")
-            self._advertised[owner] = lock
-            for name in _listdir(Path(folder)):
-                if name.endswith(".lock") and os.path.join(folder, name) != lock_path \
-                        and not probe(os.path.join(folder, name)):  # each owner's own lock: it died
-                    self._unlink(os.path.join(folder, name[:-5] + ".json"))
-                    self._unlink(os.path.join(folder, name))
-        tmp = self._write_tmp(folder, "worker", line, durable=False)
-        os.replace(tmp, path)
+        (`ttl` is ignored: the lock says whether the worker lives)."""
+        self._workers.advertise(owner, line)
 
     def _do_retire(self, owner: str) -> None:
         """Remove the worker's advertisement and release its lock."""
-        path, _ = self._worker_paths(owner)
-        lock = self._advertised.pop(owner, None)
-        if lock is not None:
-            self._unlink(path)
-            lock.release()
+        self._workers.retire(owner)
 
     def workers(self) -> list[dict[str, Any]]:
         """The advertisements whose lock a live process holds."""
-        folder = os.path.join(self.dir, "workers")
-        out = []
-        for name in _listdir(Path(folder)):
-            if name.endswith(".json") and not name.startswith("."):
-                if probe(os.path.join(folder, name[:-5] + ".lock")):
-                    try:
-                        with open(os.path.join(folder, name), "rb") as f:
-                            found = decode_worker(f.read())
-                    except FileNotFoundError:
-                        continue
-                    if found is not None:
-                        out.append(found)
-        return out
+        return self._workers.workers()
 
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
-        for owner in list(self._advertised):
-            self.retire(owner)
+        self._workers.retire_all()
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
