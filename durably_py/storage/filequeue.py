@@ -1,16 +1,6 @@
-"""The file adapter's queue: one entry file per run that has not ended, and the join files of runs parked
-until their children end. `FileStorage` owns one `FileQueue` and keeps the catalog and the logs itself.
-
-Layout under the state directory::
-
-    queue/<run_id>.json   the queue entry: {"at": due time or null, "p": priority, "w": [signal names that wake
-                          it], "c": created}; replaced atomically (temp file and rename) under the flock of
-                          queue/.lock, deleted when the run ends. The due query lists this directory only, so
-                          ended runs cost it nothing.
-    joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for; the child's end
-                          removes its file (under the queue flock) and the last one makes the run due, before the
-                          child's own queue entry goes, so a crash in between is redone
-"""
+"""The file adapter's queue: one entry file per run that has not ended (``queue/<run_id>.json``), and the join
+files of runs parked until their children end (``joins/<run_id>/<child>``); the layout is described in
+`file.py`. `FileStorage` owns one `FileQueue` and keeps the catalog and the logs itself."""
 
 from __future__ import annotations
 
