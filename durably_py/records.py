@@ -49,7 +49,10 @@ __all__ = [
     "Wake",
     "decode_fast",
     "encode",
+    "is_end_line",
+    "is_open_line",
     "kind",
+    "may_change_state",
     "load",
     "load_one",
 ]
@@ -373,6 +376,29 @@ _decoder = msgspec.json.Decoder(Record)
 def encode(record: _Base | Signal) -> bytes:
     """One record as a newline-terminated JSON line."""
     return _encoder.encode(record) + b"\n"
+
+
+# How `encode` starts the lines of the records that change a run's state (its tag is always its first key), so
+# storage can tell an end, reopen or reset line from a step's without decoding the line.
+_END_LINE = b'{"t":"end"'
+_REOPEN_LINE = b'{"t":"reopen"'
+_RESET_LINE = b'{"t":"reset"'
+
+
+def is_end_line(line: bytes | bytearray) -> bool:
+    """True when the encoded record line `line` is an end record."""
+    return line.startswith(_END_LINE)
+
+
+def is_open_line(line: bytes | bytearray) -> bool:
+    """True when the encoded record line `line` is a reopen or reset record (either opens an ended run again)."""
+    return line.startswith(_REOPEN_LINE) or line.startswith(_RESET_LINE)
+
+
+def may_change_state(data: bytes | bytearray) -> bool:
+    """False when the encoded record lines `data` hold no end, reopen or reset record (three substring checks,
+    the test an append takes before it looks at any line)."""
+    return _END_LINE in data or _REOPEN_LINE in data or _RESET_LINE in data
 
 
 def kind(record: _Base) -> str:

@@ -1,9 +1,11 @@
-"""Storage adapters behind one protocol: files (the default), memory (tests), SQLite and PostgreSQL."""
+"""Storage adapters behind one protocol (`Storage`, the union of the roles `RunLogs`, `Identities`, `Catalog`,
+`Inbox`, `DueQueue` and `Fleet`): files (the default), memory (tests), SQLite and PostgreSQL."""
 
 from typing import TYPE_CHECKING, Any
 
-from .base import LOG_VERSION, Lease, Log, RunInfo, Storage, validate_key, validate_run_id
+from .base import LOG_VERSION, Lease, Log, RunInfo, validate_key, validate_run_id
 from .file import FileStorage
+from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
 
 if TYPE_CHECKING:
     from .memory import MemoryStorage
@@ -12,12 +14,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOG_VERSION",
+    "Catalog",
+    "DueQueue",
     "FileStorage",
+    "Fleet",
+    "Identities",
+    "Inbox",
     "Lease",
     "Log",
     "MemoryStorage",
     "PostgresStorage",
     "RunInfo",
+    "RunLogs",
     "SqliteStorage",
     "Storage",
     "validate_key",

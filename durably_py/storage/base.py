@@ -1,4 +1,7 @@
-"""The one storage protocol every adapter implements, and the id rules they share.
+"""What storage holds and the rules every adapter shares: records, leases, queue entries, ids and their checks.
+
+The protocol itself, split into the roles services name, is `roles.py`; the front that checks every
+argument once for all adapters is `front.py`.
 
 A run is an append-only sequence of records (JSON objects, one per line in the
 file adapter). The first record is the run header ``{"t": "run", "v": 1, ...}``.
@@ -25,15 +28,19 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import msgspec
 
 from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, ValidationError
 from ..records import LOG_VERSION, Claim, End, Header, decode_fast
 from ..records import encode as encode_record
+from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
 
-__all__ = ["LOG_VERSION", "Check", "Choose", "Lease", "Log", "RunInfo", "Storage"]
+__all__ = [
+    "LOG_VERSION", "Catalog", "Check", "Choose", "DueQueue", "Fleet", "Identities", "Inbox", "Lease", "Log",
+    "RunInfo", "RunLogs", "Storage",
+]
 
 Check = Callable[[list[Any], str], list[Any]]
 Choose = Callable[[list[Any], str], bytes | None]
@@ -53,6 +60,11 @@ def validate_run_id(run_id: object) -> str:
             hint="Copy the id from `durably list`; ids never contain slashes.",
         )
     return run_id
+
+
+def is_run_id(name: str) -> bool:
+    """True if `name` is a valid run id (listings of a directory skip other files)."""
+    return bool(RUN_ID_RE.match(name)) and ".." not in name
 
 
 def validate_key(key: object) -> str:
@@ -489,9 +501,8 @@ def finish_each(storage: Any, leases: list[Lease]) -> list[BaseException | None]
 
 
 def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
-    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way
-    (every run checked before the first is bound)."""
-    validate_new_runs(runs)
+    """`Storage.create_bound` as one `bind` and one `create` per run, for adapters without a cheaper way (the
+    front checked every run before this binds the first)."""
     for run in runs:
         if not storage.bind(run.identity, run.run_id, expect=run.expect):
             return run.identity
@@ -502,179 +513,3 @@ def bind_and_create(storage: Any, runs: list[NewRun]) -> str | None:
 def lookup_each(storage: Any, identities: list[str]) -> list[str | None]:
     """`Storage.lookup_many` as one `lookup` per identity, for adapters where a lookup costs no round trip."""
     return [storage.lookup(identity) for identity in identities]
-
-
-@runtime_checkable
-class Storage(Protocol):
-    """Where runs live. Appends are atomic and ordered per run; only a lease holder appends."""
-
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
-        """Create a run whose log starts with the `header` line, queued due at `at` (None: now) with
-        `priority`; `ValidationError` if the id exists (a collision is never a silent re-bind)."""
-
-    def read(self, run_id: str) -> Log | None:
-        """All records of a run (None if unknown). A torn last line is dropped and named in `Log.torn`;
-        damage before the last line raises `CorruptLogError` naming the line."""
-
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
-        """Take the run's lease (None while another live owner holds it). Appends a claim record
-        ``{"t": "claim", "epoch": n, "owner": owner, "at": iso}`` and truncates a torn tail.
-        `RunNotFoundError` for an unknown run; `CorruptLogError` (and nothing written) for a damaged log,
-        or when `check(records, where)` raises; `Lease.records` are what `check` returned.
-
-        A run whose log ends in an end record is claimed only with `reopen` (a retry of a failed run): else
-        the claim is refused (None) in the same atomic step that would have claimed it, nothing is appended,
-        and a queue entry it still has is removed as `unschedule` removes it (its process recorded the end
-        and died before leaving the queue)."""
-
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
-        """Append the lines `choose(records, where)` returns (None: nothing) to a run no live owner holds,
-        without claiming it: no claim record and no new epoch, so an operator's record (pause, resume,
-        cancel, reset) is not a workflow attempt. Atomic against claims and durable once it returns; a torn
-        tail is cut before the lines are added, and a lapsed lease can no longer append afterwards. False
-        (nothing called, nothing written) while a live owner holds the run; `RunNotFoundError` for an
-        unknown run; `CorruptLogError` (nothing written) for a damaged log, or when `check` raises."""
-
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
-        """Extend the lease; False when it was lost to another owner."""
-
-    def release(self, lease: Lease) -> None:
-        """Give the lease up (a stale lease leaves the stored one alone)."""
-
-    def held(self, run_id: str) -> bool:
-        """True while a live owner holds the run's lease."""
-
-    def append(self, lease: Lease, data: bytes) -> None:
-        """Append complete newline-terminated record lines; `LeaseLostError` if `lease` is no longer current."""
-
-    def sync(self, lease: Lease) -> None:
-        """Make every appended record durable against a machine crash (fsync or equivalent, counted in
-        `fsyncs`); a no-op, not counted, when nothing changed since this lease's last sync."""
-
-    def sync_all(self, leases: list[Lease]) -> None:
-        """`sync` every lease in `leases` as one group commit (the file adapter: one `syncfs` where the OS has
-        it, instead of an fsync per log); afterwards `sync` of any of them is a no-op until it appends again.
-        `LeaseLostError` if any lease is no longer current (the others may be durable by then)."""
-
-    def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
-        """End the runs of `leases`, whose logs end in an end record, as one group commit: make every lease's
-        appends durable (one fsync, `syncfs` or durable commit for all of them), take each run out of the queue
-        (as `unschedule`, its parent's join included) and release each lease. A worker ends the runs it holds so,
-        several at a time. The error of each lease, in order (None: done; `LeaseLostError` when it was no
-        longer current, and then its run is left as it is); every lease is released either way."""
-
-    def size(self, run_id: str) -> int:
-        """Bytes the run's log takes (what compaction is measured against); `RunNotFoundError` if unknown."""
-
-    def rewrite(self, lease: Lease, data: bytes) -> None:
-        """Atomically and durably replace the whole log with `data` (compaction); all-or-nothing.
-        `data` must be whole records starting with the header; the lease stays valid for appends."""
-
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
-        """Point an identity (a key, or workflow + canonical input) at a run, atomically, only if it still
-        points at `expect` (None: at nothing). False when another binding came first (compare-and-swap)."""
-
-    def lookup(self, identity: str) -> str | None:
-        """The run an identity points at, if any."""
-
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
-        """The run each identity points at (None where none), in order: `lookup` of a batch in one query (a
-        parent's children are looked up a batch at a time)."""
-
-    def create_bound(self, runs: list[NewRun]) -> str | None:
-        """Bind each run's identity (as `bind` with its `expect`) then create it (as `create`, due at its `at`), in
-        order, as one batch made durable once at the end (a parent's children: one fsync or commit, not one
-        per child). Stops at the first identity another binding got to first and returns it (the runs before
-        it stay created); None when every run was created. A crash leaves a prefix of the batch, each
-        created run's identity bound before its log exists."""
-
-    def info(self, run_id: str) -> RunInfo | None:
-        """One run's header, last record and held flag, without reading its whole log (None if unknown)."""
-
-    def list_runs(self, *, state: str | Iterable[str] | None = None, workflow: str | None = None,
-                  key: str | None = None, key_prefix: str | None = None, search: str | None = None,
-                  parent: str | None = None, since: float | None = None, until: float | None = None,
-                  limit: int | None = None, offset: int = 0) -> list[RunInfo]:
-        """Runs matching every given filter (`catalog.RunFilter`), most recently active first, answered from
-        the adapter's index (never by reading every log): `state` is "open" (not ended) or an end status
-        ("completed", "failed", "cancelled"), or several; `since`/`until` bound the last activity in epoch
-        seconds; `offset` skips, `limit` keeps at most that many. Without arguments: every run. An adapter
-        may learn that an ended run was opened again (a reopen or reset record) only when it is queued again
-        (`schedule`), as the engine always does."""
-
-    def count_runs(self, *, state: str | Iterable[str] | None = None, workflow: str | None = None,
-                   key: str | None = None, key_prefix: str | None = None, search: str | None = None,
-                   parent: str | None = None, since: float | None = None, until: float | None = None) -> int:
-        """How many runs `list_runs` would give for the same filters, from the index."""
-
-    def delete(self, run_id: str) -> int | None:
-        """Remove a run for good: its log, index entry, queue entry, inbox and the identity bindings that name
-        it. The bytes freed; None, with nothing removed, while a live owner holds the run; 0 if unknown.
-        The caller decides whether a run may go (adapters do not judge its state)."""
-
-    def send(self, run_id: str, data: bytes) -> None:
-        """Durably and atomically store one signal line for the run, whoever holds its lease (or none does)."""
-
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's signals not yet acknowledged, oldest first; `RunNotFoundError` if unknown."""
-
-    def ack(self, run_id: str, signal_id: str) -> None:
-        """Remove the stored signal(s) with `signal_id`; a no-op when none is stored (acks are idempotent)."""
-
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
-        """Put the run in the queue (or move it): due at `at` (None: only when woken), woken early by a signal
-        named in `wait`; `priority` None keeps the entry's priority (0 for a new one). `RunNotFoundError` if
-        the run is unknown."""
-
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
-        """Park a run until its child runs `children` end, in one atomic step: its entry becomes due only when
-        woken (as `schedule(run_id, None)` does), and it waits for those of `children` still in the queue; a
-        child out of the queue has ended. When none is left to wait for, the run is due now (True).
-        `RunNotFoundError` if the run is unknown."""
-
-    def unschedule(self, run_id: str) -> None:
-        """Take the run out of the queue (it ended); a no-op when it is not queued. In the same atomic step the
-        run stops counting for its parent's `join_wait` (its header's ``parent``): the parent is due at once
-        when it was the last child it waited for. `schedule` of a run drops what it waited for in a join."""
-
-    def wake(self, run_id: str, name: str | None = None) -> bool:
-        """Make a queued run due now if it waits for signal `name` (None: whatever it waits for, or for
-        nothing); True if the entry changed. `send` wakes with the signal's name."""
-
-    def entry(self, run_id: str) -> QueueEntry | None:
-        """The run's queue entry (None when it is not queued)."""
-
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
-        """Up to `limit` ids of queued runs due at `now` (default: the current time) that no live owner
-        holds, except those in `skip`, and only runs of `workflows` when given: highest priority first, then
-        earliest due, then oldest."""
-
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
-        """Claim up to `limit` due runs (of `workflows`, when given) in `due` order, as `claim` does each
-        (with `check`, never reopening an ended run); runs another owner claims at the same moment are
-        skipped, never waited for, and a damaged log is passed over."""
-
-    def next_due(self, now: float | None = None) -> float | None:
-        """The earliest due time after `now` (default: the current time) of any queued run, None when no
-        entry falls due later (an idle worker waits until then at most, so a sleep ends on time)."""
-
-    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
-        """Call `callback` (from a thread of the adapter's) whenever another process may have made work due:
-        a run created or woken, a parent made due, a run queued again. Returns the function that stops it, or
-        None when the adapter cannot tell (workers then find new work at their next poll). Best effort: a
-        missed call costs one poll, never a run."""
-
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
-        """Record durably that worker `owner` is live and what it serves (`info`, a JSON object), for `ttl`
-        seconds from now (database clock) or, on files, for as long as this process lives; each call renews
-        it. Other processes read it with `workers`."""
-
-    def retire(self, owner: str) -> None:
-        """Remove worker `owner`'s advertisement (it stopped); a no-op when there is none."""
-
-    def workers(self) -> list[dict[str, Any]]:
-        """The advertisements of the live workers (each with its "owner"), in no particular order."""

@@ -22,12 +22,12 @@ from typing import Any
 import msgspec
 
 from ..errors import ValidationError
+from ..records import is_end_line, is_open_line, may_change_state
 
 OPEN = "open"
 ENDED = ("completed", "failed", "cancelled")
 STATES = (OPEN, *ENDED)
 
-_END, _REOPEN, _RESET = b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"'
 _OPENERS = ("reopen", "reset")
 _LINE = msgspec.json.Decoder(dict[str, Any])
 
@@ -52,16 +52,16 @@ def state_of(records: Any) -> str:
 def state_after(state: str, data: bytes | bytearray) -> str:
     """The catalog state of a run in `state` once the complete record lines `data` are appended: unchanged
     (three substring checks) unless `data` holds an end, reopen or reset record."""
-    if _END not in data and _REOPEN not in data and _RESET not in data:
+    if not may_change_state(data):
         return state
     for line in bytes(data).split(b"\n"):
-        if line.startswith(_END):
+        if is_end_line(line):
             try:
                 status = _LINE.decode(line).get("status")
             except msgspec.DecodeError:
                 continue
             state = status if status in ENDED else OPEN
-        elif line.startswith(_REOPEN) or line.startswith(_RESET):
+        elif is_open_line(line):
             state = OPEN
     return state
 

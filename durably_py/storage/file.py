@@ -24,13 +24,8 @@ Layout under ``dir``::
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
 
-Locks use ``fcntl.flock`` directly on POSIX rather than ``filelock.FileLock``: a held-check must be a
-non-blocking probe that never waits, filelock's per-object reentrancy and thread-local lock state (by default)
-make a lease taken in one thread unreleasable from another, and flock's per-open-file semantics are exactly
-what we want (a fresh open of the lock file conflicts with any holder, in this process or another). Without
-fcntl (Windows) the same calls fall back to ``filelock.FileLock(thread_local=False, is_singleton=False)``.
-Leases held by this process are also kept in a module-level registry keyed by the resolved lock path, so a
-second claim or `held` in the same process is answered without relying on platform lock semantics.
+Leases are OS file locks (`filelocks.py`: the locks, this process's registry of its leases, the claimant
+sidecar and the fsync helpers); the queue entries and join files are `filequeue.py`'s.
 
 Appends are fenced by the log's size: each lease remembers how long the log should be, and an append first
 checks ``os.fstat`` of its descriptor (size, and that the file was not replaced) before one ``os.write``.
@@ -42,15 +37,10 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import msgspec
 
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
@@ -66,38 +56,37 @@ from .base import (
     claimed,
     decode_record,
     decode_signal,
-    decode_worker,
-    due_order,
     ended,
+    is_run_id,
     iso_now,
     lookup_each,
     max_epoch,
     parse_log,
     storage_full,
-    validate_at,
-    validate_header,
-    validate_identity,
-    validate_limit,
-    validate_lines,
-    validate_new_runs,
-    validate_owner,
-    validate_priority,
-    validate_rewrite,
     validate_run_id,
-    validate_signal,
-    validate_signal_id,
-    validate_ttl,
-    validate_wait,
-    validate_worker,
-    validate_workflows,
 )
-from .catalog import OPEN, RunFilter, header_fields, validate_page
+from .catalog import OPEN, RunFilter, header_fields
+from .filelocks import (
+    Held,
+    OsLock,
+    drop,
+    fsync_dir,
+    held_epoch,
+    holder_info,
+    lock_run,
+    lost,
+    probe,
+    registered,
+    sidecar_epoch,
+    syncfs,
+    syncfs_call_for,
+    write_sidecar,
+)
+from .filelocks import write_all as _write_all  # looked up here at each call, so a test can stand in for the disk
+from .filequeue import FileQueue
+from .fileworkers import FileWorkers
+from .front import StorageFront
 from .wakeup import LocalWakeups
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from .fileindex import FileCatalog
@@ -105,181 +94,10 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
-_CLAIM_TRIES = 3
-_OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
-_MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
-_ENTRY = msgspec.json.Decoder()
-_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileStorage.due`
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
-_registry: dict[str, _Held] = {}
-_registry_lock = threading.Lock()
 
 
-class _OsLock:
-    """A non-blocking lock on one file that the OS releases when the holding process dies."""
-
-    __slots__ = ("path", "_fd", "_filelock")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._filelock: Any = None
-
-    def acquire(self, *, shared: bool = False, create: bool = True) -> bool:
-        """Try once to take the lock; False if someone holds it (or the file is missing and `create` is off)."""
-        if fcntl is None:  # pragma: no cover - Windows
-            import filelock
-
-            if not create and not os.path.exists(self.path):
-                return False
-            lock = filelock.FileLock(self.path, thread_local=False, is_singleton=False)
-            try:
-                lock.acquire(blocking=False)
-            except filelock.Timeout:
-                return False
-            self._filelock = lock
-            return True
-        try:
-            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        return True
-
-    def read(self) -> bytes | None:
-        """The start of the held lock file's content (None where the lock has no descriptor of its own)."""
-        if self._fd is None:
-            return None
-        return os.pread(self._fd, 65536, 0)
-
-    def write(self, data: bytes) -> bool:
-        """Write `data` over the start of the held lock file in one write; False where the lock has no
-        descriptor of its own (Windows)."""
-        if self._fd is None:
-            return False
-        os.pwrite(self._fd, data, 0)
-        return True
-
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases the flock)."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-        if self._filelock is not None:  # pragma: no cover - Windows
-            lock, self._filelock = self._filelock, None
-            lock.release()
-
-
-def _probe(lock_path: str) -> bool:
-    """True if some process (this one included) holds the lock at `lock_path`."""
-    with _registry_lock:
-        if lock_path in _registry:
-            return True
-    probe = _OsLock(lock_path)
-    if probe.acquire(shared=True, create=False):
-        probe.release()
-        return False
-    return os.path.exists(lock_path)
-
-
-class _Held:
-    """This process's side of one lease: the lock, the append descriptor and the log size it expects."""
-
-    __slots__ = ("run_id", "log", "lock", "fd", "size", "synced", "dir_synced", "live", "mutex")
-
-    def __init__(self, run_id: str, log: Path, lock: _OsLock) -> None:
-        self.run_id = run_id
-        self.log = log
-        self.lock = lock
-        self.fd = -1
-        self.size = 0
-        self.synced = -1
-        self.dir_synced = False
-        self.live = False
-        self.mutex = threading.Lock()
-
-    def check(self) -> None:
-        """Raise `LeaseLostError` unless this lease is live and the log is exactly as this process left it."""
-        if not self.live:
-            raise LeaseLostError(f"the lease on run {self.run_id} was released", run_id=self.run_id)
-        st = os.fstat(self.fd)
-        if st.st_size != self.size or st.st_nlink == 0:
-            raise self.changed()
-
-    def changed(self) -> LeaseLostError:
-        """The error for a log that is not as this lease left it (grown, cut or replaced by someone else)."""
-        return LeaseLostError(f"the log of run {self.run_id} was changed by someone else ({self.log})",
-                              run_id=self.run_id)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write all of `data` to `fd` (one syscall unless the OS writes short)."""
-    written = os.write(fd, data)
-    while written < len(data):
-        written += os.write(fd, memoryview(data)[written:])
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or create in directory `path` durable (a no-op where directories cannot be opened)."""
-    if os.name != "posix":  # pragma: no cover - Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_syncfs_call: Any = None
-
-
-def _syncfs_call_for() -> Any:
-    """libc's ``syncfs`` (Linux), loaded on first use; None where the OS has none."""
-    global _syncfs_call
-    if _syncfs_call is None:
-        _syncfs_call = False
-        if sys.platform.startswith("linux") and os.environ.get("DURABLY_NO_SYNCFS") != "1":
-            try:
-                import ctypes
-
-                _syncfs_call = ctypes.CDLL(None, use_errno=True).syncfs
-            except (OSError, AttributeError):  # pragma: no cover - a libc without syncfs
-                pass
-    return _syncfs_call or None
-
-
-def _syncfs(path: str) -> bool:
-    """``syncfs(2)`` of the file system holding `path` (every file's data and metadata on it, one call):
-    True once done, False where the OS has no syncfs; an `OSError` when the file system reports a write error."""
-    call = _syncfs_call_for()
-    if call is None:
-        return False
-    import ctypes
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if call(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code), path)
-    finally:
-        os.close(fd)
-    return True
-
-
-def _lost(lease: Lease) -> LeaseLostError:
-    """The error for a lease that does not belong to any file storage (or was never granted)."""
-    return LeaseLostError(f"lease on run {lease.run_id} is not a live file-storage lease", run_id=lease.run_id)
-
-
-class FileStorage:
+class FileStorage(StorageFront):
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
@@ -290,34 +108,30 @@ class FileStorage:
         self.dir = Path(os.path.abspath(dir))
         self.runs_dir = self.dir / "runs"
         self.index_dir = self.dir / "index"
-        self.queue_dir = self.dir / "queue"
-        self.joins_dir = self.dir / "joins"
         self._runs_path = str(self.runs_dir)
-        self._queue_path = str(self.queue_dir)
-        self._joins_path = str(self.joins_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
         self._dir_durable: set[str] = set()
         self._unrefreshed: dict[str, None] = {}  # runs whose catalog row `_refresh_now` brings up to date  # runs created here whose directory entry a group sync made durable
-        self._queue_ready = False
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
-        self._mine: set[_Held] = set()
+        self._mine: set[Held] = set()
         self._signal_ids: dict[str, dict[str, str]] = {}  # run id -> {inbox file name: signal id}, as last read
         self._last_signal_ns = 0
         self._catalog: FileCatalog | None = None
-        self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
-        self._advertised: dict[str, _OsLock] = {}  # owner -> the lock this process holds for its advertisement
+        self._workers = FileWorkers(self.dir, write_tmp=self._write_tmp)
         self.wakeups = LocalWakeups(self.dir / "wake")
-        self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
-        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
+        self.queue = FileQueue(self.dir, write_tmp=self._write_tmp, held=self._do_held, info=self._do_info,
+                               wakeups=self.wakeups)
+        self.queue_dir = self.queue.dir
+        self.joins_dir = self.queue.joins_dir
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
 
     def _log(self, run_id: str) -> Path:
-        """The log path of a validated run id."""
-        return self.runs_dir / f"{validate_run_id(run_id)}.jsonl"
+        """The log path of a run id (checked by the front)."""
+        return self.runs_dir / f"{run_id}.jsonl"
 
     def _lock_path(self, run_id: str) -> str:
         """The resolved lock path of a run: the key of the in-process lease registry."""
@@ -352,31 +166,20 @@ class FileStorage:
         os.close(fd)
         return tmp
 
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now); its queue
         entry is written first, so a crash in between leaves an entry without a log, which `due` skips."""
-        fields = header_fields(validate_header(validate_run_id(run_id), header))
-        at = validate_at(at)
-        priority = validate_priority(priority)
+        fields = header_fields(record)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        with self._queue_lock():
-            queued = self._new_entry(QueueEntry(run_id, now if at is None else at, priority, (), now))
+        with self.queue.lock():
+            queued = self.queue.add(QueueEntry(run_id, now if at is None else at, priority, (), now))
         self._new_log(run_id, header, queued)
         # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
         # between leaves a log without a row, which the next listing finds (``runs/`` changed)
         self._indexed(lambda catalog: catalog.put((run_id, *fields, OPEN, now, len(header))))
         self.wakeups.notify()
-
-    def _new_entry(self, entry: QueueEntry) -> bool:
-        """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
-        log already (the log's creation then fails loudly)."""
-        run_id = entry.run_id
-        if os.path.exists(os.path.join(self._queue_path, f"{run_id}.json")) \
-                or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
-            return False
-        self._write_entry(entry)
-        return True
 
     def _new_log(self, run_id: str, header: bytes, queued: bool) -> None:
         """Create the log holding `header`, whole or not at all: a hidden temp file hard-linked to its name
@@ -386,14 +189,14 @@ class FileStorage:
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
         except OSError as exc:
             if queued:
-                self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
+                self.queue.discard(run_id)
             raise storage_full(exc, "create", log) from exc
         try:
             try:
                 os.link(tmp, log)
             except FileExistsError:
                 if queued:
-                    self._unlink(os.path.join(self._queue_path, f"{run_id}.json"))
+                    self.queue.discard(run_id)
                 raise ValidationError(
                     f"run {run_id} already exists in {self.dir}",
                     hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
@@ -423,7 +226,7 @@ class FileStorage:
         finally:
             os.close(fd)
 
-    def read(self, run_id: str) -> Log | None:
+    def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown); a torn last line is dropped and named in `Log.torn`."""
         log = self._log(run_id)
         try:
@@ -434,17 +237,14 @@ class FileStorage:
         records, _, torn = parse_log(data, str(log))
         return Log(records, torn, str(log))
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
         An ended run (without `reopen`) is refused, and under its lock taken out of the queue."""
-        path = os.path.join(self._runs_path, f"{validate_run_id(run_id)}.jsonl")
-        validate_owner(owner)
-        validate_ttl(ttl)
+        path = os.path.join(self._runs_path, f"{run_id}.jsonl")
         if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         log = Path(path)
-        held = self._lock_run(run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log)
         if held is None:
             return None
         try:
@@ -464,33 +264,13 @@ class FileStorage:
         self._mine.add(held)
         return Lease(run_id, owner, epoch, {"file": held}, records, torn, path, held.size)
 
-    def _lock_run(self, run_id: str, log: Path) -> _Held | None:
-        """Take the run's lock (registered in this process); None while another owner holds it."""
-        lock_path = self._lock_path(run_id)
-        held = _Held(run_id, log, _OsLock(lock_path))
-        with _registry_lock:
-            if lock_path in _registry:
-                return None
-            _registry[lock_path] = held
-        try:
-            for attempt in range(_CLAIM_TRIES):
-                if held.lock.acquire():
-                    return held
-                if attempt + 1 < _CLAIM_TRIES:
-                    time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
-        except BaseException:
-            self._unregister(held)
-            raise
-        self._unregister(held)
-        return None
-
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Under the run's lock, append and fsync the lines `choose` returns, without a claim record or a new
         epoch; False while another owner holds the lock."""
         log = self._log(run_id)
         if not log.exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        held = self._lock_run(run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log)
         if held is None:
             return False
         try:
@@ -503,7 +283,6 @@ class FileStorage:
             records, good, _ = parse_log(data, str(log))
             line = choose(checked(records, str(log), check), str(log))
             if line is not None:
-                line = validate_lines(line)
                 try:
                     if good < len(data):
                         os.ftruncate(held.fd, good)
@@ -520,7 +299,7 @@ class FileStorage:
             self._drop(held)
         return True
 
-    def _open_claimed(self, held: _Held, owner: str, check: Check | None,
+    def _open_claimed(self, held: Held, owner: str, check: Check | None,
                       reopen: bool) -> tuple[int, list[Any], str | None] | None:
         """With the lock taken: check the log, cut a torn tail, append the claim record.
 
@@ -540,13 +319,13 @@ class FileStorage:
             return None
         if good < len(data):
             os.ftruncate(fd, good)
-        epoch = max(max_epoch(records), self._held_epoch(held)) + 1
+        epoch = max(max_epoch(records), held_epoch(self._runs_path, held)) + 1
         line = claimed(records, epoch, owner)
         try:
             _write_all(fd, line)
             held.size = good + len(line)
-            self._write_sidecar(
-                held, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
+            write_sidecar(
+                self._runs_path, held, {"owner": owner, "epoch": epoch, "pid": os.getpid(), "host": _HOST, "at": iso_now()}
             )
         except OSError as exc:
             try:
@@ -557,66 +336,19 @@ class FileStorage:
         held.live = True
         return epoch, records, torn
 
-    def _held_epoch(self, held: _Held) -> int:
-        """`_sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
-        data = held.lock.read()
-        info = _owner_of(data) if data is not None else None
-        if info is None:
-            return self._sidecar_epoch(held.run_id)
-        epoch = info.get("epoch")
-        return epoch if isinstance(epoch, int) else 0
-
-    def _sidecar_epoch(self, run_id: str) -> int:
-        """The epoch of the last claim per the owner sidecar (survives compactions that drop claim records)."""
-        info = self.holder_info(run_id)
-        epoch = info.get("epoch") if info else None
-        return epoch if isinstance(epoch, int) else 0
-
-    def _write_sidecar(self, held: _Held, info: dict[str, Any]) -> None:
-        """Record the claimant in the lock file it holds (one write of a padded block: a reader sees the old
-        or the new one); where the lock has no descriptor, atomically replace the ``.owner`` sidecar."""
-        data = msgspec.json.encode(info)
-        if held.lock.write(data.ljust(max(_OWNER_BLOCK, len(data)))):
-            return
-        path = os.path.join(self._runs_path, f"{held.run_id}.owner")  # pragma: no cover - Windows
-        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, msgspec.json.encode(info))
-        finally:
-            os.close(fd)
-        os.replace(f"{path}.tmp", path)
-
     def holder_info(self, run_id: str) -> dict[str, Any] | None:
         """What the last claimant wrote about itself (owner, pid, host, epoch, at); meaningful while `held`."""
-        validate_run_id(run_id)
-        for suffix in (".lock", ".owner"):  # .owner: written by older versions, and where locks have no descriptor
-            info = _read_owner(os.path.join(self._runs_path, run_id + suffix))
-            if info is not None:
-                return info
-        return None
+        return holder_info(self._runs_path, validate_run_id(run_id))
 
-    def _unregister(self, held: _Held) -> None:
-        """Forget `held` in the process registry, if it is still the registered lease."""
-        with _registry_lock:
-            if _registry.get(held.lock.path) is held:
-                del _registry[held.lock.path]
-
-    def _drop(self, held: _Held) -> None:
+    def _drop(self, held: Held) -> None:
         """Close the lease's descriptor, release its lock and forget it."""
-        with held.mutex:
-            held.live = False
-            if held.fd >= 0:
-                fd, held.fd = held.fd, -1
-                os.close(fd)
-            held.lock.release()
-        self._unregister(held)
+        drop(held)
         self._mine.discard(held)
 
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """True while the lease is live (the OS lock needs no renewal; `ttl` is ignored)."""
-        validate_ttl(ttl)
         held = lease.state.get("file")
-        if not isinstance(held, _Held):
+        if not isinstance(held, Held):
             return False
         with held.mutex:
             try:
@@ -628,21 +360,18 @@ class FileStorage:
     def release(self, lease: Lease) -> None:
         """Unlock the run and close the log; releasing a stale or released lease does nothing."""
         held = lease.state.get("file")
-        if isinstance(held, _Held):
+        if isinstance(held, Held):
             self._drop(held)
 
-    def held(self, run_id: str) -> bool:
+    def _do_held(self, run_id: str) -> bool:
         """True while any process, this one included, holds the run's lock."""
-        validate_run_id(run_id)
-        return _probe(self._lock_path(run_id))
+        return probe(self._lock_path(run_id))
 
-    def append(self, lease: Lease, data: bytes) -> None:
+    def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines with one write after checking the log is as this lease left it."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
-        if type(data) is not bytes or not data or data[-1] != 10:  # 10: b"\n"
-            validate_lines(data)
+            raise lost(lease)
         with held.mutex:
             if not held.live:
                 held.check()
@@ -656,7 +385,7 @@ class FileStorage:
                 raise storage_full(exc, "append to", str(held.log)) from exc
             held.size += len(data)
 
-    def _undo_partial_write(self, held: _Held) -> None:
+    def _undo_partial_write(self, held: Held) -> None:
         """After a failed write, cut the log back to its last whole line, or give the lease up if that fails."""
         try:
             os.ftruncate(held.fd, held.size)
@@ -667,32 +396,32 @@ class FileStorage:
         """fsync the log (and its directory, once per lease) unless nothing was appended since the last sync."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
+            raise lost(lease)
         with held.mutex:
             held.check()
             if held.synced != held.size:
                 self._fsync(held.fd)
                 held.synced = held.size
             if not held.dir_synced:
-                _fsync_dir(self.runs_dir)
+                fsync_dir(self.runs_dir)
                 self.fsyncs += 1
                 held.dir_synced = True
 
     def sync_all(self, leases: list[Lease]) -> None:
         """Make every lease's appends durable in one pass: one ``syncfs`` of the state directory's file system
         where the OS has it (Linux), else `sync` of each (an fsync per changed log, one of the runs directory)."""
-        todo: list[tuple[_Held, int]] = []
+        todo: list[tuple[Held, int]] = []
         for lease in leases:
             held = lease.state.get("file")
-            if not isinstance(held, _Held):
-                raise _lost(lease)
+            if not isinstance(held, Held):
+                raise lost(lease)
             with held.mutex:
                 held.check()
                 if held.synced != held.size or not held.dir_synced:
                     todo.append((held, held.size))
         if not todo:
             return
-        if len(todo) == 1 and todo[0][0].dir_synced or not _syncfs(str(self.runs_dir)):
+        if len(todo) == 1 and todo[0][0].dir_synced or not syncfs(str(self.runs_dir)):
             for lease in leases:
                 self.sync(lease)
             return
@@ -702,7 +431,7 @@ class FileStorage:
                 held.synced = size if held.synced < size else held.synced
                 held.dir_synced = True
 
-    def size(self, run_id: str) -> int:
+    def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log file."""
         log = self._log(run_id)
         try:
@@ -710,12 +439,11 @@ class FileStorage:
         except FileNotFoundError:
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id) from None
 
-    def rewrite(self, lease: Lease, data: bytes) -> None:
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the log with `data` via a fsynced temp file and rename; the lease stays valid for appends."""
         held = lease.state.get("file")
         if held is None:
-            raise _lost(lease)
-        data = validate_rewrite(lease.run_id, data)
+            raise lost(lease)
         with held.mutex:
             held.check()
             tmp = held.log.with_name(held.log.name + ".tmp")
@@ -735,29 +463,29 @@ class FileStorage:
                 raise
             finally:
                 held.fd = os.open(held.log, os.O_RDWR | os.O_APPEND)
-            _fsync_dir(self.runs_dir)
+            fsync_dir(self.runs_dir)
             self.fsyncs += 1
             held.size = held.synced = len(data)
 
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not.
 
         The index file (named by the identity's SHA-256) is replaced atomically under a lock on its own
         ``.lock`` file, so two processes creating the same run at once agree on one of them."""
         if not self._bind(identity, run_id, expect):
             return False
-        _fsync_dir(self.index_dir)
+        fsync_dir(self.index_dir)
         self.fsyncs += 1
         return True
 
-    def create_bound(self, runs: list[NewRun]) -> str | None:
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create the runs as one batch in two passes, each made durable once: first every binding
         (up to the first one lost), then every queue entry and log. With ``syncfs`` (Linux) each pass is one
         call for all its files; without it each binding is fsynced before its rename and the directories once.
         A crash leaves bindings without logs (a resumed parent finds none and binds again), never a log whose
         binding a machine crash could lose."""
-        fields = [header_fields(header) for header in validate_new_runs(runs)]
-        grouped = _syncfs_call_for() is not None
+        fields = [header_fields(header) for header in headers]
+        grouped = syncfs_call_for() is not None
         lost = None
         bound: list[NewRun] = []
         for run in runs:
@@ -770,14 +498,14 @@ class FileStorage:
         self._sync_dirs(grouped, self._index_path_str)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        with self._queue_lock():
-            queued = [run.queued and self._new_entry(QueueEntry(run.run_id, now if run.at is None else run.at,
+        with self.queue.lock():
+            queued = [run.queued and self.queue.add(QueueEntry(run.run_id, now if run.at is None else run.at,
                                                                 run.priority, (), now)) for run in bound]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
             rows.append((run.run_id, *known, OPEN, now, len(run.header)))
-        self._sync_dirs(grouped, self._runs_path, self._queue_path)
+        self._sync_dirs(grouped, self._runs_path, str(self.queue_dir))
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
         self._indexed(lambda catalog: catalog.put_many(rows))
@@ -788,11 +516,11 @@ class FileStorage:
     def _sync_dirs(self, grouped: bool, *dirs: str) -> None:
         """Make what was just written in `dirs` durable: one syncfs when `grouped`, else an fsync of each
         directory (their files were fsynced as written, or are made durable by their runs' own syncs)."""
-        if grouped and _syncfs(self._runs_path if os.path.isdir(self._runs_path) else str(self.dir)):
+        if grouped and syncfs(self._runs_path if os.path.isdir(self._runs_path) else str(self.dir)):
             self.fsyncs += 1
             return
         for directory in dirs:
-            _fsync_dir(Path(directory))
+            fsync_dir(Path(directory))
             self.fsyncs += 1
 
     def _bind(self, identity: str, run_id: str, expect: str | None, *, durable: bool = True) -> bool:
@@ -802,9 +530,6 @@ class FileStorage:
         fails if the name exists, so it needs no lock; anything else is decided under the binding's own lock
         file, where a damaged binding counts as none."""
         path = self._index_path(identity)
-        validate_run_id(run_id)
-        if expect is not None:
-            validate_run_id(expect)
         os.makedirs(self._index_path_str, exist_ok=True)
         if expect is None:
             tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
@@ -817,7 +542,7 @@ class FileStorage:
                 pass
             finally:
                 os.unlink(tmp)
-        lock = _OsLock(path + ".lock")
+        lock = OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -842,7 +567,7 @@ class FileStorage:
         finally:
             lock.release()
 
-    def lookup(self, identity: str) -> str | None:
+    def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
         try:
             fd = os.open(self._index_path(identity), os.O_RDONLY)
@@ -857,14 +582,14 @@ class FileStorage:
         except ValidationError:
             return None
 
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
         """The run each identity is bound to (None where none), in order: one `lookup` each, since every
         binding is a small file of its own and a batch has no cheaper way to read them."""
         return lookup_each(self, identities)
 
     def _index_path(self, identity: str) -> str:
         """Where an identity's binding lives: its SHA-256, never the identity itself."""
-        digest = hashlib.sha256(validate_identity(identity).encode("utf-8", "surrogatepass")).hexdigest()
+        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
         return os.path.join(self._index_path_str, digest)
 
     def catalog(self) -> FileCatalog:
@@ -918,14 +643,13 @@ class FileStorage:
         except FileNotFoundError:
             return []
         return [name[:-6] for name in names
-                if name.endswith(".jsonl") and not name.startswith(".") and _is_run_id(name[:-6])]
+                if name.endswith(".jsonl") and not name.startswith(".") and is_run_id(name[:-6])]
 
-    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently active first, from the catalog; each
         run's `RunInfo` read from its log's first and last lines."""
         self._refresh_now()
         query = RunFilter.of(**where)
-        limit, offset = validate_page(limit, offset)
         if not self.runs_dir.exists():
             return []
         import sqlite3
@@ -954,15 +678,14 @@ class FileStorage:
         except (sqlite3.Error, OSError):  # no usable index here (a read-only state dir): read the logs
             return self.catalog().scan(query, None, 0)[1]
 
-    def delete(self, run_id: str) -> int | None:
+    def _do_delete(self, run_id: str) -> int | None:
         """Remove a run for good: its identity binding (while it still names this run), queue entry, log,
         sidecars, inbox and catalog row. The bytes freed; None, with nothing removed, while a process holds
         the run; 0 for an unknown run. The log goes first after the binding, so a crash part-way leaves
         leftovers no listing shows, which a later `delete` removes."""
         log = self._log(run_id)
-        lock = _OsLock(self._lock_path(run_id))
-        with _registry_lock:
-            mine = self._lock_path(run_id) in _registry
+        lock = OsLock(self._lock_path(run_id))
+        mine = registered(self._lock_path(run_id))
         if mine or not lock.acquire(create=False) and os.path.exists(lock.path):
             return None
         try:
@@ -973,8 +696,8 @@ class FileStorage:
                 identity = None
             if isinstance(identity, str) and identity:
                 self._unbind(identity, run_id)
-            with self._queue_lock():
-                self._entry_path(run_id).unlink(missing_ok=True)
+            with self.queue.lock():
+                self.queue.discard(run_id)
             freed = 0
             inbox = self.runs_dir / f"{run_id}.inbox"
             paths = [log, *(inbox / name for name in _listdir(inbox)), self.runs_dir / f"{run_id}.owner"]
@@ -998,7 +721,7 @@ class FileStorage:
     def _unbind(self, identity: str, run_id: str) -> None:
         """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""
         path = self._index_path(identity)
-        lock = _OsLock(path + ".lock")
+        lock = OsLock(path + ".lock")
         deadline = time.monotonic() + 10
         while not lock.acquire():
             if time.monotonic() > deadline:
@@ -1016,9 +739,8 @@ class FileStorage:
         self._refresh_now()
         return self.catalog().rebuild()
 
-    def info(self, run_id: str) -> RunInfo | None:
+    def _do_info(self, run_id: str) -> RunInfo | None:
         """One run's `RunInfo` from its log's ends (None if unknown or the log vanished meanwhile)."""
-        validate_run_id(run_id)
         try:
             with open(self.runs_dir / f"{run_id}.jsonl", "rb") as f:
                 st = os.fstat(f.fileno())
@@ -1026,8 +748,8 @@ class FileStorage:
                 last = _last_record(f, st.st_size) or header
         except FileNotFoundError:
             return None
-        return RunInfo(run_id, header, last, _probe(self._lock_path(run_id)), st.st_mtime,
-                       self._sidecar_epoch(run_id))
+        return RunInfo(run_id, header, last, probe(self._lock_path(run_id)), st.st_mtime,
+                       sidecar_epoch(self._runs_path, run_id))
 
     def _inbox_dir(self, run_id: str) -> Path:
         """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown."""
@@ -1035,10 +757,8 @@ class FileStorage:
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         return self.runs_dir / f"{run_id}.inbox"
 
-    def send(self, run_id: str, data: bytes) -> None:
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal as its own file, fsynced then renamed into the run's inbox (no lease needed)."""
-        validate_run_id(run_id)
-        line, _ = validate_signal(data)
         directory = self._inbox_dir(run_id)
         try:
             directory.mkdir()
@@ -1052,16 +772,16 @@ class FileStorage:
         except BaseException:
             self._unlink(tmp)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
         self.fsyncs += 1
         if created:
-            _fsync_dir(self.runs_dir)
+            fsync_dir(self.runs_dir)
             self.fsyncs += 1
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
 
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, oldest first, from one listing of its inbox (garbled files skipped)."""
         directory = self._inbox_dir(run_id)
         ids: dict[str, str] = {}
@@ -1074,9 +794,8 @@ class FileStorage:
         self._signal_ids[run_id] = ids
         return signals
 
-    def ack(self, run_id: str, signal_id: str) -> None:
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every inbox file holding signal `signal_id`, reading only files `inbox` has not seen."""
-        validate_signal_id(signal_id)
         directory = self._inbox_dir(run_id)
         known = self._signal_ids.get(run_id, {})
         for name in _signal_files(directory):
@@ -1088,175 +807,26 @@ class FileStorage:
                 (directory / name).unlink(missing_ok=True)
                 known.pop(name, None)
 
-    # ---- the queue ------------------------------------------------------------------------------
-    def _entry_path(self, run_id: str) -> Path:
-        return self.queue_dir / f"{run_id}.json"
-
-    def _ensure_queue(self) -> None:
-        """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
-        that has not ended, so a worker takes its interrupted, sleeping and waiting runs over."""
-        if self._queue_ready:
-            return
-        try:
-            self.queue_dir.mkdir(parents=True)
-        except FileExistsError:
-            self._queue_ready = True
-            return
-        try:
-            names = os.listdir(self.runs_dir)
-        except FileNotFoundError:
-            names = []
-        with self._flock():
-            for name in names:
-                run_id = name[:-6]
-                if not name.endswith(".jsonl") or name.startswith(".") or not _is_run_id(run_id):
-                    continue
-                info = self.info(run_id)
-                if info is not None and info.last.get("t") != "end" and self._read_entry(run_id) is None:
-                    self._write_entry(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
-        self._queue_ready = True
-
-    @contextmanager
-    def _queue_lock(self) -> Iterator[None]:
-        """Serialise changes to queue entries among threads and processes (a blocking flock)."""
-        self._ensure_queue()
-        with self._flock():
-            yield
-
-    @contextmanager
-    def _flock(self) -> Iterator[None]:
-        path = str(self.queue_dir / ".lock")
-        if fcntl is None:  # pragma: no cover - Windows
-            import filelock
-
-            with filelock.FileLock(path, thread_local=False, is_singleton=False):
-                yield
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    def _write_entry(self, entry: QueueEntry) -> None:
-        """Atomically replace a run's queue entry (call with the queue lock held)."""
-        data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
-        tmp = self._write_tmp(self._queue_path, entry.run_id, data, durable=False)
-        try:
-            os.replace(tmp, os.path.join(self._queue_path, f"{entry.run_id}.json"))
-        except BaseException:
-            self._unlink(tmp)
-            raise
-
-    def _read_entry(self, run_id: str) -> QueueEntry | None:
-        try:
-            fd = os.open(os.path.join(self._queue_path, f"{run_id}.json"), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            raw = _ENTRY.decode(os.read(fd, 65536))
-        except msgspec.DecodeError:
-            return None
-        finally:
-            os.close(fd)
-        return _entry(run_id, raw)
-
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
+    # ---- the queue (`filequeue.FileQueue`) ---------------------------------------------------------
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals."""
-        log = self._log(run_id)
-        at = validate_at(at)
-        wait = validate_wait(wait)
-        if priority is not None:
-            validate_priority(priority)
-        if not log.exists():
+        if not self._log(run_id).exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        with self._queue_lock():
-            old = self._read_entry(run_id)
-            keep = old.priority if old is not None else 0
-            created = old.created if old is not None else time.time()
-            self._write_entry(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
-            self._drop_joins(run_id)
+        self.queue.schedule(run_id, at, wait, priority)
         self._indexed(lambda catalog: catalog.refresh(run_id, lazy=True))
         self.wakeups.notify()
 
-    def _drop_joins(self, run_id: str) -> None:
-        """Forget the children a run waited for in a join (call with the queue lock held)."""
-        folder = self.joins_dir / run_id
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return
-        for name in names:
-            (folder / name).unlink(missing_ok=True)
-        folder.rmdir()
-
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
-        """One file per child still queued under joins/<run_id>/, then the run's entry due only when woken (or
-        now, when no child is queued); all under the queue flock."""
-        log = self._log(run_id)
-        for child in children:
-            validate_run_id(child)
-        if not log.exists():
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """Park the run until the children still queued end (`FileQueue.join_wait`)."""
+        if not self._log(run_id).exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        with self._queue_lock():
-            self._drop_joins(run_id)
-            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
-            if queued:
-                folder = self.joins_dir / run_id
-                folder.mkdir(parents=True, exist_ok=True)
-                for child in queued:
-                    (folder / child).touch()
-            old = self._read_entry(run_id)
-            now = time.time()
-            self._write_entry(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
-                                         old.created if old else now))
-        if not queued:
-            self.wakeups.notify()
-        return not queued
+        return self.queue.join_wait(run_id, children)
 
-    def unschedule(self, run_id: str) -> None:
-        """Delete the run's queue entry (a no-op when there is none); first, when its parent waits for it in a
-        join, remove its file there and make the parent due if it was the last. A run without an entry (a
-        child its parent ran in place) is waited for in no join: only its catalog row changes."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")) \
-                and not os.path.exists(os.path.join(self._joins_path, run_id)):
-            self._refresh_later(run_id)
-            return
-        parent = self._parent_of(run_id)
-        with self._queue_lock():
-            self._unqueue(run_id, parent)
+    def _do_unschedule(self, run_id: str) -> None:
+        """Take the run out of the queue and its parent's join (`FileQueue.unschedule`); its catalog row is
+        brought up to date later, in a batch."""
+        self.queue.unschedule(run_id)
         self._refresh_later(run_id)
-
-    def _parent_of(self, run_id: str) -> str | None:
-        """The parent run a run's header names (None: none, or no log)."""
-        try:
-            with open(self._log(run_id), "rb") as f:
-                parent = (decode_record(f.readline()) or {}).get("parent")
-        except FileNotFoundError:
-            return None
-        return parent if isinstance(parent, str) and _is_run_id(parent) else None
-
-    def _unqueue(self, run_id: str, parent: str | None) -> None:
-        """`unschedule` with the queue lock held: the run's file in its parent's join goes first (the last one
-        makes the parent due), then its own joins and its entry."""
-        if parent is not None:
-            folder = self.joins_dir / parent
-            (folder / run_id).unlink(missing_ok=True)
-            try:
-                last = not any(True for _ in os.scandir(folder))
-            except FileNotFoundError:
-                last = False
-            if last:  # also when a crash came between the last file's removal and the parent's wake-up
-                old = self._read_entry(parent)
-                now = time.time()
-                if old is not None and (old.at is None or old.at > now):
-                    self._write_entry(QueueEntry(parent, now, old.priority, old.wait, old.created))
-                    self.wakeups.notify()
-                folder.rmdir()
-        self._drop_joins(run_id)
-        self._entry_path(run_id).unlink(missing_ok=True)
 
     def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
         """One `sync_all` (a single ``syncfs`` on Linux) for every lease's log, then every run out of the queue
@@ -1267,8 +837,8 @@ class FileStorage:
         for i, lease in enumerate(leases):
             held = lease.state.get("file")
             try:
-                if not isinstance(held, _Held):
-                    raise _lost(lease)
+                if not isinstance(held, Held):
+                    raise lost(lease)
                 with held.mutex:
                     held.check()
                 live.append(lease)
@@ -1286,10 +856,7 @@ class FileStorage:
         done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
         try:
             if done:
-                parents = [self._parent_of(run_id) for run_id in done]
-                with self._queue_lock():
-                    for run_id, parent in zip(done, parents, strict=True):
-                        self._unqueue(run_id, parent)
+                self.queue.unschedule_all(done)
                 for run_id in done:
                     self._refresh_later(run_id)
         finally:
@@ -1297,233 +864,63 @@ class FileStorage:
                 self.release(lease)
         return errors
 
-    def wake(self, run_id: str, name: str | None = None) -> bool:
-        """Make the run due now if its entry waits for `name` (None: unconditionally)."""
-        if not os.path.exists(os.path.join(self._queue_path, f"{validate_run_id(run_id)}.json")):
-            return False  # not queued (an entry written after this look is as if written after the wake)
-        with self._queue_lock():
-            old = self._read_entry(run_id)
-            if old is None or (name is not None and name not in old.wait):
-                return False
-            now = time.time()
-            if old.at is not None and old.at <= now:
-                return False
-            self._write_entry(QueueEntry(run_id, now, old.priority, old.wait, old.created))
-        self.wakeups.notify()
-        return True
 
-    def entry(self, run_id: str) -> QueueEntry | None:
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
+        """Make the run due now if its entry waits for `name` (None: unconditionally)."""
+        return self.queue.wake(run_id, name)
+
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if it is queued."""
-        return self._read_entry(validate_run_id(run_id))
+        return self.queue.read(run_id)
 
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
-        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
-        the file system's timestamp granularity), so an idle worker's looks read no entry."""
-        if not self._queue_ready and self.runs_dir.exists():
-            self._ensure_queue()
-        try:
-            mtime = os.stat(self._queue_path).st_mtime_ns
-        except FileNotFoundError:
-            return []
-        if self._listed is not None and self._listed[0] == mtime:
-            return self._listed[1]
-        names = os.listdir(self._queue_path)
-        out = []
-        for name in names:
-            if name.endswith(".json") and not name.startswith(".") and _is_run_id(name[:-5]):
-                found = self._read_entry(name[:-5])
-                if found is not None:
-                    out.append(found)
-        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
-        self._listed = (mtime, out) if settled else None
-        return out
+        """Every queue entry (unfinished runs only), in no particular order (`FileQueue.entries`)."""
+        return self.queue.entries()
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
-        """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
-        `workflows`, whose header names one of them: read once per run, headers never change)."""
-        validate_limit(limit)
-        names = validate_workflows(workflows)
-        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
-        now = time.time() if now is None else now
-        out: list[str] = []
-        for entry in ready:
-            if len(out) >= limit:
-                break
-            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
-                continue
-            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
-                fresh = self._read_entry(entry.run_id)
-                if fresh is None or fresh.at is None or fresh.at > now:
-                    continue
-            if not _probe(self._lock_path(entry.run_id)) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
-                out.append(entry.run_id)
-        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
-            self._ready_list = None
-            return self.due(limit, skip=skip, workflows=workflows)
-        return out
-
-    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
-        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
-        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
-        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
-        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
-        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
-        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
-        present = set(os.listdir(self._queue_path)) if os.path.isdir(self._queue_path) else set()
-        kept = self._ready_list
-        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
-            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
-        ready = self._sorted_due(now)
-        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
-        return ready, False
-
-    def _sorted_due(self, now: float) -> list[QueueEntry]:
-        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
-
-    def _workflow_of(self, run_id: str) -> str | None:
-        """The workflow a run's header names (None: no log, or no header yet)."""
-        if run_id in self._workflows:
-            return self._workflows[run_id]
-        try:
-            with open(self._log(run_id), "rb") as f:
-                name = (decode_record(f.readline()) or {}).get("workflow")
-        except FileNotFoundError:
-            return None
-        if not isinstance(name, str):
-            return None
-        if len(self._workflows) >= 100_000:
-            self._workflows.clear()
-        self._workflows[run_id] = name
-        return name
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                names: frozenset[str] | None) -> list[str]:
+        """Due runs no live process holds, from the queue directory (`FileQueue.due`)."""
+        return self.queue.due(limit, now, skip, names)
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
-        now = time.time() if now is None else now
-        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+        return self.queue.next_due(now)
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
         """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this state directory."""
         return self.wakeups.watch(callback)
 
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
-        validate_owner(owner)
-        validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
-                                check)
+        return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
 
-    # ---- workers --------------------------------------------------------------------------------
+    # ---- workers (`fileworkers.FileWorkers`) -----------------------------------------------------------
     def _worker_paths(self, owner: str) -> tuple[str, str]:
-        name = hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-        folder = os.path.join(self.dir, "workers")
-        return os.path.join(folder, f"{name}.json"), os.path.join(folder, f"{name}.lock")
+        """The advertisement and lock file of worker `owner`."""
+        return self._workers.paths(owner)
 
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Write the worker's advertisement and hold its lock from now until `retire` or this process's end
-        (`ttl` is ignored: the lock says whether the worker lives); files of dead workers are removed."""
-        line = validate_worker(owner, info)
-        validate_ttl(ttl)
-        path, lock_path = self._worker_paths(owner)
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        if owner not in self._advertised:
-            lock = _OsLock(lock_path)
-            if not lock.acquire():
-                raise ValidationError(f"worker {owner} is advertised by another process", hint="Give each worker "
-                                      "its own owner name.", docs="docs/deploying.md#what-a-worker-serves")
-            self._advertised[owner] = lock
-            for name in _listdir(Path(folder)):
-                if name.endswith(".lock") and os.path.join(folder, name) != lock_path \
-                        and not _probe(os.path.join(folder, name)):  # each owner's own lock: it died
-                    self._unlink(os.path.join(folder, name[:-5] + ".json"))
-                    self._unlink(os.path.join(folder, name))
-        tmp = self._write_tmp(folder, "worker", line, durable=False)
-        os.replace(tmp, path)
+        (`ttl` is ignored: the lock says whether the worker lives)."""
+        self._workers.advertise(owner, line)
 
-    def retire(self, owner: str) -> None:
+    def _do_retire(self, owner: str) -> None:
         """Remove the worker's advertisement and release its lock."""
-        validate_owner(owner)
-        path, _ = self._worker_paths(owner)
-        lock = self._advertised.pop(owner, None)
-        if lock is not None:
-            self._unlink(path)
-            lock.release()
+        self._workers.retire(owner)
 
     def workers(self) -> list[dict[str, Any]]:
         """The advertisements whose lock a live process holds."""
-        folder = os.path.join(self.dir, "workers")
-        out = []
-        for name in _listdir(Path(folder)):
-            if name.endswith(".json") and not name.startswith("."):
-                if _probe(os.path.join(folder, name[:-5] + ".lock")):
-                    try:
-                        with open(os.path.join(folder, name), "rb") as f:
-                            found = decode_worker(f.read())
-                    except FileNotFoundError:
-                        continue
-                    if found is not None:
-                        out.append(found)
-        return out
+        return self._workers.workers()
 
     def close(self) -> None:
         """Release every lease this instance still holds (for shutdown and tests)."""
         for held in list(self._mine):
             self._drop(held)
-        for owner in list(self._advertised):
-            self.retire(owner)
+        self._workers.retire_all()
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
-
-
-def _read_owner(path: str) -> dict[str, Any] | None:
-    """The claimant JSON stored in `path` (None: no file, empty, or not a JSON object)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        data = b""
-        while chunk := os.read(fd, 65536):
-            data += chunk
-    finally:
-        os.close(fd)
-    return _owner_of(data)
-
-
-def _owner_of(data: bytes) -> dict[str, Any] | None:
-    """The claimant JSON object in `data` (None: empty, or not a JSON object)."""
-    if not data.strip():
-        return None
-    try:
-        info = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    return info if isinstance(info, dict) else None
-
-
-def _entry(run_id: str, raw: Any) -> QueueEntry | None:
-    """A queue entry from its stored JSON, or None when it is not one."""
-    if not isinstance(raw, dict):
-        return None
-    at, priority, wait, created = raw.get("at"), raw.get("p", 0), raw.get("w") or [], raw.get("c", 0.0)
-    if (at is not None and not isinstance(at, int | float)) or not isinstance(priority, int) \
-            or not isinstance(wait, list) or not isinstance(created, int | float):
-        return None
-    return QueueEntry(run_id, None if at is None else float(at), priority,
-                      tuple(w for w in wait if isinstance(w, str)), float(created))
-
-
-def _is_run_id(name: str) -> bool:
-    """True if `name` is a valid run id (list_runs skips other files)."""
-    try:
-        validate_run_id(name)
-    except ValidationError:
-        return False
-    return True
 
 
 def _listdir(directory: Path) -> list[str]:

@@ -35,23 +35,9 @@ from .base import (
     last_line,
     parse_log,
     sync_each,
-    validate_at,
-    validate_header,
-    validate_identity,
-    validate_limit,
-    validate_lines,
-    validate_owner,
-    validate_priority,
-    validate_rewrite,
-    validate_run_id,
-    validate_signal,
-    validate_signal_id,
-    validate_ttl,
-    validate_wait,
-    validate_worker,
-    validate_workflows,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
+from .catalog import OPEN, RunFilter, header_fields, state_after
+from .front import StorageFront
 
 
 class _Run:
@@ -72,7 +58,7 @@ class _Run:
         self.fields = header_fields(decode_record(data))  # workflow, key, parent
 
 
-class MemoryStorage:
+class MemoryStorage(StorageFront):
     """Runs in a dict, guarded by one lock; nothing survives the process."""
 
     def __init__(self) -> None:
@@ -90,12 +76,9 @@ class MemoryStorage:
     def __repr__(self) -> str:
         return f"MemoryStorage({len(self._runs)} runs)"
 
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now)."""
-        validate_run_id(run_id)
-        validate_header(run_id, header)
-        at = validate_at(at)
-        validate_priority(priority)
         with self._lock:
             if run_id in self._runs:
                 raise ValidationError(f"run {run_id} already exists in memory", run_id=run_id)
@@ -103,9 +86,8 @@ class MemoryStorage:
             now = time.time()
             self._queue[run_id] = QueueEntry(run_id, now if at is None else at, priority, (), now)
 
-    def read(self, run_id: str) -> Log | None:
+    def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown)."""
-        validate_run_id(run_id)
         with self._lock:
             run = self._runs.get(run_id)
             if run is None:
@@ -114,13 +96,9 @@ class MemoryStorage:
         records, _, torn = parse_log(data, f"memory run {run_id}")
         return Log(records, torn, f"memory run {run_id}")
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Take the lease unless a live owner holds it; bumps the epoch and appends the claim record. An ended
         run (without `reopen`) is refused and taken out of the queue, under the same lock."""
-        validate_run_id(run_id)
-        validate_owner(owner)
-        validate_ttl(ttl)
         with self._lock:
             run = self._get(run_id)
             now = time.monotonic()
@@ -139,10 +117,9 @@ class MemoryStorage:
             self._touch(run, line)
             return Lease(run_id, owner, run.epoch, {"memory": self}, records, torn, f"memory run {run_id}")
 
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds, without a claim or a new epoch; a
         lapsed owner loses its lease. False while a live owner holds it."""
-        validate_run_id(run_id)
         with self._lock:
             run = self._get(run_id)
             if run.owner is not None and run.expires >= time.monotonic():
@@ -151,7 +128,6 @@ class MemoryStorage:
             records, good, _ = parse_log(bytes(run.data), where)
             line = choose(checked(records, where, check), where)
             if line is not None:
-                line = validate_lines(line)
                 del run.data[good:]
                 run.owner = None
                 self._touch(run, line)
@@ -180,9 +156,8 @@ class MemoryStorage:
         run.updated = time.time()
         run.order = next(self._order)
 
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease by `ttl` seconds from now; False when it was lost."""
-        validate_ttl(ttl)
         with self._lock:
             try:
                 run = self._current(lease)
@@ -200,17 +175,14 @@ class MemoryStorage:
                 return
             run.owner = None
 
-    def held(self, run_id: str) -> bool:
+    def _do_held(self, run_id: str) -> bool:
         """True while an owner holds an unexpired lease."""
-        validate_run_id(run_id)
         with self._lock:
             run = self._runs.get(run_id)
             return run is not None and run.owner is not None and run.expires >= time.monotonic()
 
-    def append(self, lease: Lease, data: bytes) -> None:
+    def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines; `LeaseLostError` if `lease` is no longer current."""
-        if type(data) is not bytes or not data.endswith(b"\n"):
-            validate_lines(data)
         with self._lock:
             self._touch(self._current(lease), data)
 
@@ -230,15 +202,13 @@ class MemoryStorage:
         """`sync_all`, `unschedule` and `release` of each lease (memory has nothing to group)."""
         return finish_each(self, leases)
 
-    def size(self, run_id: str) -> int:
+    def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
-        validate_run_id(run_id)
         with self._lock:
             return len(self._get(run_id).data)
 
-    def rewrite(self, lease: Lease, data: bytes) -> None:
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the whole log with `data` (counted as one fsync, as the file adapter's is); the lease stays current."""
-        data = validate_rewrite(lease.run_id, data)
         with self._lock:
             run = self._current(lease)
             run.data = bytearray(data)
@@ -248,38 +218,30 @@ class MemoryStorage:
             run.updated = time.time()
             run.order = next(self._order)
 
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
-        validate_identity(identity)
-        validate_run_id(run_id)
-        if expect is not None:
-            validate_run_id(expect)
         with self._lock:
             if self._index.get(identity) != expect:
                 return False
             self._index[identity] = run_id
             return True
 
-    def lookup(self, identity: str) -> str | None:
+    def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
-        validate_identity(identity)
         with self._lock:
             return self._index.get(identity)
 
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
         """The run each identity is bound to (None where none), in order, read under one hold of the lock."""
-        for identity in identities:
-            validate_identity(identity)
         with self._lock:
             return [self._index.get(identity) for identity in identities]
 
-    def create_bound(self, runs: list[NewRun]) -> str | None:
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create each run in order (memory has nothing to make durable)."""
         return bind_and_create(self, runs)
 
-    def info(self, run_id: str) -> RunInfo | None:
+    def _do_info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""
-        validate_run_id(run_id)
         with self._lock:
             run = self._runs.get(run_id)
             return None if run is None else self._info(run_id, run, time.monotonic())
@@ -299,9 +261,8 @@ class MemoryStorage:
         found.sort(key=lambda item: item[1].order, reverse=True)
         return found
 
-    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently updated first."""
-        limit, offset = validate_page(limit, offset)
         now = time.monotonic()
         with self._lock:
             found = self._matching(where)[offset: None if limit is None else offset + limit]
@@ -312,10 +273,9 @@ class MemoryStorage:
         with self._lock:
             return len(self._matching(where))
 
-    def delete(self, run_id: str) -> int | None:
+    def _do_delete(self, run_id: str) -> int | None:
         """Remove a run, its inbox, queue entry and identity bindings; the bytes freed, None (nothing removed)
         while an owner holds its lease, 0 for an unknown run."""
-        validate_run_id(run_id)
         with self._lock:
             run = self._runs.get(run_id)
             if run is None:
@@ -328,39 +288,28 @@ class MemoryStorage:
                 del self._index[identity]
             return len(run.data) + sum(len(line) for _, line in run.signals)
 
-    def send(self, run_id: str, data: bytes) -> None:
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal line in the run's inbox; `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
-        line, signal_id = validate_signal(data)
         with self._lock:
             self._get(run_id).signals.append((signal_id, line))
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
 
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
         with self._lock:
             lines = [line for _, line in self._get(run_id).signals]
         return [signal for signal in map(decode_signal, lines) if signal is not None]
 
-    def ack(self, run_id: str, signal_id: str) -> None:
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Drop every stored copy of signal `signal_id` (none stored: nothing happens)."""
-        validate_run_id(run_id)
-        validate_signal_id(signal_id)
         with self._lock:
             run = self._get(run_id)
             run.signals = [entry for entry in run.signals if entry[0] != signal_id]
 
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Set the run's queue entry."""
-        validate_run_id(run_id)
-        at = validate_at(at)
-        wait = validate_wait(wait)
-        if priority is not None:
-            validate_priority(priority)
         with self._lock:
             self._get(run_id)
             old = self._queue.get(run_id)
@@ -374,11 +323,8 @@ class MemoryStorage:
             if self._joined.get(child) == run_id:
                 del self._joined[child]
 
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """Park the run until the children still queued end; due now when none is."""
-        validate_run_id(run_id)
-        for child in children:
-            validate_run_id(child)
         with self._lock:
             self._get(run_id)
             old = self._queue.get(run_id)
@@ -393,9 +339,8 @@ class MemoryStorage:
                     self._joined[child] = run_id
             return not waiting
 
-    def unschedule(self, run_id: str) -> None:
+    def _do_unschedule(self, run_id: str) -> None:
         """Drop the run's queue entry; a parent whose last awaited child this was is due now."""
-        validate_run_id(run_id)
         with self._lock:
             self._unschedule(run_id)
 
@@ -414,9 +359,8 @@ class MemoryStorage:
                 if entry is not None and (entry.at is None or entry.at > now):
                     self._queue[parent] = QueueEntry(parent, now, entry.priority, entry.wait, entry.created)
 
-    def wake(self, run_id: str, name: str | None = None) -> bool:
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
-        validate_run_id(run_id)
         with self._lock:
             old = self._queue.get(run_id)
             now = time.time()
@@ -425,17 +369,14 @@ class MemoryStorage:
             self._queue[run_id] = QueueEntry(run_id, now, old.priority, old.wait, old.created)
             return True
 
-    def entry(self, run_id: str) -> QueueEntry | None:
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry, if queued."""
-        validate_run_id(run_id)
         with self._lock:
             return self._queue.get(run_id)
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
-        """Due, unheld runs (of `workflows`, when given) in queue order."""
-        validate_limit(limit)
-        names = validate_workflows(workflows)
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                names: frozenset[str] | None) -> list[str]:
+        """Due, unheld runs (of `names`, when given) in queue order."""
         now = time.time() if now is None else now
         clock = time.monotonic()
         with self._lock:
@@ -455,25 +396,19 @@ class MemoryStorage:
         """None: a memory store lives in one process, whose engine pokes its own worker."""
         return None
 
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs."""
-        validate_owner(owner)
-        validate_ttl(ttl)
-        return claim_candidates(self, self.due(2 * limit + 2, skip=skip, workflows=workflows), owner, ttl, limit,
-                                check)
+        return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
 
     # ---- workers --------------------------------------------------------------------------------
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Keep the worker's advertisement until `ttl` seconds from now."""
-        line = validate_worker(owner, info)
-        ttl = validate_ttl(ttl)
         with self._lock:
             self._workers[owner] = (line, time.monotonic() + ttl)
 
-    def retire(self, owner: str) -> None:
+    def _do_retire(self, owner: str) -> None:
         """Forget the worker's advertisement."""
-        validate_owner(owner)
         with self._lock:
             self._workers.pop(owner, None)
 

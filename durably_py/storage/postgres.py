@@ -39,6 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
+from ..records import is_end_line, may_change_state
 from .base import (
     Check,
     Choose,
@@ -57,25 +58,10 @@ from .base import (
     last_line,
     parse_log,
     sync_each,
-    validate_at,
-    validate_header,
-    validate_identity,
-    validate_limit,
-    validate_lines,
-    validate_name,
-    validate_new_runs,
-    validate_owner,
-    validate_priority,
-    validate_rewrite,
     validate_run_id,
-    validate_signal,
-    validate_signal_id,
-    validate_ttl,
-    validate_wait,
-    validate_worker,
-    validate_workflows,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
+from .catalog import OPEN, RunFilter, header_fields, state_after
+from .front import StorageFront
 
 if TYPE_CHECKING:
     import psycopg
@@ -137,7 +123,6 @@ CREATE TABLE IF NOT EXISTS {s}.workers (
 """
 
 
-_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
 _CATALOG = """
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS workflow TEXT;
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS key TEXT;
@@ -226,7 +211,7 @@ def _digest(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class PostgresStorage:
+class PostgresStorage(StorageFront):
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
     def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
@@ -304,7 +289,7 @@ class PostgresStorage:
         rows = conn.execute(f"SELECT run_id, last, extract(epoch FROM created)::float8,"
                             f" extract(epoch FROM updated)::float8 FROM {self._runs}").fetchall()
         for run_id, last, created, updated in rows:
-            if (decode_record(bytes(last)) or {}).get("t") != "end":
+            if not is_end_line(bytes(last)):
                 conn.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created) VALUES (%s, %s, 0, %s)"
                              " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
@@ -380,13 +365,11 @@ class PostgresStorage:
         return lease.state.get("postgres") is self
 
     # ---- runs and leases ----------------------------------------------------------------------
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         statement; `ValidationError` if the id exists."""
-        validate_run_id(run_id)
-        fields = header_fields(validate_header(run_id, header))
-        at = validate_at(at)
-        validate_priority(priority)
+        fields = header_fields(record)
         header = bytes(header)
         now = time.time()
         created = self._write(  # the CTEs run to completion whatever the SELECT reads; the notification at commit
@@ -402,9 +385,8 @@ class PostgresStorage:
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
 
-    def read(self, run_id: str) -> Log | None:
+    def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown), read in one statement."""
-        validate_run_id(run_id)
         rows = self._fetch(
             f"SELECT (SELECT string_agg(r.data, ''::bytea ORDER BY r.seq) FROM {self._records} r"
             f" WHERE r.run_id = runs.run_id) FROM {self._runs} runs WHERE runs.run_id = %s",
@@ -415,14 +397,11 @@ class PostgresStorage:
         records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id))
         return Log(records, torn, self._where(run_id))
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Take the lease if it is free, released or expired (database clock); bumps the epoch, appends the claim.
         The run's row lock is waited for at most `lock_wait` seconds (then `StorageBusyError` names its holder);
         an ended run (without `reopen`) is refused and taken out of the queue in the same transaction."""
-        validate_run_id(run_id)
-        validate_owner(owner)
-        ttl = min(validate_ttl(ttl), MAX_TTL)
+        ttl = min(ttl, MAX_TTL)
         with self._locking(run_id) as cur:
             cur.execute(
                 f"SELECT epoch, owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
@@ -511,11 +490,10 @@ class PostgresStorage:
             cur.execute(f"DELETE FROM {self._records} WHERE run_id = %s", (run_id,))
             cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (run_id, data[:good]))
 
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds (database clock) in one transaction
         with the run's row locked, without a claim or a new epoch; a lapsed owner loses its lease (owner
         cleared, which every fenced write checks). False while a live owner holds it."""
-        validate_run_id(run_id)
         with self._locking(run_id) as cur:
             cur.execute(
                 f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp(), state FROM {self._runs}"
@@ -532,7 +510,6 @@ class PostgresStorage:
             line = choose(records, self._where(run_id))
             if line is None:
                 return True
-            line = validate_lines(line)
             self._cut_torn(cur, run_id, data, good)
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
@@ -543,9 +520,9 @@ class PostgresStorage:
         self.fsyncs += 1
         return True
 
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now (database clock); False when it was lost."""
-        ttl = min(validate_ttl(ttl), MAX_TTL)
+        ttl = min(ttl, MAX_TTL)
         if not self._mine(lease):
             return False
         return self._write(
@@ -572,22 +549,19 @@ class PostgresStorage:
             "WHERE run_id = %s AND owner IS NOT NULL AND lease_expires >= clock_timestamp()", (run_id,))
         return (rows[0][0], time.time() + float(rows[0][1])) if rows else None
 
-    def held(self, run_id: str) -> bool:
+    def _do_held(self, run_id: str) -> bool:
         """True while an owner holds an unexpired lease (database clock)."""
-        validate_run_id(run_id)
         rows = self._fetch(
             f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs} WHERE run_id = %s",
             (run_id,),
         )
         return bool(rows and rows[0][0])
 
-    def append(self, lease: Lease, data: bytes) -> None:
+    def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines in one atomic statement, fenced by the lease's epoch and owner."""
-        if type(data) is not bytes or not data.endswith(b"\n"):
-            validate_lines(data)
         data = bytes(data)
         state = ""
-        if _MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data:  # an end, reopen or reset
+        if may_change_state(data):  # an end, reopen or reset
             rows = self._fetch(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
             state = state_after(rows[0][0] if rows else OPEN, data)
         if not self._mine(lease) or self._write(
@@ -631,17 +605,15 @@ class PostgresStorage:
             self._synced.pop((lease.run_id, lease.epoch), None)
         return errors
 
-    def size(self, run_id: str) -> int:
+    def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
-        validate_run_id(run_id)
         rows = self._fetch(f"SELECT size FROM {self._runs} WHERE run_id = %s", (run_id,))
         if not rows:
             raise self._missing(run_id)
         return int(rows[0][0])
 
-    def rewrite(self, lease: Lease, data: bytes) -> None:
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the whole log with `data` in one durable transaction; the lease stays current."""
-        data = validate_rewrite(lease.run_id, data)
         header = data[: data.index(b"\n") + 1]
         if not self._mine(lease):
             raise self._lost(lease)
@@ -659,12 +631,8 @@ class PostgresStorage:
         self._synced[(lease.run_id, lease.epoch)] = len(data)
 
     # ---- identities ---------------------------------------------------------------------------
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
-        validate_identity(identity)
-        validate_run_id(run_id)
-        if expect is not None:
-            validate_run_id(expect)
         if expect is None:
             return self._write(
                 f"INSERT INTO {self._identities} (digest, identity, run_id) VALUES (%s, %s, %s)"
@@ -676,29 +644,28 @@ class PostgresStorage:
             (run_id, _digest(identity), expect),
         ) == 1
 
-    def lookup(self, identity: str) -> str | None:
+    def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
-        validate_identity(identity)
         rows = self._fetch(f"SELECT run_id FROM {self._identities} WHERE digest = %s", (_digest(identity),))
         return rows[0][0] if rows else None
 
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
         """The run each identity is bound to (None where none), in order, in one query (``= ANY`` of their
         digests): one round trip for the whole batch, none for an empty one."""
-        digests = [_digest(validate_identity(identity)) for identity in identities]
+        digests = [_digest(identity) for identity in identities]
         if not digests:
             return []
         rows = self._fetch(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s)", (digests,))
         found = {digest: run_id for digest, run_id in rows}
         return [found.get(digest) for digest in digests]
 
-    def create_bound(self, runs: list[NewRun]) -> str | None:
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create the runs in one transaction: one durable commit and a handful of statements for the
         whole batch (each one row per run, from arrays), not a commit per bind and per create. The identities
         are locked first (``FOR UPDATE``), so the batch stops at the first one not bound as its run expects,
         as a bind would. A batch that names one identity twice, or that another process races (a binding or a
         run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
-        fields = [header_fields(header) for header in validate_new_runs(runs)]
+        fields = [header_fields(header) for header in headers]
         digests = [_digest(run.identity) for run in runs]
         if not runs:
             return None
@@ -764,16 +731,14 @@ class PostgresStorage:
         return lost
 
     # ---- listing ------------------------------------------------------------------------------
-    def info(self, run_id: str) -> RunInfo | None:
+    def _do_info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""
-        validate_run_id(run_id)
         found = self._infos("WHERE run_id = %s", (run_id,))
         return found[0] if found else None
 
-    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently updated first, from indexed columns."""
         clause, params = RunFilter.of(**where).where("%s", "to_timestamp({})")
-        limit, offset = validate_page(limit, offset)
         return self._infos((f"WHERE {clause} " if clause else "")
                            + "ORDER BY updated DESC, run_id DESC LIMIT %s OFFSET %s", (*params, limit, offset))
 
@@ -784,10 +749,9 @@ class PostgresStorage:
                            tuple(params))
         return int(rows[0][0])
 
-    def delete(self, run_id: str) -> int | None:
+    def _do_delete(self, run_id: str) -> int | None:
         """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
         freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
-        validate_run_id(run_id)
         with self._locking(run_id) as cur:
             cur.execute(f"SELECT owner IS NOT NULL AND lease_expires >= clock_timestamp() FROM {self._runs}"
                         " WHERE run_id = %s FOR UPDATE", (run_id,))
@@ -818,14 +782,9 @@ class PostgresStorage:
         return infos
 
     # ---- the queue ------------------------------------------------------------------------------
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Upsert the run's queue row."""
-        validate_run_id(run_id)
-        at = validate_at(at)
-        names = list(validate_wait(wait))
-        if priority is not None:
-            validate_priority(priority)
+        names = list(wait)
         if self._write(
             f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
             f" INSERT INTO {self._queue} (run_id, due, priority, created, wait)"
@@ -837,11 +796,8 @@ class PostgresStorage:
             raise self._missing(run_id)
         self._notify()
 
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
-        validate_run_id(run_id)
-        for child in children:
-            validate_run_id(child)
         now = time.time()
         with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
@@ -865,9 +821,8 @@ class PostgresStorage:
                 cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
         return not waiting
 
-    def unschedule(self, run_id: str) -> None:
+    def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
-        validate_run_id(run_id)
         with self._cursor(transaction=True) as cur:
             self._unschedule(cur, run_id)
 
@@ -887,11 +842,8 @@ class PostgresStorage:
                 if cur.rowcount:
                     cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
 
-    def wake(self, run_id: str, name: str | None = None) -> bool:
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
-        validate_run_id(run_id)
-        if name is not None:
-            validate_name(name)
         now = time.time()
         woke = self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
@@ -949,9 +901,8 @@ class PostgresStorage:
         threading.Thread(target=listen, name="durably-listen", daemon=True).start()
         return stopped.set
 
-    def entry(self, run_id: str) -> QueueEntry | None:
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
-        validate_run_id(run_id)
         rows = self._fetch(f"SELECT due, priority, wait, created FROM {self._queue} WHERE run_id = %s", (run_id,))
         if not rows:
             return None
@@ -964,24 +915,19 @@ class PostgresStorage:
             " AND (%s OR r.workflow = ANY(%s))"
             " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
-        """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
-        validate_limit(limit)
-        names = validate_workflows(workflows)
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                names: frozenset[str] | None) -> list[str]:
+        """Due, unheld runs (of `names`, when given) from the queue table's index."""
         now = time.time() if now is None else now
         rows = self._fetch(self._DUE.format(queue=self._queue, runs=self._runs),
                            (now, list(skip), names is None, sorted(names or ()), limit))
         return [row[0] for row in rows]
 
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
         claiming at once take different runs instead of queueing on the same rows."""
-        validate_owner(owner)
-        ttl = min(validate_ttl(ttl), MAX_TTL)
-        validate_limit(limit)
-        names = validate_workflows(workflows)
+        ttl = min(ttl, MAX_TTL)
         if limit == 0:
             return []
         leases = []
@@ -999,20 +945,18 @@ class PostgresStorage:
         return leases
 
     # ---- workers ------------------------------------------------------------------------------
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Upsert the worker's row, live until `ttl` seconds from now (database clock); rows of workers gone
         a minute are dropped."""
-        line = validate_worker(owner, info)
-        ttl = min(validate_ttl(ttl), MAX_TTL)
+        ttl = min(ttl, MAX_TTL)
         with self._cursor(transaction=True) as cur:
             cur.execute(f"INSERT INTO {self._workers} (owner, info, expires)"
                         " VALUES (%s, %s, clock_timestamp() + make_interval(secs => %s)) ON CONFLICT (owner)"
                         " DO UPDATE SET info = excluded.info, expires = excluded.expires", (owner, line, ttl))
             cur.execute(f"DELETE FROM {self._workers} WHERE expires < clock_timestamp() - interval '1 minute'")
 
-    def retire(self, owner: str) -> None:
+    def _do_retire(self, owner: str) -> None:
         """Delete the worker's row."""
-        validate_owner(owner)
         self._write(f"DELETE FROM {self._workers} WHERE owner = %s", (owner,))
 
     def workers(self) -> list[dict[str, Any]]:
@@ -1021,10 +965,8 @@ class PostgresStorage:
         return [found for row in rows if (found := decode_worker(bytes(row[0]))) is not None]
 
     # ---- signals ------------------------------------------------------------------------------
-    def send(self, run_id: str, data: bytes) -> None:
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
-        line, signal_id = validate_signal(data)
         if self._write(
             f"INSERT INTO {self._signals} (run_id, id, data)"
             f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
@@ -1036,9 +978,8 @@ class PostgresStorage:
         if isinstance(name, str) and name:
             self.wake(run_id, name)
 
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
         rows = self._fetch(
             f"SELECT s.data FROM {self._runs} runs LEFT JOIN {self._signals} s ON s.run_id = runs.run_id"
             " WHERE runs.run_id = %s ORDER BY s.seq",
@@ -1048,10 +989,8 @@ class PostgresStorage:
             raise self._missing(run_id)
         return [signal for row in rows if row[0] is not None and (signal := decode_signal(bytes(row[0])))]
 
-    def ack(self, run_id: str, signal_id: str) -> None:
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
-        validate_run_id(run_id)
-        validate_signal_id(signal_id)
         with self._cursor() as cur:
             cur.execute(
                 f"WITH acked AS (DELETE FROM {self._signals} WHERE run_id = %s AND id = %s)"

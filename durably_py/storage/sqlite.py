@@ -39,6 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
+from ..records import is_end_line, may_change_state
 from .base import (
     Check,
     Choose,
@@ -56,24 +57,10 @@ from .base import (
     last_line,
     parse_log,
     sync_each,
-    validate_at,
-    validate_header,
-    validate_identity,
-    validate_limit,
-    validate_lines,
-    validate_new_runs,
-    validate_owner,
-    validate_priority,
-    validate_rewrite,
     validate_run_id,
-    validate_signal,
-    validate_signal_id,
-    validate_ttl,
-    validate_wait,
-    validate_worker,
-    validate_workflows,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after, validate_page
+from .catalog import OPEN, RunFilter, header_fields, state_after
+from .front import StorageFront
 from .wakeup import LocalWakeups
 
 SCHEMA_VERSION = 6  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next; every statement below is idempotent, so older files just upgrade
@@ -132,7 +119,7 @@ _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
 
-class SqliteStorage:
+class SqliteStorage(StorageFront):
     """Runs as rows of one SQLite database file; the connection opens on first use."""
 
     def __init__(self, path: str | os.PathLike[str] = ".durably/durably.db", *, timeout: float = 30.0) -> None:
@@ -193,13 +180,11 @@ class SqliteStorage:
             break
         self.fsyncs += 1
 
-    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         transaction; `ValidationError` if the id exists."""
-        validate_run_id(run_id)
-        fields = header_fields(validate_header(run_id, header))
-        at = validate_at(at)
-        validate_priority(priority)
+        fields = header_fields(record)
         with self._lock, _transaction(self._db()) as db:
             self._insert_run(db, run_id, bytes(header), fields, at, priority)
         self.wakeups.notify()
@@ -225,9 +210,8 @@ class SqliteStorage:
         rows = db.execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
         return b"".join(row[0] for row in rows)
 
-    def read(self, run_id: str) -> Log | None:
+    def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown)."""
-        validate_run_id(run_id)
         with self._lock, _transaction(self._db(), "BEGIN") as db:
             if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
                 return None
@@ -239,13 +223,9 @@ class SqliteStorage:
         """How errors name a run's log."""
         return f"run {run_id} in {self.path}"
 
-    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
-              reopen: bool = False) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Take the lease if it is free, released or expired; bumps the epoch and appends the claim record. An
         ended run (without `reopen`) is refused and taken out of the queue, in the same transaction."""
-        validate_run_id(run_id)
-        validate_owner(owner)
-        validate_ttl(ttl)
         with self._lock, self._claiming(run_id) as db:
             return self._claim_in(db, run_id, owner, ttl, check, reopen)
 
@@ -299,10 +279,9 @@ class SqliteStorage:
         records, good, torn = parse_log(data, self._where(run_id))
         return data, checked(records, self._where(run_id), check), good, torn
 
-    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds in one transaction, without a claim or
         a new epoch; a lapsed owner loses its lease (owner cleared). False while a live owner holds it."""
-        validate_run_id(run_id)
         with self._lock:
             db = self._db()
             with self._claiming(run_id):
@@ -318,7 +297,6 @@ class SqliteStorage:
                 line = choose(records, self._where(run_id))
                 if line is None:
                     return True
-                line = validate_lines(line)
                 _cut_torn(db, run_id, data, good)
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
                 db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
@@ -328,9 +306,8 @@ class SqliteStorage:
                 tx.execute("UPDATE runs SET syncs = syncs + 1 WHERE run_id = ?", (run_id,))
         return True
 
-    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease to `ttl` seconds from now; False when it was lost."""
-        validate_ttl(ttl)
         if lease.state.get("sqlite") is not self:
             return False
         with self._lock, _transaction(self._db()) as db:
@@ -359,9 +336,8 @@ class SqliteStorage:
             return None
         return str(row[0]), float(row[1])
 
-    def held(self, run_id: str) -> bool:
+    def _do_held(self, run_id: str) -> bool:
         """True while an owner holds an unexpired lease."""
-        validate_run_id(run_id)
         with self._lock:
             row = self._db().execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         return row is not None and row[0] is not None and row[1] >= time.time()
@@ -374,12 +350,10 @@ class SqliteStorage:
         if cur.rowcount == 0:
             raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
 
-    def append(self, lease: Lease, data: bytes) -> None:
+    def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines in one committed transaction, fenced by the lease's epoch."""
-        if type(data) is not bytes or not data.endswith(b"\n"):
-            validate_lines(data)
         data = bytes(data)
-        if not (_MARKS[0] in data or _MARKS[1] in data or _MARKS[2] in data):
+        if not may_change_state(data):
             self._append_step(lease, data)
             return
         with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
@@ -456,18 +430,16 @@ class SqliteStorage:
             self.wakeups.notify()
         return errors
 
-    def size(self, run_id: str) -> int:
+    def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
-        validate_run_id(run_id)
         with self._lock:
             row = self._db().execute("SELECT size FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
         return row[0]
 
-    def rewrite(self, lease: Lease, data: bytes) -> None:
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the whole log with `data` in one durable transaction; the lease stays current."""
-        data = validate_rewrite(lease.run_id, data)
         header = data[: data.index(b"\n") + 1]
         with self._lock, _durable(self, self._db()) as db:
             self._fenced(
@@ -480,12 +452,8 @@ class SqliteStorage:
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
         self._synced[(lease.run_id, lease.epoch)] = len(data)
 
-    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
-        validate_identity(identity)
-        validate_run_id(run_id)
-        if expect is not None:
-            validate_run_id(expect)
         with self._lock, _transaction(self._db()) as db:
             row = db.execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
             if (row[0] if row else None) != expect:
@@ -493,18 +461,15 @@ class SqliteStorage:
             db.execute("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)", (identity, run_id))
             return True
 
-    def lookup(self, identity: str) -> str | None:
+    def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
-        validate_identity(identity)
         with self._lock:
             row = self._db().execute("SELECT run_id FROM identities WHERE identity = ?", (identity,)).fetchone()
         return None if row is None else row[0]
 
-    def lookup_many(self, identities: list[str]) -> list[str | None]:
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
         """The run each identity is bound to (None where none), in order: one SELECT per `_LOOKUP_CHUNK`
         identities (a statement binds a bounded number of variables)."""
-        for identity in identities:
-            validate_identity(identity)
         found: dict[str, str] = {}
         with self._lock:
             for start in range(0, len(identities), _LOOKUP_CHUNK):
@@ -514,11 +479,11 @@ class SqliteStorage:
                     f"SELECT identity, run_id FROM identities WHERE identity IN ({marks})", chunk).fetchall())
         return [found.get(identity) for identity in identities]
 
-    def create_bound(self, runs: list[NewRun]) -> str | None:
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create each run in order in one transaction, committed durably (one fsync for the batch);
         at an identity bound to another run, the runs before it are committed and that identity returned.
         The identities are looked up `_LOOKUP_CHUNK` at a time and each table written by one `executemany`."""
-        fields = [header_fields(header) for header in validate_new_runs(runs)]
+        fields = [header_fields(header) for header in headers]
         lost = None
         with self._lock, _durable(self, self._db()) as db:
             names = list(dict.fromkeys(run.identity for run in runs))
@@ -559,17 +524,15 @@ class SqliteStorage:
             self.wakeups.notify()
         return lost
 
-    def info(self, run_id: str) -> RunInfo | None:
+    def _do_info(self, run_id: str) -> RunInfo | None:
         """One run's header, last record and held flag (None if unknown)."""
-        validate_run_id(run_id)
         found = self._infos("WHERE run_id = ?", (run_id,))
         return found[0] if found else None
 
-    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
         """Runs matching the filter (`catalog.RunFilter`), most recently updated first, from the runs table's
         indexed columns."""
         clause, params = RunFilter.of(**where).where()
-        limit, offset = validate_page(limit, offset)
         return self._infos((f"WHERE {clause} " if clause else "") + "ORDER BY updated DESC, run_id DESC LIMIT ? OFFSET ?",
                            (*params, -1 if limit is None else limit, offset))
 
@@ -581,10 +544,9 @@ class SqliteStorage:
                                      params).fetchone()
         return int(row[0])
 
-    def delete(self, run_id: str) -> int | None:
+    def _do_delete(self, run_id: str) -> int | None:
         """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
         freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
-        validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
             row = db.execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
@@ -604,10 +566,8 @@ class SqliteStorage:
         if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
 
-    def send(self, run_id: str, data: bytes) -> None:
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Insert one signal line in a durable transaction (no lease needed); `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
-        line, signal_id = validate_signal(data)
         with self._lock, _durable(self, self._db()) as db:
             self._require(db, run_id)
             db.execute("INSERT INTO signals (run_id, id, data) VALUES (?, ?, ?)", (run_id, signal_id, line))
@@ -616,9 +576,8 @@ class SqliteStorage:
         if woke:
             self.wakeups.notify()
 
-    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
-        validate_run_id(run_id)
         with self._lock:  # one statement: the run's existence and its signals in one snapshot
             rows = self._db().execute("SELECT s.data FROM runs r LEFT JOIN signals s ON s.run_id = r.run_id"
                                       " WHERE r.run_id = ? ORDER BY s.seq", (run_id,)).fetchall()
@@ -626,23 +585,16 @@ class SqliteStorage:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
         return [signal for signal in (decode_signal(row[0]) for row in rows if row[0] is not None) if signal]
 
-    def ack(self, run_id: str, signal_id: str) -> None:
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
-        validate_run_id(run_id)
-        validate_signal_id(signal_id)
         with self._lock, _transaction(self._db()) as db:
             self._require(db, run_id)
             db.execute("DELETE FROM signals WHERE run_id = ? AND id = ?", (run_id, signal_id))
 
     # ---- the queue ------------------------------------------------------------------------------
-    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
-                 priority: int | None = None) -> None:
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Upsert the run's queue row."""
-        validate_run_id(run_id)
-        at = validate_at(at)
-        names = json.dumps(list(validate_wait(wait)))
-        if priority is not None:
-            validate_priority(priority)
+        names = json.dumps(list(wait))
         with self._lock, _transaction(self._db()) as db:
             self._require(db, run_id)
             cur = db.execute("UPDATE queue SET due = ?, wait = ?, priority = coalesce(?, priority) WHERE run_id = ?",
@@ -653,11 +605,8 @@ class SqliteStorage:
             db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
         self.wakeups.notify()
 
-    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
-        validate_run_id(run_id)
-        for child in children:
-            validate_run_id(child)
         with self._lock, _transaction(self._db()) as db:
             self._require(db, run_id)
             db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
@@ -673,9 +622,8 @@ class SqliteStorage:
             self.wakeups.notify()
         return not waiting
 
-    def unschedule(self, run_id: str) -> None:
+    def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
-        validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
             woke = _unschedule(db, run_id)
         if woke:
@@ -690,28 +638,24 @@ class SqliteStorage:
         db.execute("UPDATE queue SET due = ? WHERE run_id = ?", (now, run_id))
         return True
 
-    def wake(self, run_id: str, name: str | None = None) -> bool:
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
-        validate_run_id(run_id)
         with self._lock, _transaction(self._db()) as db:
             woke = self._wake(db, run_id, name)
         if woke:
             self.wakeups.notify()
         return woke
 
-    def entry(self, run_id: str) -> QueueEntry | None:
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
-        validate_run_id(run_id)
         with self._lock:
             row = self._db().execute("SELECT due, priority, wait, created FROM queue WHERE run_id = ?",
                                      (run_id,)).fetchone()
         return None if row is None else QueueEntry(run_id, row[0], row[1], tuple(json.loads(row[2])), row[3])
 
-    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
-        """Due, unheld runs (of `workflows`, when given) from the queue table's index."""
-        validate_limit(limit)
-        names = validate_workflows(workflows)
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                names: frozenset[str] | None) -> list[str]:
+        """Due, unheld runs (of `names`, when given) from the queue table's index."""
         with self._lock:
             return _due(self._db(), time.time() if now is None else now, limit, skip, names)
 
@@ -726,14 +670,10 @@ class SqliteStorage:
         """Local wake-ups (`wakeup.LocalWakeups`) among the processes sharing this database file."""
         return None if self.path == ":memory:" else self.wakeups.watch(callback)
 
-    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs in one write transaction (the due query and every claim in it; a
         damaged log is passed over before anything of its claim is written)."""
-        validate_owner(owner)
-        validate_ttl(ttl)
-        validate_limit(limit)
-        names = validate_workflows(workflows)
         leases: list[Lease] = []
         if limit == 0:
             return leases
@@ -750,18 +690,15 @@ class SqliteStorage:
         return leases
 
     # ---- workers --------------------------------------------------------------------------------
-    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
         """Upsert the worker's row, live until `ttl` seconds from now; rows of workers gone a minute are dropped."""
-        line = validate_worker(owner, info)
-        ttl = validate_ttl(ttl)
         now = time.time()
         with self._lock, _transaction(self._db()) as db:
             db.execute("INSERT OR REPLACE INTO workers (owner, info, expires) VALUES (?, ?, ?)", (owner, line, now + ttl))
             db.execute("DELETE FROM workers WHERE expires < ?", (now - 60,))
 
-    def retire(self, owner: str) -> None:
+    def _do_retire(self, owner: str) -> None:
         """Delete the worker's row."""
-        validate_owner(owner)
         with self._lock, _transaction(self._db()) as db:
             db.execute("DELETE FROM workers WHERE owner = ?", (owner,))
 
@@ -789,7 +726,6 @@ class SqliteStorage:
         return infos
 
 
-_MARKS = (b'{"t":"end"', b'{"t":"reopen"', b'{"t":"reset"')
 _CATALOG_COLUMNS = {"workflow": "TEXT", "key": "TEXT", "parent": "TEXT", "state": "TEXT NOT NULL DEFAULT 'open'"}
 _CATALOG_INDEXES = """
 CREATE INDEX IF NOT EXISTS runs_by_updated ON runs (updated DESC, run_id DESC);
@@ -855,7 +791,7 @@ def _queue_unended(db: sqlite3.Connection) -> None:
     """A database from before the queue: every run that has not ended enters it, due now, so a worker takes
     its interrupted, sleeping and waiting runs over."""
     for run_id, last, created, updated in db.execute("SELECT run_id, last, created, updated FROM runs").fetchall():
-        if (decode_record(last) or {}).get("t") != "end":
+        if not is_end_line(last):
             db.execute("INSERT OR IGNORE INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                        (run_id, updated, created))
 

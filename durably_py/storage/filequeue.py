@@ -1,0 +1,342 @@
+"""The file adapter's queue: one entry file per run that has not ended (``queue/<run_id>.json``), and the join
+files of runs parked until their children end (``joins/<run_id>/<child>``); the layout is described in
+`file.py`. `FileStorage` owns one `FileQueue` and keeps the catalog and the logs itself."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .base import QueueEntry, RunInfo, decode_record, due_order, is_run_id
+from .wakeup import LocalWakeups
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+_MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
+_ENTRY = msgspec.json.Decoder()
+_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileQueue.due`
+
+
+class FileQueue:
+    """Queue entries and join files of one state directory, changed under one flock among processes."""
+
+    def __init__(self, dir: Path, *, write_tmp: Callable[..., str], held: Callable[[str], bool],
+                 info: Callable[[str], RunInfo | None], wakeups: LocalWakeups) -> None:
+        self.dir = dir / "queue"
+        self.joins_dir = dir / "joins"
+        self.runs_dir = dir / "runs"
+        self._path = str(self.dir)
+        self._joins_path = str(self.joins_dir)
+        self._runs_path = str(self.runs_dir)
+        self._write_tmp = write_tmp  # (directory, stem, data, *, durable) -> the temp file's path
+        self._held = held  # run id -> True while a live process holds the run
+        self._info = info  # run id -> its `RunInfo` (for queueing a state dir from before the queue)
+        self.wakeups = wakeups
+        self._ready_dir = False
+        self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
+        self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
+        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
+
+    # ---- entries --------------------------------------------------------------------------------
+    def _entry_path(self, run_id: str) -> Path:
+        return self.dir / f"{run_id}.json"
+
+    def queued(self, run_id: str) -> bool:
+        """True when the run has a queue entry."""
+        return os.path.exists(os.path.join(self._path, f"{run_id}.json"))
+
+    def _ensure(self) -> None:
+        """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
+        that has not ended, so a worker takes its interrupted, sleeping and waiting runs over."""
+        if self._ready_dir:
+            return
+        try:
+            self.dir.mkdir(parents=True)
+        except FileExistsError:
+            self._ready_dir = True
+            return
+        try:
+            names = os.listdir(self.runs_dir)
+        except FileNotFoundError:
+            names = []
+        with self._flock():
+            for name in names:
+                run_id = name[:-6]
+                if not name.endswith(".jsonl") or name.startswith(".") or not is_run_id(run_id):
+                    continue
+                info = self._info(run_id)
+                if info is not None and info.last.get("t") != "end" and self.read(run_id) is None:
+                    self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
+        self._ready_dir = True
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Serialise changes to queue entries among threads and processes (a blocking flock)."""
+        self._ensure()
+        with self._flock():
+            yield
+
+    @contextmanager
+    def _flock(self) -> Iterator[None]:
+        path = str(self.dir / ".lock")
+        if fcntl is None:  # pragma: no cover - Windows
+            import filelock
+
+            with filelock.FileLock(path, thread_local=False, is_singleton=False):
+                yield
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def write(self, entry: QueueEntry) -> None:
+        """Atomically replace a run's queue entry (call with the queue lock held)."""
+        data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
+        tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
+        try:
+            os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def read(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry (None: not queued, or not a readable entry)."""
+        try:
+            fd = os.open(os.path.join(self._path, f"{run_id}.json"), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            raw = _ENTRY.decode(os.read(fd, 65536))
+        except msgspec.DecodeError:
+            return None
+        finally:
+            os.close(fd)
+        return _entry(run_id, raw)
+
+    def add(self, entry: QueueEntry) -> bool:
+        """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
+        log already (the log's creation then fails loudly)."""
+        run_id = entry.run_id
+        if self.queued(run_id) or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
+            return False
+        self.write(entry)
+        return True
+
+    def discard(self, run_id: str) -> None:
+        """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run)."""
+        _unlink(os.path.join(self._path, f"{run_id}.json"))
+
+    # ---- moving runs ----------------------------------------------------------------------------
+    def schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
+        """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals;
+        `priority` None keeps the entry's. What it waited for in a join is dropped."""
+        with self.lock():
+            old = self.read(run_id)
+            keep = old.priority if old is not None else 0
+            created = old.created if old is not None else time.time()
+            self.write(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
+            self._drop_joins(run_id)
+
+    def _drop_joins(self, run_id: str) -> None:
+        """Forget the children a run waited for in a join (call with the queue lock held)."""
+        folder = self.joins_dir / run_id
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return
+        for name in names:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """One file per child still queued under joins/<run_id>/, then the run's entry due only when woken (or
+        now, when no child is queued); all under the queue flock."""
+        with self.lock():
+            self._drop_joins(run_id)
+            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
+            if queued:
+                folder = self.joins_dir / run_id
+                folder.mkdir(parents=True, exist_ok=True)
+                for child in queued:
+                    (folder / child).touch()
+            old = self.read(run_id)
+            now = time.time()
+            self.write(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
+                                  old.created if old else now))
+        if not queued:
+            self.wakeups.notify()
+        return not queued
+
+    def unschedule(self, run_id: str) -> None:
+        """Take the run out of the queue (a no-op when it has neither an entry nor a join: a child its parent
+        ran in place is waited for in no join)."""
+        if self.queued(run_id) or os.path.exists(os.path.join(self._joins_path, run_id)):
+            self.unschedule_all([run_id])
+
+    def unschedule_all(self, run_ids: list[str]) -> None:
+        """Take the runs out of the queue under one hold of the queue lock: each run's file in its parent's
+        join goes first (the last one makes the parent due), then its own joins and its entry."""
+        parents = [self._parent_of(run_id) for run_id in run_ids]
+        with self.lock():
+            for run_id, parent in zip(run_ids, parents, strict=True):
+                self._unqueue(run_id, parent)
+
+    def _parent_of(self, run_id: str) -> str | None:
+        """The parent run a run's header names (None: none, or no log)."""
+        try:
+            with open(os.path.join(self._runs_path, f"{run_id}.jsonl"), "rb") as f:
+                parent = (decode_record(f.readline()) or {}).get("parent")
+        except FileNotFoundError:
+            return None
+        return parent if isinstance(parent, str) and is_run_id(parent) else None
+
+    def _unqueue(self, run_id: str, parent: str | None) -> None:
+        """`unschedule` of one run with the queue lock held: its file in its parent's join goes first (the last
+        one makes the parent due), then its own joins and its entry."""
+        if parent is not None:
+            folder = self.joins_dir / parent
+            (folder / run_id).unlink(missing_ok=True)
+            try:
+                last = not any(True for _ in os.scandir(folder))
+            except FileNotFoundError:
+                last = False
+            if last:  # also when a crash came between the last file's removal and the parent's wake-up
+                old = self.read(parent)
+                now = time.time()
+                if old is not None and (old.at is None or old.at > now):
+                    self.write(QueueEntry(parent, now, old.priority, old.wait, old.created))
+                    self.wakeups.notify()
+                folder.rmdir()
+        self._drop_joins(run_id)
+        self._entry_path(run_id).unlink(missing_ok=True)
+
+    def wake(self, run_id: str, name: str | None) -> bool:
+        """Make the run due now if its entry waits for `name` (None: unconditionally)."""
+        if not self.queued(run_id):
+            return False  # not queued (an entry written after this look is as if written after the wake)
+        with self.lock():
+            old = self.read(run_id)
+            if old is None or (name is not None and name not in old.wait):
+                return False
+            now = time.time()
+            if old.at is not None and old.at <= now:
+                return False
+            self.write(QueueEntry(run_id, now, old.priority, old.wait, old.created))
+        self.wakeups.notify()
+        return True
+
+    # ---- finding due runs -----------------------------------------------------------------------
+    def entries(self) -> list[QueueEntry]:
+        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
+        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
+        the file system's timestamp granularity), so an idle worker's looks read no entry."""
+        if not self._ready_dir and self.runs_dir.exists():
+            self._ensure()
+        try:
+            mtime = os.stat(self._path).st_mtime_ns
+        except FileNotFoundError:
+            return []
+        if self._listed is not None and self._listed[0] == mtime:
+            return self._listed[1]
+        names = os.listdir(self._path)
+        out = []
+        for name in names:
+            if name.endswith(".json") and not name.startswith(".") and is_run_id(name[:-5]):
+                found = self.read(name[:-5])
+                if found is not None:
+                    out.append(found)
+        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
+        self._listed = (mtime, out) if settled else None
+        return out
+
+    def due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None) -> list[str]:
+        """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
+        `names`, whose header names one of them: read once per run, headers never change)."""
+        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
+        now = time.time() if now is None else now
+        out: list[str] = []
+        for entry in ready:
+            if len(out) >= limit:
+                break
+            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
+                continue
+            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
+                fresh = self.read(entry.run_id)
+                if fresh is None or fresh.at is None or fresh.at > now:
+                    continue
+            if not self._held(entry.run_id) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
+                out.append(entry.run_id)
+        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
+            self._ready_list = None
+            return self.due(limit, None, skip, names)
+        return out
+
+    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
+        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
+        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
+        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
+        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
+        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
+        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
+        present = set(os.listdir(self._path)) if os.path.isdir(self._path) else set()
+        kept = self._ready_list
+        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
+            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
+        ready = self._sorted_due(now)
+        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
+        return ready, False
+
+    def _sorted_due(self, now: float) -> list[QueueEntry]:
+        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
+
+    def _workflow_of(self, run_id: str) -> str | None:
+        """The workflow a run's header names (None: no log, or no header yet)."""
+        if run_id in self._workflows:
+            return self._workflows[run_id]
+        try:
+            with open(os.path.join(self._runs_path, f"{run_id}.jsonl"), "rb") as f:
+                name = (decode_record(f.readline()) or {}).get("workflow")
+        except FileNotFoundError:
+            return None
+        if not isinstance(name, str):
+            return None
+        if len(self._workflows) >= 100_000:
+            self._workflows.clear()
+        self._workflows[run_id] = name
+        return name
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
+        now = time.time() if now is None else now
+        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+
+
+def _entry(run_id: str, raw: Any) -> QueueEntry | None:
+    """A queue entry from its stored JSON, or None when it is not one."""
+    if not isinstance(raw, dict):
+        return None
+    at, priority, wait, created = raw.get("at"), raw.get("p", 0), raw.get("w") or [], raw.get("c", 0.0)
+    if (at is not None and not isinstance(at, int | float)) or not isinstance(priority, int) \
+            or not isinstance(wait, list) or not isinstance(created, int | float):
+        return None
+    return QueueEntry(run_id, None if at is None else float(at), priority,
+                      tuple(w for w in wait if isinstance(w, str)), float(created))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

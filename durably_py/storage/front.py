@@ -1,0 +1,296 @@
+"""The front every adapter shares: each public `Storage` method that takes arguments checks them here, once,
+then calls the adapter's `_do_<method>` with them checked (and converted: a ttl as float, a wait as a tuple,
+a signal as its line and id), so adapters hold no argument checks of their own and every adapter refuses
+bad input with the same `ValidationError`.
+
+Methods whose arguments need no check (`release`, `sync`, `sync_all`, `finish_all`, `count_runs`,
+`next_due`, `watch`, `workers`) are the adapters' own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    Check,
+    Choose,
+    Lease,
+    Log,
+    NewRun,
+    QueueEntry,
+    RunInfo,
+    validate_at,
+    validate_header,
+    validate_identity,
+    validate_limit,
+    validate_lines,
+    validate_name,
+    validate_new_runs,
+    validate_owner,
+    validate_priority,
+    validate_rewrite,
+    validate_run_id,
+    validate_signal,
+    validate_signal_id,
+    validate_ttl,
+    validate_wait,
+    validate_worker,
+    validate_workflows,
+)
+from .catalog import validate_page
+
+__all__ = ["StorageFront"]
+
+
+def _checked_choose(choose: Choose) -> Choose:
+    """`choose` whose lines are checked before an `amend` appends them."""
+
+    def lines(records: list[Any], where: str) -> bytes | None:
+        line = choose(records, where)
+        return None if line is None else validate_lines(line)
+
+    return lines
+
+
+class StorageFront:
+    """The checked public methods of an adapter; a subclass implements each `_do_<method>`."""
+
+    # ---- RunLogs -----------------------------------------------------------------------------------------
+    def create(self, run_id: str, header: bytes, *, at: float | None = None, priority: int = 0) -> None:
+        """Create a run (`RunLogs.create`)."""
+        validate_run_id(run_id)
+        record = validate_header(run_id, header)
+        self._do_create(run_id, header, record, validate_at(at), validate_priority(priority))
+
+    def read(self, run_id: str) -> Log | None:
+        """All records of a run (`RunLogs.read`)."""
+        return self._do_read(validate_run_id(run_id))
+
+    def claim(self, run_id: str, owner: str, ttl: float, *, check: Check | None = None,
+              reopen: bool = False) -> Lease | None:
+        """Take the run's lease (`RunLogs.claim`)."""
+        validate_run_id(run_id)
+        validate_owner(owner)
+        return self._do_claim(run_id, owner, validate_ttl(ttl), check, reopen)
+
+    def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
+        """Append what `choose` returns to an unheld run (`RunLogs.amend`); its lines are checked too."""
+        return self._do_amend(validate_run_id(run_id), _checked_choose(choose), check)
+
+    def heartbeat(self, lease: Lease, ttl: float) -> bool:
+        """Extend the lease (`RunLogs.heartbeat`)."""
+        return self._do_heartbeat(lease, validate_ttl(ttl))
+
+    def held(self, run_id: str) -> bool:
+        """True while a live owner holds the run (`RunLogs.held`)."""
+        return self._do_held(validate_run_id(run_id))
+
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete record lines (`RunLogs.append`)."""
+        if type(data) is not bytes or not data.endswith(b"\n"):  # once per step: the common case checks inline
+            data = validate_lines(data)
+        self._do_append(lease, data)
+
+    def size(self, run_id: str) -> int:
+        """Bytes of the run's log (`RunLogs.size`)."""
+        return self._do_size(validate_run_id(run_id))
+
+    def rewrite(self, lease: Lease, data: bytes) -> None:
+        """Replace the whole log (`RunLogs.rewrite`)."""
+        self._do_rewrite(lease, validate_rewrite(lease.run_id, data))
+
+    # ---- Identities --------------------------------------------------------------------------------------
+    def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
+        """Point an identity at a run if it still points at `expect` (`Identities.bind`)."""
+        validate_identity(identity)
+        validate_run_id(run_id)
+        if expect is not None:
+            validate_run_id(expect)
+        return self._do_bind(identity, run_id, expect)
+
+    def lookup(self, identity: str) -> str | None:
+        """The run an identity points at (`Identities.lookup`)."""
+        return self._do_lookup(validate_identity(identity))
+
+    def lookup_many(self, identities: list[str]) -> list[str | None]:
+        """The run each identity points at (`Identities.lookup_many`)."""
+        for identity in identities:
+            validate_identity(identity)
+        return self._do_lookup_many(identities)
+
+    def create_bound(self, runs: list[NewRun]) -> str | None:
+        """Bind and create a batch of runs (`Identities.create_bound`), every run checked before the first."""
+        return self._do_create_bound(runs, validate_new_runs(runs))
+
+    # ---- Catalog -----------------------------------------------------------------------------------------
+    def info(self, run_id: str) -> RunInfo | None:
+        """One run's summary (`Catalog.info`)."""
+        return self._do_info(validate_run_id(run_id))
+
+    def list_runs(self, *, limit: int | None = None, offset: int = 0, **where: Any) -> list[RunInfo]:
+        """Runs matching the filter (`Catalog.list_runs`)."""
+        limit, offset = validate_page(limit, offset)
+        return self._do_list_runs(limit, offset, where)
+
+    def delete(self, run_id: str) -> int | None:
+        """Remove a run for good (`Catalog.delete`)."""
+        return self._do_delete(validate_run_id(run_id))
+
+    # ---- Inbox -------------------------------------------------------------------------------------------
+    def send(self, run_id: str, data: bytes) -> None:
+        """Store one signal line for the run (`Inbox.send`)."""
+        validate_run_id(run_id)
+        line, signal_id = validate_signal(data)
+        self._do_send(run_id, line, signal_id)
+
+    def inbox(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's unacknowledged signals (`Inbox.inbox`)."""
+        return self._do_inbox(validate_run_id(run_id))
+
+    def ack(self, run_id: str, signal_id: str) -> None:
+        """Remove a stored signal (`Inbox.ack`)."""
+        validate_run_id(run_id)
+        self._do_ack(run_id, validate_signal_id(signal_id))
+
+    # ---- DueQueue ----------------------------------------------------------------------------------------
+    def schedule(self, run_id: str, at: float | None, *, wait: tuple[str, ...] = (),
+                 priority: int | None = None) -> None:
+        """Put the run in the queue or move it (`DueQueue.schedule`)."""
+        validate_run_id(run_id)
+        at = validate_at(at)
+        wait = validate_wait(wait)
+        self._do_schedule(run_id, at, wait, None if priority is None else validate_priority(priority))
+
+    def join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        """Park a run until its children end (`DueQueue.join_wait`)."""
+        validate_run_id(run_id)
+        for child in children:
+            validate_run_id(child)
+        return self._do_join_wait(run_id, children)
+
+    def unschedule(self, run_id: str) -> None:
+        """Take the run out of the queue (`DueQueue.unschedule`)."""
+        self._do_unschedule(validate_run_id(run_id))
+
+    def wake(self, run_id: str, name: str | None = None) -> bool:
+        """Make a queued run due now if it waits for `name` (`DueQueue.wake`)."""
+        validate_run_id(run_id)
+        if name is not None:
+            validate_name(name)
+        return self._do_wake(run_id, name)
+
+    def entry(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry (`DueQueue.entry`)."""
+        return self._do_entry(validate_run_id(run_id))
+
+    def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
+            workflows: frozenset[str] | None = None) -> list[str]:
+        """Ids of due, unheld runs (`DueQueue.due`)."""
+        validate_limit(limit)
+        return self._do_due(limit, now, skip, validate_workflows(workflows))
+
+    def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
+                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+        """Claim up to `limit` due runs (`DueQueue.claim_due`)."""
+        validate_owner(owner)
+        ttl = validate_ttl(ttl)
+        validate_limit(limit)
+        return self._do_claim_due(owner, ttl, limit, skip, check, validate_workflows(workflows))
+
+    # ---- Fleet -------------------------------------------------------------------------------------------
+    def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
+        """Record that worker `owner` is live (`Fleet.advertise`)."""
+        line = validate_worker(owner, info)
+        self._do_advertise(owner, line, validate_ttl(ttl))
+
+    def retire(self, owner: str) -> None:
+        """Remove worker `owner`'s advertisement (`Fleet.retire`)."""
+        self._do_retire(validate_owner(owner))
+
+    # ---- what each adapter implements, its arguments checked ---------------------------------------------
+    def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
+                   priority: int) -> None:
+        raise NotImplementedError
+
+    def _do_read(self, run_id: str) -> Log | None:
+        raise NotImplementedError
+
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
+        raise NotImplementedError
+
+    def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
+        raise NotImplementedError
+
+    def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
+        raise NotImplementedError
+
+    def _do_held(self, run_id: str) -> bool:
+        raise NotImplementedError
+
+    def _do_append(self, lease: Lease, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _do_size(self, run_id: str) -> int:
+        raise NotImplementedError
+
+    def _do_rewrite(self, lease: Lease, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
+        raise NotImplementedError
+
+    def _do_lookup(self, identity: str) -> str | None:
+        raise NotImplementedError
+
+    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
+        raise NotImplementedError
+
+    def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
+        raise NotImplementedError
+
+    def _do_info(self, run_id: str) -> RunInfo | None:
+        raise NotImplementedError
+
+    def _do_list_runs(self, limit: int | None, offset: int, where: dict[str, Any]) -> list[RunInfo]:
+        raise NotImplementedError
+
+    def _do_delete(self, run_id: str) -> int | None:
+        raise NotImplementedError
+
+    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
+        raise NotImplementedError
+
+    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _do_ack(self, run_id: str, signal_id: str) -> None:
+        raise NotImplementedError
+
+    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
+        raise NotImplementedError
+
+    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
+        raise NotImplementedError
+
+    def _do_unschedule(self, run_id: str) -> None:
+        raise NotImplementedError
+
+    def _do_wake(self, run_id: str, name: str | None) -> bool:
+        raise NotImplementedError
+
+    def _do_entry(self, run_id: str) -> QueueEntry | None:
+        raise NotImplementedError
+
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
+                workflows: frozenset[str] | None) -> list[str]:
+        raise NotImplementedError
+
+    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
+                      workflows: frozenset[str] | None) -> list[Lease]:
+        raise NotImplementedError
+
+    def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
+        raise NotImplementedError
+
+    def _do_retire(self, owner: str) -> None:
+        raise NotImplementedError
