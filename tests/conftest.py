@@ -11,6 +11,26 @@ from typing import Any
 import pytest
 from helpers import PgServer, log_files
 
+# -- pytest-xdist: a worker sees the environment a plain `pytest` run has ----------------------------------------------
+# A worker process has COLUMNS=80 and LINES=24 in its environment where the run that started it had none; the CLI
+# then wraps its output at 80 columns as it does for a terminal of that size, where a plain run (output not a
+# terminal, no COLUMNS) does not wrap. The controller hands its own values down and each worker restores them.
+
+TERMINAL_SIZE = ("COLUMNS", "LINES")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["terminal_size"] = {name: os.environ.get(name) for name in TERMINAL_SIZE}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, value in getattr(config, "workerinput", {}).get("terminal_size", {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:

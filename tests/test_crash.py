@@ -44,6 +44,11 @@ def check_chaos(box: Sandbox, report: Any, labels: list[str], result: Any, per_k
     assert [c["epoch"] for c in claims] == list(range(1, len(claims) + 1))
 
 
+def seeds(count: int, default: int) -> list[Any]:
+    """Seeds 0..count-1: the first `default` in the default suite, the rest under `-m slow`."""
+    return [pytest.param(seed, marks=[pytest.mark.slow] if seed >= default else []) for seed in range(count)]
+
+
 def seq_labels() -> list[str]:
     return [f"s{i}" for i in range(SEQ["n"])]
 
@@ -53,14 +58,14 @@ def fan_labels() -> list[str]:
             + [f"b{b}.{j}" for b in range(FAN["width"]) for j in range(FAN["depth"])])
 
 
-@pytest.mark.parametrize("seed", range(15))
+@pytest.mark.parametrize("seed", seeds(15, default=5))
 def test_random_kills_sequential(tmp_path: Path, seed: int) -> None:
     with sandbox(tmp_path) as box:
         report = chaos(box, "sequential", SEQ, SEQ["n"], seed, max_kills=3)
         check_chaos(box, report, seq_labels(), SEQ_RESULT, per_kill=1)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", seeds(8, default=3))
 def test_random_kills_parallel(tmp_path: Path, seed: int) -> None:
     with sandbox(tmp_path) as box:
         report = chaos(box, "fanout", FAN, FAN_STEPS, 1000 + seed, max_kills=3)

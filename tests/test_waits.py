@@ -50,7 +50,7 @@ JOB = textwrap.dedent('''
         return [n, got]
 
     if __name__ == "__main__":
-        engine = create_engine(os.environ.get("DURABLY_STORAGE") or os.environ["DURABLY_DIR"], lease=10.0,
+        engine = create_engine(os.environ.get("DURABLY_STORAGE") or os.environ["DURABLY_DIR"], lease=15.0,
                                heartbeat=0.5)
         print(asyncio.run(engine.run(job, float(sys.argv[1]))))
 ''')
@@ -150,8 +150,8 @@ def test_a_second_process_says_whose_run_it_joined_and_shows_its_progress(projec
 
 
 def test_a_running_step_shows_its_time_and_a_slow_one_its_advisory_while_it_runs(project: Path) -> None:
-    env = {"DURABLY_DIR": str(project / ".durably"), "SLOW_AFTER": "3"}
-    with Terminal("run", "job.py", "--", "6", cwd=project, columns=120, **env) as term:
+    env = {"DURABLY_DIR": str(project / ".durably"), "SLOW_AFTER": "2"}  # 6 s to look while the step runs
+    with Terminal("run", "job.py", "--", "8", cwd=project, columns=120, **env) as term:
         assert term.wait_for("crunch 2.", 20), term.text  # the step in flight, with how long it has run
         run_id = first_run(project)
         wait_until(lambda: any(a["code"] == "SLOW_STEP_NO_TIMEOUT" for a in status_of(project, run_id)["advisories"]),
