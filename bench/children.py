@@ -55,7 +55,7 @@ def own_data(n: int) -> float:
     import tracemalloc
 
     from durably_py import Ok, RunHandle, workflow
-    from durably_py._engine.engine import new_run_id
+    from durably_py._ids import new_run_id
 
     @workflow(name="bench_child")
     async def child(ctx: Any, i: int) -> int:

@@ -15,7 +15,7 @@ import pytest
 from helpers import storage_of
 from modes import Effects, cli, flows_fixture, serve, state_of
 
-import durably_py._engine.engine as engine_module
+import durably_py._ids as engine_module
 from durably_py import ValidationError, create_engine
 from durably_py.testing import TestEngine
 

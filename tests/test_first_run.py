@@ -359,7 +359,7 @@ def test_docs_show_run_ids_as_runs_get_them() -> None:
     old = re.compile(r"\b[a-z_]+-20\d{6}-[0-9a-f]{4,8}\b")
     found = {page.name: old.findall(page.read_text()) for page in docs.glob("*.md")}
     assert not any(found.values()), {page: ids for page, ids in found.items() if ids}
-    from durably_py._engine.engine import new_run_id
+    from durably_py._ids import new_run_id
 
     assert re.fullmatch(r"invoice-[0-9a-z]{16}", new_run_id("invoice"))
     assert "invoice-egzh681avjsqp33j" in (docs / "versioning.md").read_text()

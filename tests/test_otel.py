@@ -107,7 +107,7 @@ def test_no_tracer_provider_means_no_span_hook_in_the_run(tmp_path: Path) -> Non
     code = textwrap.dedent('''
         import sys
         from durably_py import run, workflow
-        from durably_py._engine import engine
+        from durably_py._engine import hooks as engine
         from durably_py._engine.otel import OtelHook
 
         @workflow

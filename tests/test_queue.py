@@ -16,7 +16,7 @@ from durably_py import (
     create_engine,
     workflow,
 )
-from durably_py._engine.engine import new_run_id
+from durably_py._ids import new_run_id
 
 order: list[str] = []
 calls: dict[str, int] = {}
@@ -240,7 +240,7 @@ def test_run_ids_carry_80_random_bits_and_a_collision_is_loud(tmp_path) -> None:
     engine = create_engine(storage)
     asyncio.run(engine.run(job, "one"))
     [existing] = storage.list_runs()
-    import durably_py._engine.engine as engine_module
+    import durably_py._ids as engine_module
 
     real = engine_module.new_run_id
     engine_module.new_run_id = lambda name: existing.run_id

@@ -23,14 +23,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .._codec import digest, dump_value, load_error, load_value
+from .. import _ids
+from .._codec import digest, dump_value, load_value
 from .._state.history import History
-from ..errors import DurablyError, LeaseLostError, RunCancelledError, ValidationError, WorkflowFailedError
-from ..storage.base import NewRun, RunInfo
+from ..errors import LeaseLostError
+from ..storage.base import NewRun, Storage
+from .identity import check_bound, new_header
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from .._authoring.workflow import Workflow
-    from .engine import Engine
 
 CREATE_BATCH = 1024  # children created per durable write: the headers of a wide spawn_all wait in memory at most this many
 FRESH_MAX = 16_384  # children created here and not started yet that are known not to have ended (no look needed)
@@ -391,54 +394,39 @@ def parked_in_join() -> contextlib.AbstractAsyncContextManager[None]:
 
 
 def joined(workflow: Workflow | None, history: History) -> Any:
-    """The result of a run another process finished (or that had finished already)."""
-    end = history.end
-    assert end is not None
-    run_id = history.header.run_id
-    if end.status == "completed":
-        value = load_value(end.result)
-        schema = workflow.output_schema if workflow is not None else None
-        return schema.convert(value, "result") if schema is not None else value
-    if not end.error:
-        raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
-    error = load_error(end.error)
-    if isinstance(error, DurablyError) or not isinstance(error, Exception):
-        raise error
-    raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
-
-
-def check_bound(identity: str, info: RunInfo, parent: str | None = None) -> None:
-    """Refuse a run that `identity` points at but that was created for another identity (two runs given one id:
-    a collision of its random bits, or ids forced by hand), so one run is never taken for two. A header
-    without an identity (an older log) is taken at its word."""
-    recorded = info.header.get("identity")
-    if recorded is None or recorded == identity:
-        return
-    whose = f"run {parent}" if parent is not None else "this run"
-    raise ValidationError(
-        f"{identity} points at run {info.run_id}, which was created as {recorded}: two runs were given one id, "
-        f"and {whose} cannot tell them apart",
-        hint=f"Start {whose} over with `durably restart {parent or 'RUN'}`; nothing of run {info.run_id} is "
-             "changed." if parent is not None else "Start it over with fresh=True (`durably restart RUN`).",
-        docs="docs/running.md#run-ids", run_id=info.run_id, identity=identity, recorded=recorded)
+    """The result of a run another process finished (or that had finished already), or raise its error."""
+    return history.outcome(workflow.output_schema if workflow is not None else None)
 
 
 class ChildRuns:
     """The child runs of one engine (`Engine.children`): creating them, running them here, reading how they ended.
 
-    The pool belongs to one event loop; a new loop starts it afresh."""
+    The pool belongs to one event loop; a new loop starts it afresh. What it asks of its engine it is given:
+    running a run (`run`, `Engine.run`), the code of a run by id (`workflow_for`), reading a run's history
+    (`read`, `Runs.read`), the runs a retry reopens (`retries`), the pool size (`concurrency`, read per pool)
+    and waking the engine's worker (`poke`)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, storage: Storage, executor: Executor, *, concurrency: Callable[[], int],
+                 run: Callable[..., Awaitable[Any]], workflow_for: Callable[[str], Workflow],
+                 read: Callable[[str], tuple[History, str | None]], retries: set[str],
+                 poke: Callable[[], None]) -> None:
+        self.storage = storage
+        self.executor = executor
+        self.concurrency = concurrency
+        self.run = run
+        self.workflow_for = workflow_for
+        self.read = read
+        self.retries = retries
+        self.poke = poke
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pool = self._new_pool()
         self.fresh: set[str] = set()  # created by this engine and not started: no need to look whether they ended
 
     def _new_pool(self) -> ChildPool:
-        storage = self.engine.storage
+        storage = self.storage
 
         def run_in_thread(call: Callable[[], None]) -> Awaitable[None]:
-            return asyncio.get_running_loop().run_in_executor(self.engine.executor, call)
+            return asyncio.get_running_loop().run_in_executor(self.executor, call)
 
         def finish(lease: Any, durable: bool) -> None:
             try:
@@ -447,7 +435,7 @@ class ChildRuns:
             finally:
                 storage.release(lease)
 
-        return ChildPool(self.engine.concurrency, self._run_child, EndGroup(storage.sync_all, finish, run_in_thread))
+        return ChildPool(self.concurrency(), self._run_child, EndGroup(storage.sync_all, finish, run_in_thread))
 
     def in_pool(self) -> bool:
         """True in a child run this engine's pool runs: its end is made durable with its siblings' ends."""
@@ -473,9 +461,7 @@ class ChildRuns:
         crash finds the children it created whether or not it recorded them. `queued` False (the parent runs
         its attached children in its own process): they get no queue entry, the parent's entry brings them
         back (`ended_child` queues one it finds unended and out of the queue)."""
-        from .engine import new_run_id
-
-        storage = self.engine.storage
+        storage = self.storage
         run_ids: builtins.list[str] = []
         batch: builtins.list[NewRun] = []
         for first in range(0, len(children), CREATE_BATCH):
@@ -492,9 +478,9 @@ class ChildRuns:
                 wire = dump_value(schema.to_builtins(input) if schema else input, "child input")
                 if schema is not None:
                     wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
-                run_id = new_run_id(workflow.name)
-                header = self.engine._header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
-                                             parent=parent, detached=detached)
+                run_id = _ids.new_run_id(workflow.name)
+                header = new_header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
+                                    parent=parent, detached=detached)
                 batch.append(NewRun(run_id, header, identity, found, queued or detached))
                 run_ids.append(run_id)
                 if not queued and not detached and len(self.fresh) < FRESH_MAX:
@@ -507,7 +493,7 @@ class ChildRuns:
 
     def _create_bound(self, parent: str, batch: builtins.list[NewRun]) -> None:
         if batch:
-            lost = self.engine.storage.create_bound(batch)
+            lost = self.storage.create_bound(batch)
             if lost is not None:
                 raise LeaseLostError(f"child {lost} of run {parent} was created by another process", run_id=parent)
 
@@ -529,21 +515,18 @@ class ChildRuns:
     async def _run_child(self, run_id: str, workflow: Workflow | None, rerun_failed: bool) -> Any:
         if run_id in self.fresh:  # created here a moment ago: it has not ended
             self.fresh.discard(run_id)
-            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
-                                         advisories="silent")
-        info = self.engine.storage.info(run_id)
+            return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
+        info = self.storage.info(run_id)
         if info is not None and info.last.get("t") == "end" and (
                 info.last.get("status") != "failed" or not rerun_failed):
             return joined(workflow, History([info.header, info.last], f"run {run_id}"))
         if not rerun_failed:
-            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
-                                         advisories="silent")
-        self.engine.retries.add(run_id)  # retried with its parent: failed, or killed while failing, it is reopened
+            return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
+        self.retries.add(run_id)  # retried with its parent: failed, or killed while failing, it is reopened
         try:
-            return await self.engine.run(workflow or self.engine.workflow_for(run_id), run_id=run_id,
-                                         advisories="silent")
+            return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
         finally:
-            self.engine.retries.discard(run_id)
+            self.retries.discard(run_id)
 
     async def join_child(self, run_id: str, workflow: Workflow | None, *, rerun_failed: bool = False) -> Any:
         """Wait for a child to end (running it here if no process does) and return its result or raise."""
@@ -556,15 +539,15 @@ class ChildRuns:
         as due just before it ended claimed it once more), so then its whole log is read; one that has not
         ended (a child its parent ran in place, without a queue entry, before that process died) is queued,
         due now, so a worker runs it and a parent parked in a join waits for it."""
-        info = self.engine.storage.info(run_id)
+        info = self.storage.info(run_id)
         if info is None:
             return None
         if info.last.get("t") == "end":
             history = History([info.header, info.last], f"run {run_id}")
-        elif self.engine.storage.entry(run_id) is None:
-            history, _ = self.engine._read(run_id)
+        elif self.storage.entry(run_id) is None:
+            history, _ = self.read(run_id)
             if history.end is None:
-                self.engine.storage.schedule(run_id, time.time())
+                self.storage.schedule(run_id, time.time())
                 return None
         else:
             return None
@@ -577,7 +560,7 @@ class ChildRuns:
 
     def queued_child(self, run_id: str) -> None:
         """A child a served run spawned waits in the queue: this engine's worker looks for it at once."""
-        self.engine.queue.poke()
+        self.poke()
 
     def parked_in_join(self) -> contextlib.AbstractAsyncContextManager[None]:
         """While the calling run waits in a join, the slot it runs in (if it is a child) is free for others."""

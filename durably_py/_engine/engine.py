@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import builtins
 import contextlib
-import inspect as pyinspect
 import os
-import re
 import secrets
 import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from .. import records as log_format
@@ -24,35 +21,32 @@ from .._authoring.graphs import GraphState
 from .._authoring.resources import Gates, Resource
 from .._authoring.workflow import Workflow, as_workflow
 from .._clock import Clock
-from .._codec import digest, dump_error, dump_value, load_value, to_iso
+from .._codec import dump_error, load_value, to_iso
 from .._events import StepEvent
 from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunKernel, Selector, Spawned
 from .._state.advisories import Advisory, AdvisoryTracker
 from .._state.history import History, RunState
 from .._state.timeline import Span
 from .._threads import DaemonPool, SyncPlacement
-from .._worker.queue import RunQueue
-from .._worker.schedules import Schedule
-from .._worker.worker import check_concurrency
-from ..errors import (
-    CorruptLogError,
-    KeyConflictError,
-    LeaseLostError,
-    RunParkedError,
-    StaleRunError,
-    ValidationError,
-)
-from ..storage import FileStorage, RunInfo, Storage, validate_key
+from .._worker.schedules import Schedule, check
+from .._worker.worker import Worker, check_concurrency
+from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationError
+from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
 from . import versioning
-from .children import ChildRuns, check_bound, joined
+from .children import ChildRuns, joined
 from .code import CodeSource
 from .heartbeat import Heartbeat
+from .hooks import RunHook, add_run_hook, remove_run_hook, run_hooks, set_run_hook
+from .identity import Identities
 from .operations import BulkResult, Operations, SignalSent
+from .queue import RunQueue, check_delay, check_priority
 from .runs import PruneReport, Runs, check_retention
 
+__all__ = ["Engine", "RunHook", "add_run_hook", "create_engine", "durably", "engine_for", "remove_run_hook",
+           "run", "run_async", "run_hooks", "set_run_hook"]
+
 JOIN_POLL = 0.05
-RESERVED_WAIT = 2.0
 
 
 def check_budget(budget: Any) -> dict[str, float] | None:
@@ -90,53 +84,6 @@ def check_checkpoint(value: Any) -> int | None:
 
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-_sources: dict[Any, str | None] = {}  # workflow function -> the file defining it (a spawn_all asks once per child)
-
-
-def script_of(workflow: Workflow) -> str | None:
-    """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
-    script = os.environ.get("DURABLY_SCRIPT")
-    if script:
-        return script
-    fn: Any = workflow.fn
-    try:
-        return _sources[fn]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable callable: looked up every time
-        fn = None
-    try:
-        source = pyinspect.getsourcefile(workflow.fn)
-    except TypeError:
-        return None
-    found = os.path.abspath(source) if source else None
-    if fn is not None and len(_sources) < 4096:
-        _sources[fn] = found
-    return found
-
-
-_ID_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford's base 32, lowercase: no i, l, o, u
-_TO_ID_ALPHABET = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ID_ALPHABET.encode())  # from RFC 4648's
-_slugs: dict[str, str] = {}  # workflow name -> the slug its run ids start with
-
-
-def new_run_id(workflow: str) -> str:
-    """A readable id that cannot collide: the workflow's name, then 80 random bits as 16 base-32 digits
-    (lowercase, so ids differ on case-insensitive file systems too; the old 32 bits per workflow per day
-    collided among 10,000 children)."""
-    slug = _slugs.get(workflow)
-    if slug is None:
-        slug = re.sub(r"[^A-Za-z0-9_-]+", "-", workflow).strip("-_")[:40] or "run"
-        if len(_slugs) < 4096:
-            _slugs[workflow] = slug
-    return f"{slug}-{base64.b32encode(secrets.token_bytes(10)).translate(_TO_ID_ALPHABET).decode()}"
-
-
 class Engine:
     """Runs workflows against one storage; operates its runs by id or key."""
 
@@ -166,10 +113,15 @@ class Engine:
         self.code = CodeSource()
         self.gates = Gates(resources)
         self.schedules: dict[str, Schedule] = {}
-        self.queue = RunQueue(self)
-        self.children = ChildRuns(self)
-        self.operations = Operations(self)
         self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
+        self.identities = Identities(self.storage, self.runs.valid)
+        self.queue = RunQueue(self.storage, self.identities)
+        self.children = ChildRuns(self.storage, self.executor, concurrency=lambda: self.concurrency, run=self.run,
+                                  workflow_for=self.workflow_for, read=self.runs.read, retries=self.retries,
+                                  poke=self.queue.poke)
+        self.operations = Operations(self.storage, self.runs, self.clock, run=self.run, code_for=self.code_for,
+                                     retries=self.retries, concurrency=lambda: self.concurrency,
+                                     cleanup=lambda: self.cleanup)
 
     @property
     def lease_ttl(self) -> float:
@@ -193,11 +145,9 @@ class Engine:
         if retention is not None:
             self.retention = check_retention(retention)
 
-    # ---- finding and describing runs (_runs.py) ----------------------------------------------------
-    def _read(self, run_id: str) -> tuple[History, str | None]:
-        return self.runs.read(run_id)
-
+    # ---- finding and describing runs (runs.py) -----------------------------------------------------
     def _where(self) -> str:
+        """Where this engine's runs live, for messages (`Runs.where`; the CLI's spelling)."""
         return self.runs.where()
 
     def resolve(self, run: str) -> str:
@@ -267,19 +217,6 @@ class Engine:
         Unfinished runs, runs a process holds and children of unfinished parents are never touched."""
         return await self.runs.prune(older_than=older_than, status=status, workflow=workflow, dry_run=dry_run)
 
-    def _status(self, run_id: str) -> str:
-        """A run's status as `list` tells it ("corrupt" for a damaged log)."""
-        return self.runs.status(run_id)
-
-    def _valid(self, info: RunInfo) -> None:
-        self.runs.valid(info)
-
-    def _damaged(self, info: RunInfo, error: CorruptLogError) -> RunState:
-        return self.runs.damaged(info, error)
-
-    def _brief(self, info: RunInfo) -> History:
-        return self.runs.brief(info)
-
     async def signal(self, run: str, name: str, payload: Any = None, *, strict: bool = False) -> SignalSent:
         """Deliver signal `name` to a run (by id or key); its next `ctx.wait_for(name)` returns `payload`.
 
@@ -331,8 +268,8 @@ class Engine:
             self.storage.schedule(run_id, time.time())  # due at once should this process die while it runs
         outcome: tuple[str, BaseException | None] = ("interrupted", None)
         try:
-            value = await self._drive(workflow, lease, history, wire_input, budget, checkpoint_every,
-                                      advisories, on_advisory, on_step, torn, wait)
+            value = await self.drive(workflow, lease, history, wire_input, budget, checkpoint_every,
+                                     advisories, on_advisory, on_step, torn, wait)
             outcome = ("completed", None)
             return value
         except Parked as parked:
@@ -340,17 +277,17 @@ class Engine:
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
                                  hint=self._parked_hint(run_id, parked.status)) from None
         except Exception as exc:
-            outcome = (self._status(run_id), exc)
+            outcome = (self.runs.status(run_id), exc)
             raise
         finally:
             for hook in hooks:
                 hook.ended(run_id, *outcome)
 
-    async def _drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
-                     budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
-                     on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
-                     torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
-                     ends: Callable[[Any], None] | None = None) -> Any:
+    async def drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                    budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                    on_advisory: Callable[[Advisory], Any] | None, on_step: Callable[[StepEvent], Any] | None,
+                    torn: str | None, wait: bool = True, stopping: Callable[[], bool] | None = None,
+                    ends: Callable[[Any], None] | None = None) -> Any:
         """Run a claimed run and keep its queue entry true to how it stopped; the lease is released after.
         A worker passes `stopping`: the run it serves parks in joins and long retry backoffs. A run that ends
         without its own fsync hands its lease over instead: a child run of this engine's pool to the pool's
@@ -397,7 +334,7 @@ class Engine:
         if status == "sleeping":
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
-            history, _ = self._read(run_id)
+            history, _ = self.runs.read(run_id)
             names = [w.name for p, w in history.waits.items() if p not in history.done]
             came = [n for n in names if any(m.get("name") == n for m in self.storage.inbox(run_id))]
         except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
@@ -415,7 +352,7 @@ class Engine:
         """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease
         (`joining(run_id)` is told once, when the wait begins)."""
         if run_id is None:
-            run_id = await self._identify(workflow, input, key, fresh, budget)
+            run_id = await self.identities.identify(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
         reopen = False  # a run that had failed before this call is run again; one that ends meanwhile is not
         told = False
@@ -428,7 +365,7 @@ class Engine:
                     return None, history, None, lease.torn
                 return lease, history, history.header.input, lease.torn
             if not self.storage.held(run_id):
-                history, torn = self._read(run_id)
+                history, torn = self.runs.read(run_id)
                 if history.end is not None and history.end.status == "failed" and not reopen:
                     reopen = True
                     continue
@@ -440,32 +377,11 @@ class Engine:
                     told = True
                     joining(run_id)
                 await asyncio.sleep(JOIN_POLL)
-            history, torn = self._read(run_id)
+            history, torn = self.runs.read(run_id)
             if history.end is not None:
                 return None, history, None, torn
 
-    async def _identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
-                        budget: dict[str, float] | None, at: float | None = None, priority: int = 0) -> str:
-        """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
-        wire_input, input_digest, identity = self._identity_of(workflow, input, key)
-        return await self._find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
-                                          at, priority)
-
-    def _identity_of(self, workflow: Workflow, input: Any, key: str | None) -> tuple[Any, str, str]:
-        """The input as recorded (checked against the workflow's schema), its digest and the identity naming
-        the run: the key, else the workflow and the digest."""
-        schema = workflow.input_schema
-        wire_input = dump_value(schema.to_builtins(input) if schema else input, "input")
-        if schema is not None:
-            wire_input = dump_value(schema.to_builtins(schema.convert(load_value(wire_input), "input")), "input")
-        if input is not None and not workflow.takes_input:
-            raise ValidationError(f"workflow {workflow.name!r} takes no input, got {_short(input)}",
-                                  hint=f"Run it without input, or give it one: `async def {workflow.name}(ctx, "
-                                       "input)`.", docs="docs/running.md")
-        input_digest = digest(load_value(wire_input))
-        return wire_input, input_digest, f"key:{key}" if key is not None else f"wf:{workflow.name}:{input_digest}"
-
-    # ---- the durable queue (_queue.py) ----------------------------------------------------------------
+    # ---- the durable queue (queue.py) and this engine's worker (_worker/worker.py) ----------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
                       checkpoint_every: int | None = None) -> RunHandle:
@@ -475,8 +391,14 @@ class Engine:
         engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
         same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
         this engine has no worker); `drain` works the queue off."""
-        return await self.queue.enqueue(wf, input, key=key, priority=priority, delay=delay, budget=budget,
-                                        checkpoint_every=checkpoint_every)
+        workflow = as_workflow(wf)
+        priority = check_priority(priority)
+        delay = check_delay(delay)
+        budget = check_budget(budget) if budget is not None else self.budget
+        check_checkpoint(checkpoint_every)
+        if key is not None:
+            validate_key(key)
+        return await self.queue.enqueue(workflow, input, key, priority, delay, budget)
 
     async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
                            budget: dict[str, float] | None = None) -> builtins.list[RunHandle]:
@@ -485,65 +407,51 @@ class Engine:
         (an item naming a run that exists, or an earlier item of the batch, gets that run's handle), but the
         new runs are written `ENQUEUE_BATCH` at a time in one durable write each (one fsync or commit per
         batch, not per run). Every item is checked before anything is written."""
+        priority = check_priority(priority)
+        delay = check_delay(delay)
+        budget = check_budget(budget) if budget is not None else self.budget
         return await self.queue.enqueue_many(runs, priority=priority, delay=delay, budget=budget)
 
     async def start(self, *, poll: float = 0.2) -> None:
         """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
         and release them, and repeat, until `stop()`. Returns at once; idempotent."""
-        await self.queue.start(poll=poll)
+        worker = self.queue.live_worker()
+        if worker is None:
+            worker = self.queue.worker = Worker(self, concurrency=self.concurrency, poll=poll)
+        worker.start()
 
     async def join(self, handle: RunHandle) -> Any:
         """Wait for an enqueued run to end; return its value or raise its error. Without a started worker
         in this engine the run is run here and now."""
-        return await self.queue.join(handle)
+        worker = self.queue.live_worker()
+        if worker is not None:
+            return await worker.join(handle)
+        return await self.run(handle.workflow or self.workflow_for(handle.run_id), run_id=handle.run_id)
 
     async def drain(self) -> None:
         """Wait until the queue holds no run that is due now or running here, and every run this engine
         enqueued has ended or parked (their errors stay with their runs and `join`). Starts the worker
         for the duration when it is not running."""
-        await self.queue.drain()
+        started = self.queue.live_worker() is None
+        await self.start()
+        worker = self.queue.worker
+        assert worker is not None
+        try:
+            await worker.drain(self.queue.enqueued)
+        finally:
+            if started:
+                await self.stop()
 
     async def stop(self) -> builtins.list[str]:
         """Stop this engine's worker gracefully: no new claims and no new steps; steps already running
         finish and are recorded; leases are released, so the runs are due again at once for any worker.
         Returns the ids of the runs it stopped part-way."""
-        return await self.queue.stop()
-
-    async def _find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
-                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
-                              at: float | None = None, priority: int = 0) -> str:
-        """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
-        waited = 0.0
-        while True:
-            previous = self.storage.lookup(identity)
-            info = self.storage.info(previous) if previous is not None else None
-            if previous is not None and info is None and waited < RESERVED_WAIT:
-                await asyncio.sleep(JOIN_POLL / 5)  # another process bound it and is writing its header now
-                waited += JOIN_POLL / 5
-                continue
-            if info is not None and not fresh:
-                self._valid(info)
-                check_bound(identity, info)
-                if key is not None and info.header.get("input_digest") != input_digest:
-                    bound = load_value(info.header.get("input"))
-                    raise KeyConflictError(
-                        f"key {key!r} is bound to run {info.run_id} with input {bound!r}, not {input!r}",
-                        hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
-                             "to rebind the key.",
-                        run_id=info.run_id, key=key, bound_input=bound, input=input)
-                if not (info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled")):
-                    return info.run_id
-            run_id = new_run_id(workflow.name)
-            if self.storage.bind(identity, run_id, expect=previous):
-                self._create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
-                             priority=priority)
-                return run_id
+        worker, self.queue.worker = self.queue.worker, None
+        return [] if worker is None else await worker.stop()
 
     def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
         """Start `wf(input)` on every tick of `cron` (five fields, UTC) wherever this engine's loop serves
         schedules; like `durably_py.schedule`, but for this engine only."""
-        from .._worker.schedules import check
-
         item = check(wf, cron, input, name)
         self.schedules[item.name] = item
         return item
@@ -552,26 +460,8 @@ class Engine:
                    identity: str, *, scheduled_at: datetime | None = None) -> None:
         """Write the header of a run whose identity this process just bound to `run_id` (`Storage.bind`);
         `scheduled_at` is the tick of the schedule that starts it (`ctx.scheduled_at`)."""
-        self._create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
-                     scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
-
-    def _create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
-                **extra: Any) -> None:
-        """Write the header of a run whose identity is already bound to `run_id`, and queue it (due at `at`,
-        None: now). An id that exists already is a loud `ValidationError`, never a silent re-bind."""
-        header = self._header(run_id, workflow, wire_input, input_digest, key, identity, budget, **extra)
-        self.storage.create(run_id, header, at=at, priority=priority)
-
-    @staticmethod
-    def _header(run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-                identity: str, budget: dict[str, float] | None, **extra: Any) -> bytes:
-        """The header line of a new run."""
-        return log_format.encode(log_format.Header(
-            v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name, fingerprint=workflow.fingerprint,
-            key=key, input=wire_input, input_digest=input_digest, identity=identity, budget=budget,
-            created_at=to_iso(datetime.now(UTC)), script=script_of(workflow), module=workflow.fn.__module__,
-            ts=time.time(), **extra))
+        self.identities.create(run_id, workflow, wire_input, input_digest, key, identity, self.budget,
+                               scheduled_at=None if scheduled_at is None else to_iso(scheduled_at))
 
     # ---- child runs (_children.py): what the kernel asks of `EngineServices` ---------------------------
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,
@@ -665,8 +555,7 @@ class Engine:
     # ---- operating runs by id ---------------------------------------------------------------------
     def workflow_for(self, run: str) -> Workflow:
         """The workflow code that runs an existing run (by id or key): registered by name, else imported."""
-        run_id = self.resolve(run)
-        return self.code_for(self._read(run_id)[0].header)
+        return self.operations.workflow_for(self.resolve(run))
 
     def code_for(self, header: log_format.Header) -> Workflow:
         """The workflow code for a run header: registered by name, else the one module or script it recorded,
@@ -722,11 +611,7 @@ class Engine:
         where its replay stopped; ``(2,)``, ``(3, 1, 0)`` or ``"3.1.0"``) is the recorded one under a new name:
         its recorded result is used, the adoption is recorded, and the run goes on as `retry` would. A run that
         is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
-        return await versioning.adopt(self, run, path, on_step=on_step, wait=wait, on_run=on_run)
-
-    def _amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
-        """Append the record `record(history)` chooses (None: nothing) to a run no process holds; False if held."""
-        return self.operations.amend(run_id, record)
+        return await versioning.adopt(self.operations, run, path, on_step=on_step, wait=wait, on_run=on_run)
 
 
 def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:
@@ -823,67 +708,3 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
     return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
                                  checkpoint_every=checkpoint_every, advisories=advisories,
                                  on_advisory=on_advisory, on_step=on_step, wait=wait))
-
-
-class RunHook:
-    """Watches every run this process runs: its step events, when it starts and how it ends.
-
-    The CLI's live view is one (`set_run_hook`); OpenTelemetry export is another (`add_run_hook`)."""
-
-    def __init__(self, listener: Callable[[StepEvent], Any], on_run: Callable[[str], Any] | None = None) -> None:
-        self.listener = listener
-        self.on_run = on_run
-
-    def started(self, run_id: str, workflow: str = "", *, joined: bool = False) -> None:
-        """A run was found or created (also one with no step of its own); `joined`: another process runs it."""
-        if self.on_run is not None:
-            self.on_run(run_id)
-
-    def ended(self, run_id: str, status: str, error: BaseException | None) -> None:
-        """This process stopped running the run: completed, failed, cancelled, parked or interrupted."""
-
-    def active(self) -> bool:
-        """Whether to watch a run starting now; a watcher with nothing to report opts out and costs nothing."""
-        return True
-
-    def chain(self, on_step: Callable[[StepEvent], Any] | None) -> Callable[[StepEvent], Any]:
-        def both(event: StepEvent) -> None:
-            self.listener(event)
-            if on_step is not None:
-                on_step(event)
-        return both
-
-
-_run_hook: RunHook | None = None
-
-
-def set_run_hook(hook: RunHook | None) -> None:
-    """Install (or remove) the process-wide step listener the CLI uses."""
-    global _run_hook
-    _run_hook = hook
-
-
-_added_hooks: list[RunHook] = []
-_otel_checked = False
-
-
-def add_run_hook(hook: RunHook) -> None:
-    """Add a process-wide run watcher (in addition to the CLI's)."""
-    _added_hooks.append(hook)
-
-
-def remove_run_hook(hook: RunHook) -> None:
-    """Remove a watcher `add_run_hook` added."""
-    with contextlib.suppress(ValueError):
-        _added_hooks.remove(hook)
-
-
-def run_hooks() -> builtins.list[RunHook]:
-    """The watchers of a run starting now; the first call installs OpenTelemetry export when it is available."""
-    global _otel_checked
-    if not _otel_checked:
-        _otel_checked = True
-        from . import otel
-
-        otel.install_if_available()
-    return ([_run_hook] if _run_hook is not None else []) + [hook for hook in _added_hooks if hook.active()]

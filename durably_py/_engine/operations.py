@@ -28,7 +28,10 @@ from ..errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFou
 from ..storage.base import validate_name
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .._authoring.workflow import Workflow
+    from .._clock import Clock
+    from ..storage.base import Storage
+    from .runs import Runs
 
 JOIN_POLL = 0.05
 ALL_REQUESTS = ("$cancel", "$pause", "$resume")
@@ -241,19 +244,28 @@ def check_timeout(timeout: Any, operation: Operation) -> None:
 class Operations:
     """Operations on an engine's runs by id or key; `Engine.cancel` and its siblings delegate here."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, storage: Storage, runs: Runs, clock: Clock, *, run: Callable[..., Awaitable[Any]],
+                 code_for: Callable[[log_format.Header], Workflow], retries: set[str],
+                 concurrency: Callable[[], int], cleanup: Callable[[], float]) -> None:
+        self.storage = storage
+        self.runs = runs
+        self.clock = clock
+        self.run = run
+        self.code_for = code_for
+        self.retries = retries
+        self.concurrency = concurrency
+        self.cleanup = cleanup
 
-    @property
-    def storage(self) -> Any:
-        return self.engine.storage
+    def workflow_for(self, run_id: str) -> Workflow:
+        """The workflow code that runs an existing run: registered by name, else imported (`CodeSource`)."""
+        return self.code_for(self.runs.read(run_id)[0].header)
 
     # ---- reading --------------------------------------------------------------------------------
     def history(self, run_id: str) -> History:
         """The validated history of a run."""
         log = self.storage.read(run_id)
         if log is None:
-            raise RunNotFoundError(f"no run {run_id!r} in {self.engine._where()}", run_id=run_id)
+            raise RunNotFoundError(f"no run {run_id!r} in {self.runs.where()}", run_id=run_id)
         return History(log.records, log.where or f"run {run_id}")
 
     def status(self, run_id: str) -> str:
@@ -278,7 +290,7 @@ class Operations:
     async def operate(self, operation: Operation, run: str, timeout: float) -> RunState:
         """Do `operation` to a run (by id or key), then to its attached children: the one request-and-wait path."""
         check_timeout(timeout, operation)
-        run_id = self.engine.resolve(run)
+        run_id = self.runs.resolve(run)
         deadline = time.monotonic() + timeout
         asked = acted = False
         while True:
@@ -293,7 +305,7 @@ class Operations:
                 if time.monotonic() >= deadline:
                     if operation.cascade_on_timeout:
                         break
-                    return await self.engine.inspect(run_id)
+                    return await self.runs.inspect(run_id)
                 await asyncio.sleep(JOIN_POLL)
                 continue
             if self.amend(run_id, operation.record):
@@ -306,7 +318,7 @@ class Operations:
                         await self.clean_up(run_id)
         if operation.after_done():
             self.drop_requests(run_id, operation.after_done())
-        state = await self.engine.inspect(run_id)
+        state = await self.runs.inspect(run_id)
         for child in self.attached(state):
             if operation.follows(self.status(child)):
                 await self.operate(operation, child, max(deadline - time.monotonic(), 0))
@@ -326,18 +338,18 @@ class Operations:
             raise ValidationError(f"cleanup= must be seconds >= 0, got {cleanup!r}",
                                   hint="cancel(run, cleanup=30) gives the workflow 30 s to clean up.",
                                   docs=CANCEL.docs)
-        return await self.operate(Cancel(compensate, cleanup, self.engine.cleanup, self.engine.clock.now), run, timeout)
+        return await self.operate(Cancel(compensate, cleanup, self.cleanup(), self.clock.now), run, timeout)
 
     async def clean_up(self, run_id: str) -> None:
         """A run nobody held was cancelled with a `cancel` record: run it here until it ends, its workflow
         getting `RunCancelledError` where it stood and cleaning up. Without its code it ends cancelled."""
         history = self.history(run_id)
         try:
-            workflow = self.engine.code_for(history.header)
+            workflow = self.code_for(history.header)
         except ValidationError as exc:
             return self.end_cancelled(run_id, f"its code was not found: {exc.message}")
         try:
-            await self.engine.run(workflow, run_id=run_id)
+            await self.run(workflow, run_id=run_id)
         except RunCancelledError:
             return
         except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
@@ -365,7 +377,7 @@ class Operations:
         """Select runs with `Engine.list` and apply `act` to each, at most `width` at once; a run `act`
         refuses (a `DurablyError`, or None) is skipped with why, and never stops the others."""
         statuses, workflow = bulk_filter(operation, status, workflow)
-        selected = [s.run_id for s in await self.engine.list(status=statuses, workflow=workflow)]
+        selected = [s.run_id for s in await self.runs.list(status=statuses, workflow=workflow)]
         result = BulkResult(operation, selected)
         if dry_run:
             return result
@@ -426,9 +438,9 @@ class Operations:
                         raise
                     raise ValidationError(f"run {run_id} could not be retried: {type(exc).__name__}: {exc}",
                                           run_id=run_id) from exc
-            return await self.engine.inspect(run_id)
+            return await self.runs.inspect(run_id)
 
-        return await self._many("retry", status, workflow, act, self.engine.concurrency, dry_run)
+        return await self._many("retry", status, workflow, act, self.concurrency(), dry_run)
 
     # ---- records and requests -------------------------------------------------------------------
     def amend(self, run_id: str, record: Callable[[History], log_format.Record | None]) -> bool:
@@ -485,7 +497,7 @@ class Operations:
                                   hint="Use the name the workflow waits for: ctx.wait_for('approval').",
                                   docs="docs/authoring.md#parking")
         validate_name(name)
-        run_id = self.engine.resolve(run)
+        run_id = self.runs.resolve(run)
         wire = dump_value(payload, "payload")
         history = self.history(run_id)
         held = self.storage.held(run_id)
@@ -505,7 +517,7 @@ class Operations:
                                   docs="docs/authoring.md#parking", run_id=run_id, awaited=awaited)
         try:
             line = log_format.encode(log_format.Signal(id=secrets.token_hex(8), name=name, payload=wire,
-                                                       at=to_iso(self.engine.clock.now())))
+                                                       at=to_iso(self.clock.now())))
         except UnicodeEncodeError:
             raise ValidationError(f"the payload of signal {name!r} holds text that is not UTF-8 (a lone surrogate)",
                                   hint="Send text that encodes as UTF-8.", docs="docs/authoring.md#parking",
@@ -518,8 +530,7 @@ class Operations:
                     on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                     on_run: Callable[[str], Any] | None = None) -> Any:
         """Resume a failed or interrupted run (by id or key); `from_step=` also runs that step and all later ones again."""
-        engine = self.engine
-        run_id = engine.resolve(run)
+        run_id = self.runs.resolve(run)
         history = self.history(run_id)
         status = run_status(history, self.storage.held(run_id))
         if status == "running":
@@ -541,7 +552,7 @@ class Operations:
                                   docs="docs/operations.md#retry", run_id=run_id)
         if from_step is not None:
             self.reset_paths(history, from_step)
-        workflow = engine.workflow_for(run_id)
+        workflow = self.workflow_for(run_id)
         if from_step is not None:
             if status == "completed":
                 self.drop_requests(run_id)
@@ -552,11 +563,11 @@ class Operations:
                                       docs="docs/operations.md#retry")
         # Unlike running it again, a retry reopens a run killed while it was failing (its compensations had
         # begun) as it does a failed one, and resumes each failed (or failing) child it joins once.
-        engine.retries.add(run_id)
+        self.retries.add(run_id)
         try:
-            return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+            return await self.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
         finally:
-            engine.retries.discard(run_id)
+            self.retries.discard(run_id)
 
     def reset_paths(self, history: History, selector: Any) -> builtins.list[str]:
         """The recorded step `selector` picks, every step completed after it, and the steps nested under it."""
@@ -586,16 +597,15 @@ class Operations:
     async def restart(self, run: str, *, on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                       on_run: Callable[[str], Any] | None = None) -> Any:
         """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
-        engine = self.engine
-        run_id = engine.resolve(run)
+        run_id = self.runs.resolve(run)
         if self.storage.held(run_id):
             raise ValidationError(f"run {run_id} is running in another process",
                                   hint=f"Stop it first with `durably cancel {run_id}`, then restart it.",
                                   docs="docs/operations.md#restart", run_id=run_id)
         history = self.history(run_id)
-        workflow = engine.workflow_for(run_id)
+        workflow = self.workflow_for(run_id)
         value = load_value(history.header.input)
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
-        return await engine.run(workflow, value, key=history.header.key, fresh=True, budget=history.budget,
+        return await self.run(workflow, value, key=history.header.key, fresh=True, budget=history.budget,
                                 on_step=on_step, wait=wait, on_run=on_run)

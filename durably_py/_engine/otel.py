@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .._events import StepEvent
-from .engine import RunHook, add_run_hook
+from .hooks import RunHook, add_run_hook
 
 TRACER_NAME = "durably"
 ENDS = ("ok", "retrying", "failed")

@@ -20,7 +20,7 @@ from ..errors import ValidationError
 
 if TYPE_CHECKING:
     from .._events import StepEvent
-    from .engine import Engine
+    from .operations import Operations
 
 DOCS = "docs/versioning.md#adopt"
 
@@ -70,18 +70,18 @@ def adoption(history: History, path: Any = None) -> records.Adopt:
     return records.Adopt(path=where, recorded=history.done[where].label, label=label, ts=time.time())
 
 
-async def adopt(engine: Engine, run: str, path: Any = None, *, on_step: Callable[[StepEvent], Any] | None = None,
+async def adopt(operations: Operations, run: str, path: Any = None, *, on_step: Callable[[StepEvent], Any] | None = None,
                 wait: bool = True, on_run: Callable[[str], Any] | None = None) -> Any:
     """Record that the step now called at `path` (default: where the stale run stopped) is the recorded one
     under a new name, then continue the run here as `retry` does; return its value or raise its error."""
-    run_id = engine.resolve(run)
+    run_id = operations.runs.resolve(run)
     busy = ValidationError(f"run {run_id} is running in another process, not stale; there is nothing to adopt",
                            hint="Wait for it; `durably list --status stale` shows the runs adopt applies to.",
                            docs=DOCS, run_id=run_id)
-    if engine.storage.held(run_id):
+    if operations.storage.held(run_id):
         raise busy
-    chosen = adoption(engine.operations.history(run_id), path)  # a clear error before the code is looked up
-    workflow = engine.workflow_for(run_id)
+    chosen = adoption(operations.history(run_id), path)  # a clear error before the code is looked up
+    workflow = operations.workflow_for(run_id)
 
     def record(current: History) -> records.Adopt:
         found = current.done.get(chosen.path)
@@ -90,7 +90,7 @@ async def adopt(engine: Engine, run: str, path: Any = None, *, on_step: Callable
                                   f"`durably inspect {run_id}`.", docs=DOCS, run_id=run_id)
         return chosen
 
-    if not engine.operations.amend(run_id, record):  # (the adopt record clears `stale`; it was checked above)
+    if not operations.amend(run_id, record):  # (the adopt record clears `stale`; it was checked above)
         raise busy
-    engine.storage.schedule(run_id, time.time())  # due again: any worker may continue it too
-    return await engine.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+    operations.storage.schedule(run_id, time.time())  # due again: any worker may continue it too
+    return await operations.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)

@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .. import records as r
-from .._codec import load_value
+from .._codec import load_error, load_value
+from ..errors import DurablyError, RunCancelledError, WorkflowFailedError
 from ..records import Header, Record
 
 BUDGET_KINDS = ("usd", "tokens", "units")
@@ -271,6 +272,22 @@ class History:
                 if iteration.isdigit() and int(iteration) <= snap.iteration:
                     return True
         return False
+
+    def outcome(self, schema: Any = None) -> Any:
+        """The result of an ended run (converted by the workflow's output `schema`, if any), or raise its error:
+        how a run another process finished, or one that had finished already, is answered."""
+        end = self.end
+        assert end is not None
+        run_id = self.header.run_id
+        if end.status == "completed":
+            value = load_value(end.result)
+            return schema.convert(value, "result") if schema is not None else value
+        if not end.error:
+            raise RunCancelledError(f"run {run_id} was cancelled", run_id=run_id)
+        error = load_error(end.error)
+        if isinstance(error, DurablyError) or not isinstance(error, Exception):
+            raise error
+        raise error from WorkflowFailedError(f"run {run_id} failed in another process", run_id=run_id)
 
     def compacted(self) -> list[Record]:
         """The fewest records that rebuild this same history (for log compaction)."""

@@ -18,15 +18,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from .. import _ids
 from .._authoring.workflow import Workflow, as_workflow
+from .._clock import Clock
 from .._codec import digest, dump_value, load_value, to_iso
 from ..errors import ValidationError
-
-if TYPE_CHECKING:
-    from .._engine.engine import Engine
-    from ..storage.base import Storage
+from ..storage.base import Storage
 
 __all__ = ["SCHEDULES", "Schedule", "ScheduleState", "fire_due", "next_tick", "schedule", "states"]
 
@@ -81,6 +80,23 @@ class ScheduleState:
     last_tick: datetime | None
     last_run: str | None
     next_tick: datetime
+
+
+class ScheduleHost(Protocol):
+    """What firing schedules asks of the engine serving them: its storage and clock, its own schedules, and
+    writing the header of a tick's run (`Engine.create_run`). `Engine` is one."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def schedules(self) -> dict[str, Schedule]: ...
+
+    def create_run(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
+                   identity: str, *, scheduled_at: datetime | None = None) -> None: ...
 
 
 SCHEDULES: dict[str, Schedule] = {}
@@ -140,7 +156,7 @@ def _recorded_since(storage: Storage, item: Schedule) -> datetime | None:
 _orphans: dict[tuple[int, str], float] = {}
 
 
-def _claim(engine: Engine, item: Schedule, tick: datetime) -> str | None:
+def _claim(engine: ScheduleHost, item: Schedule, tick: datetime) -> str | None:
     """Create the run of one tick if no process did; its id, or None when the tick is (being) fired elsewhere."""
     storage = engine.storage
     key = item.key(tick)
@@ -153,9 +169,7 @@ def _claim(engine: Engine, item: Schedule, tick: datetime) -> str | None:
         first = _orphans.setdefault((id(storage), identity), time.monotonic())
         if time.monotonic() - first < ORPHAN_AFTER:
             return None
-    from .._engine.engine import new_run_id
-
-    run_id = new_run_id(item.workflow.name)
+    run_id = _ids.new_run_id(item.workflow.name)
     if not storage.bind(identity, run_id, expect=found):
         return None
     _orphans.pop((id(storage), identity), None)
@@ -164,12 +178,12 @@ def _claim(engine: Engine, item: Schedule, tick: datetime) -> str | None:
     return run_id
 
 
-def all_schedules(engine: Engine) -> list[Schedule]:
+def all_schedules(engine: ScheduleHost) -> list[Schedule]:
     """The schedules an engine serves: those declared in this process, and its own (which win by name)."""
     return list({**SCHEDULES, **engine.schedules}.values())
 
 
-async def fire_due(engine: Engine, now: datetime | None = None) -> list[str]:
+async def fire_due(engine: ScheduleHost, now: datetime | None = None) -> list[str]:
     """Queue every schedule's latest due tick that no process queued yet; the ids of the runs queued here.
 
     The run is recorded `pending` in the storage's queue, due at once, for any worker to claim. The worker
@@ -192,7 +206,7 @@ def next_tick(item: Schedule, now: datetime | None = None) -> datetime:
     return item.next_tick(now or datetime.now(UTC))
 
 
-def states(engine: Engine, now: datetime | None = None) -> list[ScheduleState]:
+def states(engine: ScheduleHost, now: datetime | None = None) -> list[ScheduleState]:
     """Every schedule the engine serves, with its registration, latest fired tick and next tick."""
     now = now or engine.clock.now()
     out = []

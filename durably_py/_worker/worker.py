@@ -1,8 +1,10 @@
 """The worker loop: claim due runs from the storage's queue, run them, park and release them, repeat.
 
-`Engine.start()` runs one in-process; `durably worker` runs one as a long-lived process. Several workers,
-in one process or many, on one machine (a shared `.durably/`, leases are OS file locks) or many (SQLite or
-PostgreSQL, time-based leases fenced by epoch), share one queue: a claim is exclusive, so a run is never
+A worker serves one engine (`Worker(engine, ...)`) through the narrow `Client` port below: the worker layer
+sits below the engine and never imports it. `Engine.start()` runs one in-process (and `Engine.join`, `drain`
+and `stop` ask it); `durably worker` runs one as a long-lived process. Several workers, in one process or
+many, on one machine (a shared `.durably/`, leases are OS file locks) or many (SQLite or PostgreSQL,
+time-based leases fenced by epoch), share one queue: a claim is exclusive, so a run is never
 run by two workers at once, and a worker that dies leaves its runs due again (at once for files, once the
 lease lapses for databases).
 
@@ -19,16 +21,19 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from concurrent.futures import Executor
+from typing import Any, Protocol
 
+from .. import records as log_format
+from .._authoring.calls import RunHandle
+from .._authoring.workflow import Workflow
 from .._replay.kernel import Parked
 from .._state.history import History
 from ..errors import DurablyError, RunCancelledError, ValidationError
-from .schedules import fire_due
+from .schedules import ScheduleHost, fire_due
 
-if TYPE_CHECKING:
-    from .._engine.engine import Engine
+JOIN_POLL = 0.05
 
 ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
@@ -50,6 +55,54 @@ def check_poll(poll: Any) -> float:
                               hint="poll=0.2 (the default) looks for due runs five times a second when idle.",
                               docs=SETTINGS_DOCS)
     return float(poll)
+
+
+class Code(Protocol):
+    """Which workflows a worker serves (`CodeSource`)."""
+
+    def claims(self) -> frozenset[str] | None: ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+class Pruned(Protocol):
+    """What a prune deleted (`PruneReport`)."""
+
+    runs: list[str]
+    bytes: int
+
+
+class Client(ScheduleHost, Protocol):
+    """What a worker asks of the engine it serves: its storage and settings, the code of a run, running a
+    claimed run (`drive`) and pruning ended runs. `Engine` is one."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def code(self) -> Code: ...
+
+    @property
+    def retention(self) -> float | None: ...
+
+    @property
+    def checkpoint_every(self) -> int | None: ...
+
+    @property
+    def lease_ttl(self) -> float: ...
+
+    def code_for(self, header: log_format.Header) -> Workflow: ...
+
+    async def drive(self, workflow: Workflow, lease: Any, history: History, wire_input: Any,
+                    budget: dict[str, float] | None, checkpoint_every: int | None, advisories: str | None,
+                    on_advisory: Any, on_step: Any, torn: str | None, wait: bool = True,
+                    stopping: Callable[[], bool] | None = None,
+                    ends: Callable[[Any], None] | None = None) -> Any: ...
+
+    async def prune(self, *, older_than: float) -> Pruned: ...
 
 
 class EndCommit:
@@ -98,7 +151,7 @@ class Worker:
     """One worker loop over an engine's storage, running at most `concurrency` runs at once, of the workflows
     its engine's `code` claims (`CodeSource.claims`)."""
 
-    def __init__(self, engine: Engine, *, concurrency: int = 4, poll: float = 0.2,
+    def __init__(self, engine: Client, *, concurrency: int = 4, poll: float = 0.2,
                  log: Callable[[str], Any] | None = None) -> None:
         self.engine = engine
         self.concurrency = check_concurrency(concurrency)
@@ -157,6 +210,39 @@ class Worker:
         """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
         now = time.monotonic()
         return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+
+    async def join(self, handle: RunHandle) -> Any:
+        """Wait for a run this worker (or any other) runs to end; return its value or raise its error."""
+        storage = self.engine.storage
+        schema = handle.workflow.output_schema if handle.workflow is not None else None
+        while True:
+            info = storage.info(handle.run_id)
+            if info is not None and info.last.get("t") == "end":
+                return History([info.header, info.last]).outcome(schema)
+            await self.settled(JOIN_POLL * 4)
+
+    async def drain(self, enqueued: Collection[str]) -> None:
+        """Wait until the queue holds no run that is due now or running here, and every run of `enqueued` (the
+        runs its engine enqueued, read again as it grows) has ended or parked for later."""
+        storage = self.engine.storage
+        waiting = list(enqueued)
+        while True:
+            while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
+                waiting.pop()
+            if not waiting and not self.active and not self.ending and not storage.due(1, skip=self.skipped()):
+                waiting = [r for r in enqueued if not self._settled(r)]  # one that was queued again
+                if not waiting:
+                    return
+            await self.settled(JOIN_POLL * 4)
+
+    def _settled(self, run_id: str) -> bool:
+        """True when an enqueued run ended, parked for later, or left the queue."""
+        storage = self.engine.storage
+        info = storage.info(run_id)
+        if info is None or info.last.get("t") == "end":
+            return True
+        entry = storage.entry(run_id)
+        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
 
     async def settled(self, timeout: float) -> None:
         """Wait until a run this worker ran stops, or `timeout` seconds."""
@@ -315,9 +401,9 @@ class Worker:
             ended: list[Any] = []
             try:
                 try:
-                    await engine._drive(workflow, lease, history, history.header.get("input"), history.budget,
-                                        engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
-                                        stopping=lambda: self._stopping, ends=ended.append)
+                    await engine.drive(workflow, lease, history, history.header.get("input"), history.budget,
+                                       engine.checkpoint_every, "silent", None, None, lease.torn, wait=False,
+                                       stopping=lambda: self._stopping, ends=ended.append)
                 finally:
                     for done in ended:  # its end made durable with the others' before anything says it ended
                         if len(self.ending) < ENDING_MAX * self.concurrency and run_id in self.active:

@@ -26,19 +26,17 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._authoring.workflow import as_workflow
-from .._engine.children import joined
-from .._state.history import History
+from .. import _ids
+from .._authoring.calls import RunHandle
+from .._authoring.workflow import Workflow, as_workflow
 from ..errors import ValidationError
-from ..storage import validate_key
+from ..storage import Storage, validate_key
 from ..storage.base import NewRun
+from .identity import Identities, identity_of, new_header
 
 if TYPE_CHECKING:
-    from .._authoring.calls import RunHandle
-    from .._engine.engine import Engine
-    from .worker import Worker
+    from .._worker.worker import Worker
 
-JOIN_POLL = 0.05
 ENQUEUE_BATCH = 1000
 """New runs `Engine.enqueue_many` writes in one durable write (`Storage.create_bound`)."""
 
@@ -73,13 +71,12 @@ def check_delay(delay: Any) -> float:
 
 
 class RunQueue:
-    """The durable queue as one engine works it (`Engine.queue`): enqueueing runs, this process's worker, and
-    waiting for enqueued runs to end or for the queue to drain.
+    """The durable queue as one engine writes it (`Engine.queue`): enqueueing runs, and the worker this
+    engine started (`Engine.start`), poked when new work is due."""
 
-    What `RunQueue` needs from above it (the engine's checks, `RunHandle`, `Worker`) it imports when called."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, storage: Storage, identities: Identities) -> None:
+        self.storage = storage
+        self.identities = identities
         self.worker: Worker | None = None
         self.enqueued: set[str] = set()
 
@@ -88,55 +85,40 @@ class RunQueue:
         if self.worker is not None:
             self.worker.poke()
 
-    async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
-                      delay: float = 0.0, budget: dict[str, float] | None = None,
-                      checkpoint_every: int | None = None) -> RunHandle:
-        """The body of `Engine.enqueue`, whose docstring says what it does."""
-        from .._authoring.calls import RunHandle
-        from .._engine.engine import check_budget, check_checkpoint
+    def live_worker(self) -> Worker | None:
+        """This engine's worker while it runs (None: not started, or stopped)."""
+        return None if self.worker is None or self.worker.finished else self.worker
 
-        workflow = as_workflow(wf)
-        priority = check_priority(priority)
-        delay = check_delay(delay)
-        budget = check_budget(budget) if budget is not None else self.engine.budget
-        check_checkpoint(checkpoint_every)
-        if key is not None:
-            validate_key(key)
-        run_id = await self.engine._identify(workflow, input, key, False, budget, at=time.time() + delay,
-                                             priority=priority)
+    async def enqueue(self, workflow: Workflow, input: Any, key: str | None, priority: int, delay: float,
+                      budget: dict[str, float] | None) -> RunHandle:
+        """The body of `Engine.enqueue`, whose docstring says what it does (its arguments checked already)."""
+        run_id = await self.identities.identify(workflow, input, key, False, budget, at=time.time() + delay,
+                                                priority=priority)
         self.enqueued.add(run_id)
         self.poke()
         return RunHandle(run_id, workflow)
 
-    async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
-                           budget: dict[str, float] | None = None) -> list[RunHandle]:
-        """The body of `Engine.enqueue_many`, whose docstring says what it does."""
-        from .._authoring.calls import RunHandle
-        from .._engine.engine import check_budget, new_run_id
-
-        priority = check_priority(priority)
-        delay = check_delay(delay)
-        budget = check_budget(budget) if budget is not None else self.engine.budget
+    async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int, delay: float,
+                           budget: dict[str, float] | None) -> list[RunHandle]:
+        """The body of `Engine.enqueue_many`, whose docstring says what it does (`priority`, `delay` and
+        `budget` checked already; each item is checked here before anything is written)."""
         items = [_item(run) for run in runs]
-        engine = self.engine
-        named = [(workflow, input, key, *engine._identity_of(workflow, input, key)) for workflow, input, key in items]
+        named = [(workflow, input, key, *identity_of(workflow, input, key)) for workflow, input, key in items]
         at = time.time() + delay if delay else None
         ids: list[str | None] = [None] * len(named)
         for start in range(0, len(named), ENQUEUE_BATCH):
             chunk = range(start, min(start + ENQUEUE_BATCH, len(named)))
-            await self._enqueue_chunk(named, chunk, ids, at, priority, budget, new_run_id)
+            await self._enqueue_chunk(named, chunk, ids, at, priority, budget)
         self.enqueued.update(r for r in ids if r is not None)
         self.poke()
         return [RunHandle(run_id, workflow) for run_id, (workflow, *_) in zip(ids, named, strict=True)
                 if run_id is not None]
 
     async def _enqueue_chunk(self, named: list[tuple[Any, ...]], chunk: range, ids: list[str | None],
-                             at: float | None, priority: int, budget: dict[str, float] | None,
-                             new_run_id: Any) -> None:
+                             at: float | None, priority: int, budget: dict[str, float] | None) -> None:
         """Find or create the runs of `chunk` (indexes into `named`), new ones in one `create_bound`; an item
         whose identity another process is binding right now, or lost to one, goes the way `enqueue` goes."""
-        engine = self.engine
-        storage = engine.storage
+        storage = self.storage
         first: dict[str, int] = {}  # identity -> the first item of the chunk naming it
         for i in chunk:
             first.setdefault(named[i][5], i)
@@ -155,7 +137,7 @@ class RunQueue:
             if info is None:
                 slow.append(i)  # bound by another process that is writing its header now
                 continue
-            engine._valid(info)
+            self.identities.valid(info)
             if key is not None and info.header.get("input_digest") != input_digest:
                 slow.append(i)  # `enqueue` raises the key conflict, naming the bound run
                 continue
@@ -167,8 +149,8 @@ class RunQueue:
         batch = []
         for i in fresh:
             workflow, input, key, wire_input, input_digest, identity = named[i]
-            run_id = new_run_id(workflow.name)
-            header = engine._header(run_id, workflow, wire_input, input_digest, key, identity, budget)
+            run_id = _ids.new_run_id(workflow.name)
+            header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget)
             batch.append(NewRun(run_id, header, identity, expect[i], at=at, priority=priority))
         lost = storage.create_bound(batch) if batch else None
         for n, run in enumerate(batch):
@@ -178,63 +160,7 @@ class RunQueue:
             ids[fresh[n]] = run.run_id
         for i in sorted(slow):
             workflow, input, key, *_ = named[i]
-            ids[i] = await engine._identify(workflow, input, key, False, budget, at=at, priority=priority)
+            ids[i] = await self.identities.identify(workflow, input, key, False, budget, at=at, priority=priority)
         for i in chunk:
             if ids[i] is None:
                 ids[i] = ids[first[named[i][5]]]
-
-    async def start(self, *, poll: float = 0.2) -> None:
-        """The body of `Engine.start`, whose docstring says what it does."""
-        from .worker import Worker
-
-        if self.worker is None or self.worker.finished:
-            self.worker = Worker(self.engine, concurrency=self.engine.concurrency, poll=poll)
-        self.worker.start()
-
-    async def join(self, handle: RunHandle) -> Any:
-        """The body of `Engine.join`, whose docstring says what it does."""
-        if self.worker is None or self.worker.finished:
-            workflow = handle.workflow or self.engine.workflow_for(handle.run_id)
-            return await self.engine.run(workflow, run_id=handle.run_id)
-        while True:
-            info = self.engine.storage.info(handle.run_id)
-            if info is not None and info.last.get("t") == "end":
-                return joined(handle.workflow, History([info.header, info.last]))
-            await self.worker.settled(JOIN_POLL * 4)
-
-    async def drain(self) -> None:
-        """The body of `Engine.drain`, whose docstring says what it does."""
-        started = self.worker is None or self.worker.finished
-        if started:
-            await self.start()
-        worker = self.worker
-        assert worker is not None
-        waiting = list(self.enqueued)
-        try:
-            while True:
-                while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
-                    waiting.pop()
-                if not waiting and not worker.active and not worker.ending \
-                        and not self.engine.storage.due(1, skip=worker.skipped()):
-                    waiting = [r for r in self.enqueued if not self._settled(r)]  # one that was queued again
-                    if not waiting:
-                        return
-                await worker.settled(JOIN_POLL * 4)
-        finally:
-            if started:
-                await self.stop()
-
-    def _settled(self, run_id: str) -> bool:
-        """True when an enqueued run ended, parked for later, or left the queue."""
-        info = self.engine.storage.info(run_id)
-        if info is None or info.last.get("t") == "end":
-            return True
-        entry = self.engine.storage.entry(run_id)
-        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
-
-    async def stop(self) -> list[str]:
-        """The body of `Engine.stop`, whose docstring says what it does."""
-        worker, self.worker = self.worker, None
-        if worker is None:
-            return []
-        return await worker.stop()
