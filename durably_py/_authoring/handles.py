@@ -46,31 +46,31 @@ class Operator(Protocol):
 class Handle(_Future[T]):
     """The outcome of one durable operation, as an `asyncio.Future` (see the module docstring)."""
 
-    __slots__ = ("_kernel", "_op", "_args", "path", "label", "observed", "driver", "_name")
-    _kernel: Operator
-    _op: Callable[..., Coroutine[Any, Any, Any]] | None  # the operation, until it starts
-    _args: tuple[Any, ...]
+    __slots__ = ("operator", "operation", "operands", "path", "label", "observed", "driver", "task_name")
+    operator: Operator  # the kernel that made it
+    operation: Callable[..., Coroutine[Any, Any, Any]] | None  # the operation, until it starts
+    operands: tuple[Any, ...]  # the operation's arguments after the handle
     path: str  # where in the run
     label: str  # the step's name, or "ctx.sleep", "ctx.wait_for", ...
     observed: bool  # a done callback was added (someone other than a direct awaiter looks)
     driver: asyncio.Task[Any] | None  # the task the operation runs in, once it waits
-    _name: str | None
+    task_name: str | None  # set_name()'s, when called
 
     def __await__(self) -> Generator[Any, None, T]:
-        op = self._op
+        op = self.operation
         if op is not None:
-            self._op = None
-            return op(self, *self._args).__await__()
+            self.operation = None
+            return op(self, *self.operands).__await__()
         return _AWAIT(self)
 
     __iter__ = __await__
 
     def start(self) -> None:
         """Start the operation in a task of the run, if it has not started."""
-        op = self._op
+        op = self.operation
         if op is not None:
-            self._op = None
-            self._kernel.drive(self, op(self, *self._args))
+            self.operation = None
+            self.operator.drive(self, op(self, *self.operands))
 
     def add_done_callback(self, fn: Callable[[Any], object], *, context: Any = None) -> None:
         if self.label in DURABLE_WAITS and _timed(sys._getframe(1)):
@@ -83,17 +83,17 @@ class Handle(_Future[T]):
         """Cancel the operation (recorded: a replay finds it cancelled at the same point)."""
         if self.done():
             return False
-        return self._kernel.cancel_handle(self, msg)
+        return self.operator.cancel_handle(self, msg)
 
     def get_name(self) -> str:
-        return self._name or f"durably {self.label} {self.path}"
+        return self.task_name or f"durably {self.label} {self.path}"
 
     def set_name(self, value: object) -> None:
-        self._name = str(value)
+        self.task_name = str(value)
 
     def __repr__(self) -> str:
         state = "cancelled" if self.cancelled() else "done" if self.done() else \
-            "pending" if self._op is not None else "running"
+            "pending" if self.operation is not None else "running"
         return f"<durably {self.label!r} at path {self.path} {state}>"
 
 
@@ -124,14 +124,14 @@ def handle(kernel: Operator, loop: asyncio.AbstractEventLoop | None, op: Callabl
            path: str, label: str) -> Handle[Any]:
     """A new handle for the operation `op(handle, *args)` at `path`."""
     h: Handle[Any] = Handle(loop=loop)
-    h._kernel = kernel
-    h._op = op
-    h._args = args
+    h.operator = kernel
+    h.operation = op
+    h.operands = args
     h.path = path
     h.label = label
     h.observed = False
     h.driver = None
-    h._name = None
+    h.task_name = None
     return h
 
 

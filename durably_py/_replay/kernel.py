@@ -349,24 +349,24 @@ class RunKernel:
         rec = self.done.get(path)
         scope.pending = pending + 1
         h: Handle[Any] = Handle(loop=scope.loop)  # `handle()` inlined: this is every step's hot path
-        h._kernel = self
+        h.operator = self
         h.path = path
         h.label = label
         h.observed = False
         h.driver = None
-        h._name = None
+        h.task_name = None
         if rec is None:
-            h._op = self.execute
-            h._args = (scope, path, label, fn, args, opts)
+            h.operation = self.execute
+            h.operands = (scope, path, label, fn, args, opts)
             return h
         if rec.label != label:
             self.check_label(path, rec, label)
         if opts is PLAIN and type(rec) is _Ok and self.on_step is None:
-            h._op = replayed
-            h._args = (self.turns, scope, path, rec.value)
+            h.operation = replayed
+            h.operands = (self.turns, scope, path, rec.value)
         else:
-            h._op = self.replay
-            h._args = (scope, path, rec, opts)
+            h.operation = self.replay
+            h.operands = (scope, path, rec, opts)
         return h
 
     def replay_next(self, label: str, opts: StepOptions | _Schema = PLAIN,
@@ -422,7 +422,7 @@ class RunKernel:
     def op(self, scope: Scope, path: str, label: str, body: Callable[..., Awaitable[Any]], *args: Any) -> Handle:
         """A handle at `path` whose operation is `body(handle, *args)` (`operation`)."""
         h = handle(self, scope.loop, self.operation, (), path, label)
-        h._args = (body, h, *args)
+        h.operands = (body, h, *args)
         return h
 
     def composite(self, scope: Scope, path: str, label: str, body: Callable[..., Awaitable[Any]],
@@ -454,10 +454,10 @@ class RunKernel:
         if not self.turns.closed and not self.log.dead:
             if path in self.done:
                 self.turns.take(path)  # a replay: the recorded cancel (or an outcome the workflow now refuses)
-            elif h._op is None:
+            elif h.operation is None:
                 self.write(records.Err(path=path, label=h.label, attempt=1, error=dump_error(CUT_OFF),
                                        ts=time.time()))
-        h._op = None
+        h.operation = None
         for att in list(self.running):
             if att.path == path:
                 att.cancel()
