@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ._authoring.calls import RunHandle
 from ._authoring.context import AttemptContext, BudgetView, First, WorkflowContext, attempt
+from ._authoring.engine_api import EngineAPI
 from ._authoring.graphs import GraphState, NodeState, Task
 from ._authoring.handles import Handle
 from ._authoring.policies import Retry
@@ -16,10 +17,10 @@ from ._authoring.result import Err, Ok, is_ok, partition
 from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
-from ._engine.operations import BulkResult, SignalSent
+from ._engine.operations import BulkResult
 from ._events import StepEvent
 from ._state.advisories import Advisory
-from ._state.history import RunState, StepState
+from ._state.history import RunState, SignalSent, StepState
 from ._worker.schedules import Schedule, schedule
 from .errors import (
     ArgumentError,
@@ -85,6 +86,7 @@ __all__ = [
     "DependencyFailedError",
     "DurablyError",
     "Engine",
+    "EngineAPI",
     "Err",
     "FakeClock",
     "FileStorage",

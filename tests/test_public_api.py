@@ -19,7 +19,8 @@ def test_the_package_is_typed() -> None:
     assert (Path(durably_py.__file__).parent / "py.typed").is_file()
 
 
-PUBLIC_MODULES = {"__init__", "__main__", "cli", "errors", "pytest_plugin", "records", "testing"}
+PUBLIC_MODULES = {"__init__", "__main__", "errors", "pytest_plugin", "records", "testing"}
+PUBLIC_PACKAGES = {"cli", "restate", "storage", "ui"}
 
 
 def test_every_other_module_is_named_internal() -> None:
@@ -28,5 +29,7 @@ def test_every_other_module_is_named_internal() -> None:
     named = {path.stem for path in package.glob("*.py")}
     assert PUBLIC_MODULES <= named
     assert sorted(name for name in named - PUBLIC_MODULES if not name.startswith("_")) == []
-    assert {path.name for path in package.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == {
-        "restate", "storage", "ui"}
+    packages = {path.name for path in package.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert PUBLIC_PACKAGES <= packages
+    assert sorted(name for name in packages - PUBLIC_PACKAGES if not name.startswith("_")) == []
+    assert {"_authoring", "_engine", "_replay", "_state", "_view", "_worker"} <= packages  # the layers

@@ -13,11 +13,11 @@ from .._codec import from_iso
 from ..errors import ValidationError
 from .branches import First, first_of
 from .calls import Complete, LoopDone, RunHandle, check_budget_kind, current_attempt
+from .engine_api import EngineAPI
 from .policies import check_timeout
 from .result import Err, Ok
 
 if TYPE_CHECKING:
-    from .._engine.engine import Engine
     from .graphs import Task
     from .handles import Handle
 
@@ -54,7 +54,7 @@ class Kernel(Protocol):
     @property
     def history(self) -> RunHistory: ...
     @property
-    def engine(self) -> Any: ...
+    def engine(self) -> EngineAPI: ...
     @property
     def budget(self) -> dict[str, float] | None: ...
     @property
@@ -205,11 +205,11 @@ class WorkflowContext:
         return self._kernel.history.attempt
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineAPI:
         """The engine running this run (under `TestEngine`, its engine over the test's storage), for what a
         workflow asks of its own run or of others from inside a step: ``await ctx.engine.inspect(ctx.run_id)``.
         Answers change as runs move on, so ask inside a step (its result is recorded), not in the workflow body."""
-        return cast("Engine", self._kernel.engine)
+        return self._kernel.engine
 
     @property
     def scheduled_at(self) -> datetime | None:

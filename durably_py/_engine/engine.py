@@ -25,7 +25,7 @@ from .._codec import dump_error, load_value, to_iso
 from .._events import StepEvent
 from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunKernel, Selector, Spawned
 from .._state.advisories import Advisory, AdvisoryTracker
-from .._state.history import History, RunState
+from .._state.history import History, RunState, SignalSent
 from .._state.timeline import Span
 from .._threads import DaemonPool, SyncPlacement
 from .._worker.schedules import Schedule, check
@@ -39,7 +39,7 @@ from .code import CodeSource
 from .heartbeat import Heartbeat
 from .hooks import RunHook, add_run_hook, remove_run_hook, run_hooks, set_run_hook
 from .identity import Identities
-from .operations import BulkResult, Operations, SignalSent
+from .operations import BulkResult, Operations
 from .queue import RunQueue, check_delay, check_priority
 from .runs import PruneReport, Runs, check_retention
 

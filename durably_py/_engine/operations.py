@@ -23,7 +23,7 @@ from .. import records as log_format
 from .._codec import dump_error, dump_value, load_value, to_iso
 from .._events import StepEvent
 from .._replay.kernel import Selector, selects
-from .._state.history import History, RunState, path_tuple, run_status
+from .._state.history import History, RunState, SignalSent, path_tuple, run_status
 from ..errors import CorruptLogError, DurablyError, RunCancelledError, RunNotFoundError, ValidationError
 from ..storage.base import validate_name
 
@@ -182,23 +182,6 @@ BULK_STATUSES = {
     "retry": ("failed", "interrupted"),
 }
 """The statuses each operation by filter can act on; with no `status=` it selects runs in any of them."""
-
-
-@dataclass
-class SignalSent:
-    """What `Engine.signal` delivered: to which run, the run's status then, the names its open waits wait for,
-    and whether a process held it (and so reads the signal by itself)."""
-
-    run_id: str
-    name: str
-    status: str
-    awaited: list[str]
-    held: bool
-
-    @property
-    def mismatched(self) -> bool:
-        """The run waits for signals, none of them this one: it stays in the inbox until a wait for it."""
-        return self.status == "waiting" and bool(self.awaited) and self.name not in self.awaited
 
 
 @dataclass

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._authoring.calls import RunHandle
+from .._authoring.engine_api import EngineAPI
 from .._authoring.workflow import Workflow
 from .._state.history import path_tuple
 
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from .kernel import RunKernel
 
 
-class EngineServices(Protocol):
-    """What the kernel asks of the engine that runs it (`engine.Engine` implements it): child runs, gates."""
+class EngineServices(EngineAPI, Protocol):
+    """What the kernel asks of the engine that runs it (`engine.Engine` implements it): child runs, gates, and
+    what a workflow asks of it through `ctx.engine` (`EngineAPI`)."""
 
     concurrency: int
     gates: Gates

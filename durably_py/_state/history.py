@@ -410,6 +410,23 @@ class StepState:
 
 
 @dataclass
+class SignalSent:
+    """What `Engine.signal` delivered: to which run, the run's status then, the names its open waits wait for,
+    and whether a process held it (and so reads the signal by itself)."""
+
+    run_id: str
+    name: str
+    status: str
+    awaited: list[str]
+    held: bool
+
+    @property
+    def mismatched(self) -> bool:
+        """The run waits for signals, none of them this one: it stays in the inbox until a wait for it."""
+        return self.status == "waiting" and bool(self.awaited) and self.name not in self.awaited
+
+
+@dataclass
 class RunState:
     """A run as `inspect` and `list` describe it."""
 

@@ -30,7 +30,7 @@ from .._state.history import RunState
 from ..errors import DurablyError, NotSupportedError, ValidationError
 
 if TYPE_CHECKING:
-    from .._engine.operations import SignalSent
+    from .._state.history import SignalSent
     from ..restate.client import RestateClient
 
 OPERATED_LOCALLY = "Restate workflows cannot be paused, retried from a step or restarted by durably"

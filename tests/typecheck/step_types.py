@@ -30,8 +30,8 @@ async def typed(ctx: WorkflowContext, url: str) -> int:
 async def knows_itself(ctx: WorkflowContext) -> None:
     from datetime import datetime
 
-    from durably_py import Engine, NonRetryableError, Retry
+    from durably_py import EngineAPI, NonRetryableError, Retry
 
     assert_type(ctx.scheduled_at, datetime | None)
-    assert_type(ctx.engine, Engine)
+    assert_type(ctx.engine, EngineAPI)
     await ctx.step(count, "x", retry=Retry(None, backoff="constant", give_up_on=NonRetryableError, deadline=60))
