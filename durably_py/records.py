@@ -406,6 +406,26 @@ def kind(record: _Base) -> str:
     return type(record).__struct_config__.tag  # type: ignore[return-value]
 
 
+def kind_of(record: object) -> str | None:
+    """The kind of a record, typed or as a plain object (what storage summaries hold); None when it is neither."""
+    if isinstance(record, _Base):
+        return kind(record)
+    found = record.get("t") if isinstance(record, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def end_status(record: object) -> str | None:
+    """How a run ended, when `record` (typed or a plain object) is its end record ("completed", "failed",
+    "cancelled"); None for any other record."""
+    if isinstance(record, End):
+        return record.status
+    if kind_of(record) != "end":
+        return None
+    assert isinstance(record, dict)
+    status = record.get("status")
+    return status if isinstance(status, str) else None
+
+
 def decode_fast(data: bytes) -> list[Any] | None:
     """Every line of `data` as typed records, or None when any line is not a valid record of this version.
 

@@ -473,6 +473,21 @@ def test_list_runs_newest_first_with_held_flags(store: Any) -> None:
     assert [i.held for i in store.list_runs()] == [False, False]
 
 
+def test_run_info_reads_its_header_and_last_record_typed(store: Any) -> None:
+    store.create("kid", header("kid", parent="mom", detached=True, input_digest="d1", identity="key:k"))
+    store.create("plain", header("plain"))
+    kid, plain = store.info("kid"), store.info("plain")
+    assert (kid.kind, kid.ended, kid.end_status) == ("run", False, None)
+    assert (kid.parent, kid.detached, kid.input_digest, kid.identity) == ("mom", True, "d1", "key:k")
+    assert (plain.parent, plain.detached, plain.input_digest, plain.identity) == (None, False, None, None)
+    lease = store.claim("kid", "me", LONG)
+    store.append(lease, line(t="end", status="failed", error=None, ts=1.0))
+    store.release(lease)
+    ended = store.info("kid")
+    assert (ended.kind, ended.ended, ended.end_status) == ("end", True, "failed")
+    assert [i.run_id for i in store.list_runs() if i.ended] == ["kid"]
+
+
 def test_sync_counts_fsyncs(store: Any) -> None:
     lease = started(store)
     before = store.fsyncs

@@ -517,8 +517,8 @@ class ChildRuns:
             self.fresh.discard(run_id)
             return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
         info = self.storage.info(run_id)
-        if info is not None and info.last.get("t") == "end" and (
-                info.last.get("status") != "failed" or not rerun_failed):
+        if info is not None and info.ended and (
+                info.end_status != "failed" or not rerun_failed):
             return joined(workflow, History([info.header, info.last], f"run {run_id}"))
         if not rerun_failed:
             return await self.run(workflow or self.workflow_for(run_id), run_id=run_id, advisories="silent")
@@ -542,7 +542,7 @@ class ChildRuns:
         info = self.storage.info(run_id)
         if info is None:
             return None
-        if info.last.get("t") == "end":
+        if info.ended:
             history = History([info.header, info.last], f"run {run_id}")
         elif self.storage.entry(run_id) is None:
             history, _ = self.read(run_id)

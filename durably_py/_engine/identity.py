@@ -86,7 +86,7 @@ def check_bound(identity: str, info: RunInfo, parent: str | None = None) -> None
     """Refuse a run that `identity` points at but that was created for another identity (two runs given one id:
     a collision of its random bits, or ids forced by hand), so one run is never taken for two. A header
     without an identity (an older log) is taken at its word."""
-    recorded = info.header.get("identity")
+    recorded = info.identity
     if recorded is None or recorded == identity:
         return
     whose = f"run {parent}" if parent is not None else "this run"
@@ -130,14 +130,14 @@ class Identities:
             if info is not None and not fresh:
                 self.valid(info)
                 check_bound(identity, info)
-                if key is not None and info.header.get("input_digest") != input_digest:
+                if key is not None and info.input_digest != input_digest:
                     bound = load_value(info.header.get("input"))
                     raise KeyConflictError(
                         f"key {key!r} is bound to run {info.run_id} with input {bound!r}, not {input!r}",
                         hint="Pass the same input to resume that run, another key for a new run, or fresh=True "
                              "to rebind the key.",
                         run_id=info.run_id, key=key, bound_input=bound, input=input)
-                if not (info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled")):
+                if info.end_status not in ("completed", "cancelled"):
                     return info.run_id
             run_id = _ids.new_run_id(workflow.name)
             if storage.bind(identity, run_id, expect=previous):

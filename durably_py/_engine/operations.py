@@ -265,7 +265,7 @@ class Operations:
         out = []
         for child in state.children:
             info = self.storage.info(child)
-            if info is not None and not info.header.get("detached") and info.last.get("t") != "end":
+            if info is not None and not info.detached and not info.ended:
                 out.append(child)
         return out
 

@@ -138,10 +138,10 @@ class RunQueue:
                 slow.append(i)  # bound by another process that is writing its header now
                 continue
             self.identities.valid(info)
-            if key is not None and info.header.get("input_digest") != input_digest:
+            if key is not None and info.input_digest != input_digest:
                 slow.append(i)  # `enqueue` raises the key conflict, naming the bound run
                 continue
-            if info.last.get("t") == "end" and info.last.get("status") in ("completed", "cancelled"):
+            if info.end_status in ("completed", "cancelled"):
                 fresh.append(i)
                 expect[i] = previous
                 continue

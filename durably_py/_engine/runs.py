@@ -380,7 +380,7 @@ class Runs:
     def brief(self, info: RunInfo) -> History:
         """Enough history for a run's status, so `list` and `inspect` agree whatever the last record is: the
         header and last record of a run that ended or never started, else the whole log."""
-        last = info.last.get("t")
+        last = info.kind
         if last not in ("end", "run", "pause"):
             try:
                 return self.read(info.run_id)[0]
@@ -522,7 +522,7 @@ class Runs:
             return "its log is damaged"
         if status not in wanted:
             return f"it is {status}"
-        parent = info.header.get("parent") if isinstance(info.header, dict) else None
+        parent = info.parent
         if isinstance(parent, str):
             ended = parents.get(parent)
             if ended is None:

@@ -147,7 +147,7 @@ class Control:
                 if not self.history.paused:
                     return
                 info = self.storage.info(self.run_id)
-                if info is not None and info.last.get("t") != "pause":
+                if info is not None and info.kind != "pause":
                     self.log.write(records.Pause(ts=time.time()))  # keeps `list`, which reads the last record, exact
                 self.turns.wake()
                 await asyncio.sleep(self.poll)

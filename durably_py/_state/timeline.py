@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from ..records import kind_of
 from .history import path_tuple
 
 INTERNAL = ("ctx.sleep", "ctx.wait_for")
@@ -70,7 +71,7 @@ def spans(records: list[dict[str, Any]]) -> list[Span]:
         return True
 
     for rec in records[1:]:
-        t = rec.get("t")
+        t = kind_of(rec)
         path = rec.get("p")
         ts = rec.get("ts")
         if not isinstance(path, str) or not isinstance(ts, int | float):

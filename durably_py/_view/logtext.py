@@ -14,6 +14,7 @@ from typing import Any
 
 from .._engine.runs import owner_text
 from .._state.history import path_tuple
+from ..records import kind_of
 from .live import duration_text, when_text
 
 Segment = tuple[str, str]  # text, rich style ("" for none)
@@ -49,7 +50,7 @@ def record_time(rec: dict[str, Any]) -> str:
     if isinstance(ts, int | float) and not isinstance(ts, bool):
         when = datetime.fromtimestamp(ts, UTC)
     else:
-        stamp = rec.get("at") if rec.get("t") == "claim" else rec.get("created_at")
+        stamp = rec.get("at") if kind_of(rec) == "claim" else rec.get("created_at")
         try:
             when = datetime.fromisoformat(stamp) if isinstance(stamp, str) else None
         except ValueError:
@@ -99,7 +100,7 @@ def _ok(rec: dict[str, Any]) -> list[Segment]:
 
 def _failed(rec: dict[str, Any]) -> list[Segment]:
     out = [(f"attempt {rec.get('a', 1)} failed: {error_text(rec.get('e'))}", "red")]
-    if rec.get("t") == "fail" and rec.get("next"):
+    if kind_of(rec) == "fail" and rec.get("next"):
         out.append((f"  retry at {when_text(rec['next'])}", "yellow"))
     return out
 
@@ -229,7 +230,7 @@ LINES: dict[str, Callable[[dict[str, Any]], list[Segment]]] = {
 
 def record_segments(rec: dict[str, Any]) -> list[Segment]:
     """One log record as the segments of its line: time, the step it is about, what happened."""
-    kind = str(rec.get("t"))
+    kind = str(kind_of(rec))
     out: list[Segment] = [(record_time(rec), "bright_black"), ("  ", "")]
     where = record_path(rec.get("p"))
     if where and kind != "patch":

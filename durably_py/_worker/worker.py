@@ -217,7 +217,7 @@ class Worker:
         schema = handle.workflow.output_schema if handle.workflow is not None else None
         while True:
             info = storage.info(handle.run_id)
-            if info is not None and info.last.get("t") == "end":
+            if info is not None and info.ended:
                 return History([info.header, info.last]).outcome(schema)
             await self.settled(JOIN_POLL * 4)
 
@@ -239,10 +239,10 @@ class Worker:
         """True when an enqueued run ended, parked for later, or left the queue."""
         storage = self.engine.storage
         info = storage.info(run_id)
-        if info is None or info.last.get("t") == "end":
+        if info is None or info.ended:
             return True
         entry = storage.entry(run_id)
-        return entry is None or (info.last.get("t") != "run" and (entry.at is None or entry.at > time.time()))
+        return entry is None or (info.kind != "run" and (entry.at is None or entry.at > time.time()))
 
     async def settled(self, timeout: float) -> None:
         """Wait until a run this worker ran stops, or `timeout` seconds."""

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, ValidationError
-from ..records import LOG_VERSION, Claim, End, Header, decode_fast
+from ..records import LOG_VERSION, Claim, Header, decode_fast, end_status, kind_of
 from ..records import encode as encode_record
 from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
 
@@ -177,7 +177,7 @@ def validate_header(run_id: str, header: object) -> dict[str, Any]:
     """The decoded header if `header` is one ``{"t": "run", ...}`` line for `run_id`, else `ValidationError`."""
     header = validate_lines(header)
     record = decode_record(header) if header.count(b"\n") == 1 else None
-    if record is None or record.get("t") != "run" or record.get("run_id", run_id) != run_id:
+    if record is None or kind_of(record) != "run" or record.get("run_id", run_id) != run_id:
         raise ValidationError(
             f"invalid header for run {run_id!r}: expected one line {{\"t\": \"run\", \"run_id\": {run_id!r}, ...}}",
             hint="Create runs through the kernel, which writes the header.",
@@ -244,7 +244,7 @@ def validate_rewrite(run_id: str, data: object) -> bytes:
         records, _, torn = parse_log(data, f"the rewrite of run {run_id}")
     except CorruptLogError as exc:
         raise ValidationError(str(exc)) from None
-    if torn or records[0].get("t") != "run":
+    if torn or kind_of(records[0]) != "run":
         raise ValidationError(
             f"a rewrite of run {run_id} must be whole JSON-object lines starting with the run header",
             hint=torn or "Put the header record first.",
@@ -257,7 +257,7 @@ def max_epoch(records: list[Any]) -> int:
     if records and isinstance(records[0], Header):
         epochs: list[Any] = [r.epoch for r in records if type(r) is Claim]
     else:
-        epochs = [r.get("epoch") for r in records if isinstance(r, dict) and r.get("t") == "claim"]
+        epochs = [r.get("epoch") for r in records if isinstance(r, dict) and kind_of(r) == "claim"]
     return max((e for e in epochs if isinstance(e, int) and not isinstance(e, bool)), default=0)
 
 
@@ -293,7 +293,7 @@ def claimed(records: list[Any], epoch: int, owner: str) -> bytes:
 def ended(records: list[Any]) -> bool:
     """True when the log's last record is an end record: `claim` refuses such a run unless it reopens it."""
     last = records[-1] if records else None
-    return type(last) is End or (isinstance(last, dict) and last.get("t") == "end")
+    return kind_of(last) == "end"
 
 
 def checked(records: list[Any], where: str, check: Check | None) -> list[Any]:
@@ -343,6 +343,46 @@ class RunInfo:
     updated_at: float
     epoch: int = 0  # how many times the run was claimed (its workflow attempt)
     state: str | None = None  # the catalog's state ("open" or the end status) where the adapter keeps one
+
+    @property
+    def kind(self) -> str | None:
+        """The kind of the run's last record: "run" before its first claim, "end" once it ended, ..."""
+        return kind_of(self.last)
+
+    @property
+    def ended(self) -> bool:
+        """True when the run's last record is its end."""
+        return kind_of(self.last) == "end"
+
+    @property
+    def end_status(self) -> str | None:
+        """How the run ended ("completed", "failed" or "cancelled"), None while it has not."""
+        return end_status(self.last)
+
+    @property
+    def parent(self) -> str | None:
+        """The run this one is a child of, from its header."""
+        return _text(self.header, "parent")
+
+    @property
+    def detached(self) -> bool:
+        """A child run its parent does not wait for or cancel with it (its header says)."""
+        return self.header.get("detached") is True if isinstance(self.header, dict) else False
+
+    @property
+    def input_digest(self) -> str | None:
+        """The digest of the run's input (its identity under a key), from its header."""
+        return _text(self.header, "input_digest")
+
+    @property
+    def identity(self) -> str | None:
+        """How the run was named (by input or by key), from its header."""
+        return _text(self.header, "identity")
+
+
+def _text(header: object, name: str) -> str | None:
+    value = header.get(name) if isinstance(header, dict) else None
+    return value if isinstance(value, str) else None
 
 
 @dataclass

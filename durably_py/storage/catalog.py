@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from ..errors import ValidationError
-from ..records import is_end_line, is_open_line, may_change_state
+from ..records import is_end_line, is_open_line, kind_of, may_change_state
 
 OPEN = "open"
 ENDED = ("completed", "failed", "cancelled")
@@ -38,7 +38,7 @@ def state_of(records: Any) -> str:
     (so the engine reads it, and lists it as damaged, instead of trusting an end)."""
     state = OPEN
     for number, record in enumerate(records):
-        kind = record.get("t") if isinstance(record, dict) or hasattr(record, "get") else None
+        kind = kind_of(record)
         if number == 0 and kind != "run":
             return OPEN
         if kind == "end":

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from ..records import kind_of
 from .catalog import OPEN, RunFilter, header_fields, state_after
 
 _SCHEMA = """
@@ -185,7 +186,7 @@ class FileCatalog:
             except msgspec.DecodeError:
                 header = None
             workflow, key, parent = header_fields(header)
-            good = isinstance(header, dict) and header.get("t") == "run"
+            good = isinstance(header, dict) and kind_of(header) == "run"
             state = state_after(OPEN, data) if good else OPEN
         return (run_id, workflow, key, parent, state, st.st_mtime, start + len(data))
 

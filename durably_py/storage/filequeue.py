@@ -74,7 +74,7 @@ class FileQueue:
                 if not name.endswith(".jsonl") or name.startswith(".") or not is_run_id(run_id):
                     continue
                 info = self._info(run_id)
-                if info is not None and info.last.get("t") != "end" and self.read(run_id) is None:
+                if info is not None and not info.ended and self.read(run_id) is None:
                     self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
         self._ready_dir = True
 

@@ -39,7 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
-from ..records import is_end_line, may_change_state
+from ..records import is_end_line, kind_of, may_change_state
 from .base import (
     Check,
     Choose,
@@ -157,7 +157,7 @@ def _ensure_catalog(conn: Any, schema: str) -> None:
             chunks = conn.execute(f'SELECT data FROM "{schema}".records WHERE run_id = %s ORDER BY seq',
                                   (run_id,)).fetchall()
             header = decode_record(bytes(header_line))
-            good = (header or {}).get("t") == "run"
+            good = kind_of(header) == "run"
             state = state_after(OPEN, b"".join(bytes(c[0]) for c in chunks)) if good else OPEN
             conn.execute(f'UPDATE "{schema}".runs SET workflow = %s, key = %s, parent = %s, state = %s'
                          " WHERE run_id = %s", (*header_fields(header), state, run_id))

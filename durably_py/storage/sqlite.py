@@ -39,7 +39,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
-from ..records import is_end_line, may_change_state
+from ..records import is_end_line, kind_of, may_change_state
 from .base import (
     Check,
     Choose,
@@ -747,7 +747,7 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
         for run_id, header in db.execute("SELECT run_id, header FROM runs").fetchall():
             data = b"".join(row[0] for row in db.execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq",
                                                          (run_id,)))
-            good = (decode_record(header) or {}).get("t") == "run"
+            good = kind_of(decode_record(header)) == "run"
             db.execute("UPDATE runs SET workflow = ?, key = ?, parent = ?, state = ? WHERE run_id = ?",
                        (*header_fields(decode_record(header)), state_after(OPEN, data) if good else OPEN, run_id))
     if "touched" not in have:

@@ -31,6 +31,7 @@ from .._state.history import RunState
 from .._view.live import is_step
 from .._view.logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
+from ..records import kind_of
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
@@ -314,7 +315,7 @@ class Console:
             records = await self.engine.records(run)
             unread = self.engine.runs.unread(self.engine.resolve(run))
             shown = [*records[-LOG_LINES:], *({"t": "signal", **m} for m in unread)]
-            return {"records": len(records), "lines": [{"t": rec.get("t"), "text": record_text(rec)} for rec in shown]}
+            return {"records": len(records), "lines": [{"t": kind_of(rec), "text": record_text(rec)} for rec in shown]}
         return await self._read_one(request, lines, lambda found: found)
 
     async def _read_one(self, request: Request, call: Callable[[str], Awaitable[Any]],
