@@ -270,8 +270,9 @@ class Operations:
         return out
 
     # ---- cancel, pause, resume ------------------------------------------------------------------
-    async def operate(self, operation: Operation, run: str, timeout: float) -> RunState:
-        """Do `operation` to a run (by id or key), then to its attached children: the one request-and-wait path."""
+    async def operate(self, operation: Operation, run: str, timeout: float, *, cascaded: bool = False) -> RunState:
+        """Do `operation` to a run (by id or key), then to its attached children: the one request-and-wait path.
+        A `cascaded` child run that ended by itself since its parent looked has nothing left to do: it is no error."""
         check_timeout(timeout, operation)
         run_id = self.runs.resolve(run)
         deadline = time.monotonic() + timeout
@@ -279,6 +280,8 @@ class Operations:
         while True:
             history = self.history(run_id)
             held = self.storage.held(run_id)
+            if cascaded and history.end is not None and not held:
+                break
             if operation.settled(self, run_id, history, held, asked, acted):
                 break
             if held:
@@ -304,7 +307,7 @@ class Operations:
         state = await self.runs.inspect(run_id)
         for child in self.attached(state):
             if operation.follows(self.status(child)):
-                await self.operate(operation, child, max(deadline - time.monotonic(), 0))
+                await self.operate(operation, child, max(deadline - time.monotonic(), 0), cascaded=True)
         return state
 
     async def cancel(self, run: str, *, timeout: float = 30.0, compensate: bool = False,
