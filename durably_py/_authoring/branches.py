@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..errors import PurityError, ValidationError
+from .paths import Scope, current_scope
 from .result import Err, Ok
 
 
@@ -109,6 +110,18 @@ def outside_workflow() -> PurityError:
     """The error for a ctx call made while no workflow function of this run is running."""
     return PurityError("ctx was used outside its running workflow",
                        hint="Call ctx methods only while the workflow function runs.")
+
+
+def strand_scope(failed: Callable[[PurityError], Exception] = lambda error: error) -> Scope:
+    """The calling strand's scope: paths may only be allocated by the task that owns it (`failed` turns the
+    error of a foreign task into the one the mode raises)."""
+    try:
+        scope = current_scope.get()
+    except LookupError:
+        raise outside_workflow() from None
+    if scope.owner is not None and scope.owner is not asyncio.current_task():
+        raise failed(foreign_strand())
+    return scope
 
 
 def foreign_strand() -> PurityError:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .. import records
-from .._authoring.branches import checked_branches, foreign_strand, outside_workflow, run_branches
+from .._authoring.branches import checked_branches, run_branches, strand_scope
 from .._authoring.calls import (
     LABELS,
     PLAIN,
@@ -281,13 +281,7 @@ class RunKernel:
     # ---- steps ----------------------------------------------------------------------------------
     def scope(self) -> Scope:
         """The calling strand's scope; paths may only be allocated by the task that owns it."""
-        try:
-            scope = current_scope.get()
-        except LookupError:
-            raise outside_workflow() from None
-        if scope.owner is not None and scope.owner is not asyncio.current_task():
-            raise self.replay_failed(foreign_strand())
-        return scope
+        return strand_scope(self.replay_failed)
 
     def check_label(self, path: str, rec: records.Ok | records.Err, label: str) -> None:
         recorded = rec.label

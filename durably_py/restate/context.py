@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from .._authoring.branches import checked_branches, foreign_strand, outside_workflow, run_branches
+from .._authoring.branches import checked_branches, run_branches, strand_scope
 from .._authoring.calls import (
     Complete,
     LoopDone,
@@ -76,13 +76,7 @@ class RestateKernel:
 
     def scope(self) -> Scope:
         """The calling strand's scope; paths may only be allocated by the task that owns it."""
-        try:
-            scope = current_scope.get()
-        except LookupError:
-            raise outside_workflow() from None
-        if scope.owner is not None and scope.owner is not asyncio.current_task():
-            raise foreign_strand()
-        return scope
+        return strand_scope()
 
     # ---- steps ------------------------------------------------------------------------------------------
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Any:
