@@ -265,13 +265,15 @@ class Wait(_Base, tag="wait", omit_defaults=False):
 
 class Park(_Base, tag="park"):
     """The run parked holding no process (a worker served it): in the join at `path` until its child runs
-    end (`count` of them, the first ids in `children`), or in the retry backoff of the step at `path` until
-    `until` (ISO 8601). The next claim of the run ends the park."""
+    end (`count` of them, the first ids in `children`), in the retry backoff of the step at `path` until
+    `until` (ISO 8601), or (`limit`, e.g. "tenant:alice concurrency 2/2") waiting for a limit to let the step
+    at `path` start, until a permit comes back or `until` at the latest. The next claim of the run ends the park."""
 
     path: str = msgspec.field(name="p")
     children: list[str] | None = None
     count: int | None = None
     until: str | None = None
+    limit: str | None = None
     ts: float | None = None
 
 

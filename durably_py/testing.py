@@ -371,7 +371,8 @@ class TestEngine:
 
     def __init__(self, *, clock: FakeClock | None = None, shadow: bool = True, storage: Storage | None = None) -> None:
         self.clock: FakeClock = clock if clock is not None else FakeClock()
-        self.storage: Storage = storage if storage is not None else MemoryStorage()
+        self.storage: Storage = storage if storage is not None else MemoryStorage(
+            clock=lambda: self.clock.now().timestamp())
         self.engine = Engine(self.storage, clock=self.clock)
         self.shadow = shadow
         self.sync = SyncTestEngine(self)

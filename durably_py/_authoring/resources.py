@@ -1,14 +1,12 @@
-"""Shared limits on steps across every run of an engine: concurrency keys and named resources
-(rate limit, circuit breaker, concurrency)."""
+"""Shared limits on steps across every run and every process sharing a store: concurrency keys and named
+resources (rate limit, circuit breaker, concurrency), declared where the workflows are."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from ..errors import CircuitOpenError, ValidationError
+from ..errors import ValidationError
 
 
 def _positive(value: object, what: str, *, integer: bool = False) -> None:
@@ -21,14 +19,20 @@ def _positive(value: object, what: str, *, integer: bool = False) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RateLimit:
-    """At most `max` step attempts start in any `per` seconds."""
+    """At most `max` step attempts start in any `per` seconds (`window="sliding"`), or in each `per`-second
+    window counted from the epoch (`window="fixed"`: cheaper to reason about, allows a burst at a boundary)."""
 
     max: int
     per: float
+    window: str = "sliding"
 
     def __post_init__(self) -> None:
         _positive(self.max, "RateLimit(max=)", integer=True)
         _positive(self.per, "RateLimit(per=)")
+        if self.window not in ("sliding", "fixed"):
+            raise ValidationError(f"RateLimit(window=) must be 'sliding' or 'fixed', got {self.window!r}",
+                                  hint="RateLimit(60, per=60) is sliding: at most 60 starts in any minute.",
+                                  docs="docs/policies.md#resources")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,72 +75,49 @@ class Resource:
 
 def resource(name: str, *, rate_limit: RateLimit | None = None, breaker: Breaker | None = None,
              concurrency: int | None = None) -> Resource:
-    """Declare a shared resource; pass it to `create_engine(resources=[...])` and name it in `ctx.step(uses=...)`."""
-    return Resource(name, rate_limit, breaker, concurrency)
+    """Declare a shared resource, at module level beside the workflows that name it in `ctx.step(uses=name)`.
+
+    Its limits live in the storage, so they hold across every run and every process sharing the store (a
+    fleet of `durably worker`s included); every process that imports the module knows the resource. Passing
+    it to `create_engine(resources=[...])` as well is allowed (the engine's own list wins over declarations)."""
+    declared = Resource(name, rate_limit, breaker, concurrency)
+    RESOURCES[name] = declared
+    return declared
 
 
-@dataclass
-class Gate:
-    """The live state behind one concurrency key or resource: slots, recent starts, breaker outcomes."""
+RESOURCES: dict[str, Resource] = {}
+"""Every resource this process declared (`resource(...)`), by name: where the workflows are declared, so
+`run()`, `engine.start()` and `durably worker --import MODULE` all find them. The latest declaration of a
+name wins (a module imported again declares its resources again)."""
 
-    name: str
-    limit: int | None = None
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One limit a step attempt must pass, kept in the storage under `key` so that every process sharing the
+    store enforces it: a resource's (`uses=`) or a concurrency key's (`concurrency_key=`)."""
+
+    key: str  # where the storage keeps its state: "resource:NAME" or "key:KEY"
+    label: str  # what `list`, `inspect` and the console call it: the resource's name, or the key
+    concurrency: int | None = None  # None: the limit stored by an earlier step with this key, if any
     rate: RateLimit | None = None
     breaker: Breaker | None = None
-    active: int = 0
-    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
-    starts: deque[float] = field(default_factory=deque)
-    outcomes: deque[tuple[float, bool]] = field(default_factory=deque)
-    open_until: float = 0.0
 
-    async def acquire(self) -> None:
-        """Wait for a slot and the rate limit; raise `CircuitOpenError` while the breaker is open."""
-        if self.breaker is not None and time.monotonic() < self.open_until:
-            raise CircuitOpenError(
-                f"resource {self.name!r} is failing; its breaker stays open for "
-                f"{self.open_until - time.monotonic():.1f}s more",
-                resource=self.name)
-        while self.limit is not None and self.active >= self.limit:
-            fut = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self.waiters:
-                    self.waiters.remove(fut)
-        self.active += 1
-        if self.rate is not None:
-            while True:
-                now = time.monotonic()
-                while self.starts and self.starts[0] <= now - self.rate.per:
-                    self.starts.popleft()
-                if len(self.starts) < self.rate.max:
-                    self.starts.append(now)
-                    break
-                await asyncio.sleep(self.starts[0] + self.rate.per - now)
 
-    def release(self, ok: bool | None) -> None:
-        """Free the slot; `ok` feeds the breaker (None: the attempt neither succeeded nor failed)."""
-        self.active -= 1
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                break
-        if self.breaker is None or ok is None:
-            return
-        now = time.monotonic()
-        self.outcomes.append((now, ok))
-        while self.outcomes and self.outcomes[0][0] <= now - self.breaker.window:
-            self.outcomes.popleft()
-        failed = sum(1 for _, good in self.outcomes if not good)
-        if len(self.outcomes) >= self.breaker.min_calls and failed / len(self.outcomes) >= self.breaker.failure_rate:
-            self.open_until = now + self.breaker.cooldown
-            self.outcomes.clear()
+def undeclared(name: str, known: Iterable[str]) -> ValidationError:
+    """The error of a step that names a resource nobody declared, with the declaration to write."""
+    return ValidationError(
+        f"step uses={name!r}, but no resource {name!r} is declared in this process "
+        f"(declared: {', '.join(sorted(known)) or 'none'})",
+        hint=f"Declare it at module level, beside your workflows, so every process that imports them knows "
+             f"it: `{name.replace('-', '_').replace('.', '_')} = durably_py.resource({name!r}, concurrency=8, "
+             f"rate_limit=durably_py.RateLimit(60, per=60))`. `durably worker --import MODULE` then finds it.",
+        docs="docs/policies.md#resources")
 
 
 class Gates:
-    """Every gate of one engine, by concurrency key and by resource name."""
+    """The limits of one engine's steps: the resources given to `create_engine(resources=...)`, then those
+    declared in this process (`resource(...)`), and concurrency keys. The limits' state lives in the storage
+    (see `_replay.limits`); this only says which limits a step must pass."""
 
     def __init__(self, resources: list[Resource] | tuple[Resource, ...] = ()) -> None:
         self.resources: dict[str, Resource] = {}
@@ -146,29 +127,21 @@ class Gates:
                                       hint="create_engine(resources=[resource('openai', concurrency=8)])",
                                       docs="docs/policies.md#resources")
             self.resources[res.name] = res
-        self.keys: dict[str, Gate] = {}
-        self.named: dict[str, Gate] = {
-            r.name: Gate(r.name, r.concurrency, r.rate_limit, r.breaker) for r in self.resources.values()
-        }
+
+    def find(self, name: str) -> Resource:
+        """The resource `name`: the engine's own, else the one declared in this process."""
+        found = self.resources.get(name) or RESOURCES.get(name)
+        if found is None:
+            raise undeclared(name, {*self.resources, *RESOURCES})
+        return found
 
     def for_step(self, concurrency_key: str | None, concurrency_limit: int | None,
-                 uses: str | None) -> list[Gate]:
-        """The gates a step attempt must pass, in a fixed order (resource first, then key)."""
-        gates = []
+                 uses: str | None) -> tuple[Limit, ...]:
+        """The limits a step attempt must pass, in a fixed order (resource first, then key)."""
+        limits: list[Limit] = []
         if uses is not None:
-            gate = self.named.get(uses)
-            if gate is None:
-                raise ValidationError(
-                    f"step uses={uses!r}, but the engine has no such resource "
-                    f"(known: {', '.join(sorted(self.named)) or 'none'})",
-                    hint="Declare it: create_engine(resources=[resource(name, ...)]).",
-                    docs="docs/policies.md#resources")
-            gates.append(gate)
+            res = self.find(uses)
+            limits.append(Limit(f"resource:{res.name}", res.name, res.concurrency, res.rate_limit, res.breaker))
         if concurrency_key is not None:
-            gate = self.keys.get(concurrency_key)
-            if gate is None:
-                gate = self.keys[concurrency_key] = Gate(concurrency_key)
-            if concurrency_limit is not None:
-                gate.limit = concurrency_limit
-            gates.append(gate)
-        return gates
+            limits.append(Limit(f"key:{concurrency_key}", concurrency_key, concurrency_limit))
+        return tuple(limits)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .ports import Hooks
 
 CONTROL_EVERY = 0.5
+LIMIT_LOOK = 0.5  # seconds between looks at a limit a run waits for in its own process
 DEFAULT_CLEANUP = 60.0  # seconds a cancelled workflow may spend on clean-up before it is stopped
 
 
@@ -327,6 +328,25 @@ class Control:
             self.log.write(records.Err(path=att.path, label=att.label, attempt=att.number,
                                        error=dump_error(self.cancel_error), ts=time.time()))
             raise self.cancel_error
+
+    async def limited(self, path: str, label: str, reason: str, wait: float | None, signal: str,
+                      released: asyncio.Future[None], recheck: float) -> None:
+        """Rest until a limit (`_replay.limits`) may let the attempt at `path` start: `wait` seconds for a rate
+        limit's window, else until a permit comes back (`released`, in this process) or `recheck` seconds
+        pass. A run a worker serves parks meanwhile when the rest of it rests too (due again then, or at once on
+        `signal`); nothing is recorded but the park, so the attempt starts afresh when it may."""
+        seconds = recheck if wait is None else wait
+        due = self.clock.now() + timedelta(seconds=seconds)
+        rest = Rest("waiting", f"waiting for {reason}", parkable=not self.wait, at=due.timestamp(),
+                    signal=signal if wait is None else None, path=path, label=label,
+                    record=records.Park(path=path, until=to_iso(due), limit=reason, ts=time.time()))
+        with self.resting(rest):
+            await self.boundary(force=True)
+            if wait is not None:
+                await self.nap(due)
+                return
+            # a permit given back here wakes it at once; one given back in another process, at its next look
+            await asyncio.wait((released,), timeout=min(seconds, max(self.poll, LIMIT_LOOK)))
 
     # ---- durable sleeps and waits for signals ------------------------------------------------
     def check_durable_wait(self, h: Handle) -> None:

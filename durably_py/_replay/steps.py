@@ -36,8 +36,15 @@ from .._codec import dump_error, dump_output, dump_value, from_iso, load_value, 
 from .._events import StepEvent
 from .._state.advisories import RetryStormWindow
 from .._state.history import path_tuple
-from ..errors import BudgetExceededError, SerializationError, StepInterruptedError, StepTimeoutError
+from ..errors import (
+    BudgetExceededError,
+    CircuitOpenError,
+    SerializationError,
+    StepInterruptedError,
+    StepTimeoutError,
+)
 from .control import Control
+from .limits import Limiter
 from .log import DEFAULT_SYNC_SECONDS, RunLog
 from .stops import CUT_OFF, Crash, Rest, is_run_cancel
 from .tasks import current_task, get_ident, running_task
@@ -110,6 +117,7 @@ class Steps:
         self.event_thread = 0  # and its thread
         self.next_yield = 0.0
         self.branches = 0  # `ctx.parallel` fan-outs running
+        self.limiter = Limiter(log.storage, log.run_id, log.lease.epoch, control)
 
     def emit(self, path: str, label: str, status: str, attempt: int, ms: float | None = None,
              error: BaseException | None = None) -> None:
@@ -324,19 +332,26 @@ class Steps:
         is_async = is_async_callable(fn)
         control = self.control
         while True:
-            if opts.unsafe:
-                self.log.write(records.Start(path=path, label=label, attempt=number, ts=time.time()))
-                self.log.sync()
             stash = self.history.stashes.get(path)
             att = self.new_attempt(path, number, load_value(stash.value) if stash else None)
             att.label = label
+            limits = self.gates.for_step(opts.concurrency_key, opts.concurrency_limit, opts.uses) \
+                if opts.concurrency_key is not None or opts.uses is not None else ()
+            if limits:
+                h.driver = current_task()
+                try:
+                    await self.limiter.enter(limits, path, label)  # the attempt starts once every limit lets it
+                except CircuitOpenError as exc:
+                    await self._failed(path, label, opts, number, 0.0, exc, att)
+                    number += 1
+                    continue
+            if opts.unsafe:
+                self.log.write(records.Start(path=path, label=label, attempt=number, ts=time.time()))
+                self.log.sync()
             token = current_attempt.set(att)
             self.executions[path] = self.executions.get(path, 0) + 1
             if self.on_step is not None:
                 self.emit(path, label, "running", number)
-            gates = self.gates.for_step(opts.concurrency_key, opts.concurrency_limit, opts.uses) \
-                if opts.concurrency_key is not None or opts.uses is not None else ()
-            passed = 0
             outcome: bool | None = None
             error: Exception | None = None
             self.clock.busy += 1
@@ -345,9 +360,6 @@ class Steps:
             self.running[att] = h.driver = current_task()
             started = time.perf_counter()
             try:
-                for gate in gates:
-                    await gate.acquire()
-                    passed += 1
                 if opts.timeout is None and is_async:
                     value = fn(*args)
                     if type(value) is CoroutineType or inspect.isawaitable(value):
@@ -396,7 +408,7 @@ class Steps:
             except Exception as exc:
                 if exc is control.cancel_error:
                     raise
-                if outcome is None and passed == len(gates):
+                if outcome is None:
                     outcome = False
                 error = exc
             finally:
@@ -406,8 +418,8 @@ class Steps:
                 if not self.running:
                     self.step_running_since = None
                 current_attempt.reset(token)
-                for gate in gates[:passed]:
-                    gate.release(outcome)
+                if limits:
+                    self.limiter.leave(limits, path, outcome)
             if error is not None:
                 if isinstance(error, SerializationError):
                     error.add_note(f"returned by step {label!r} at path {path_tuple(path)}")

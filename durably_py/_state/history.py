@@ -231,9 +231,10 @@ class History:
         return self.claim.epoch if self.claim else 0
 
     def parked(self) -> str | None:
-        """"waiting" while a wait has no result yet or the run parked in a join, "sleeping" while a sleep has
+        """"waiting" while a wait has no result yet or the run parked in a join or for a limit, "sleeping" while a sleep has
         no result yet or the run parked in a retry backoff, else None."""
-        if any(p not in self.done for p in self.waits) or (self.park is not None and self.park.until is None):
+        park = self.park
+        if any(p not in self.done for p in self.waits) or (park is not None and (park.until is None or park.limit)):
             return "waiting"
         if any(p not in self.done for p in self.wakes) or self.park is not None:
             return "sleeping"
@@ -553,7 +554,14 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
                 step.status = "compensated"  # undone: a retry runs it again
         state.steps.append(step)
     park = history.park
-    if park is not None and park.until is None and park.path not in history.done:
+    if park is not None and park.limit and park.path not in history.done:
+        waiting = {"limit": park.limit, "until": park.until}
+        known = next((s for s in state.steps if s.path == path_tuple(park.path)), None)
+        if known is None:
+            state.steps.append(StepState(path_tuple(park.path), "limit", "waiting", 1, output=waiting))
+        else:  # a retried step whose next attempt waits for the limit
+            known.status, known.output = "waiting", waiting
+    elif park is not None and park.until is None and park.path not in history.done:
         state.steps.append(StepState(path_tuple(park.path), "ctx.join", "waiting", 1,
                                      output={"children": list(park.children or ()), "count": park.count}))
     state.steps.sort(key=lambda s: s.path)

@@ -287,6 +287,9 @@ def parked_detail(state: RunState) -> str | None:
         waits = [s.output for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)]
         parts = []
         for wait in waits:
+            if "limit" in wait:
+                parts.append(f"{wait['limit']} (looks again by {when_text(wait.get('until'))})")
+                continue
             if "children" in wait:
                 count = wait.get("count") or len(wait["children"])
                 parts.append(f"{count} child run{'s' if count != 1 else ''} to end")

@@ -1,11 +1,11 @@
 """Storage adapters behind one protocol (`Storage`, the union of the roles `RunLogs`, `Identities`, `Catalog`,
-`Inbox`, `DueQueue` and `Fleet`): files (the default), memory (tests), SQLite and PostgreSQL."""
+`Inbox`, `DueQueue`, `Fleet` and `Limits`): files (the default), memory (tests), SQLite and PostgreSQL."""
 
 from typing import TYPE_CHECKING, Any
 
 from .base import LOG_VERSION, Lease, Log, RunInfo, validate_key, validate_run_id
 from .file import FileStorage
-from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
+from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, Limits, LimitUpdate, RunLogs, Storage
 
 if TYPE_CHECKING:
     from .memory import MemoryStorage
@@ -21,6 +21,8 @@ __all__ = [
     "Identities",
     "Inbox",
     "Lease",
+    "LimitUpdate",
+    "Limits",
     "Log",
     "MemoryStorage",
     "PostgresStorage",

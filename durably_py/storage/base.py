@@ -24,6 +24,7 @@ wait whose time came, a woken wait, or an orphan whose process died or whose lea
 from __future__ import annotations
 
 import errno
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -78,6 +79,101 @@ def validate_key(key: object) -> str:
         )
     return key
 
+
+
+MAX_LIMIT_KEY_LEN = 200
+LIMITS_DOCS = "docs/policies.md#resources"
+Live = Callable[[str, int], bool]
+"""`live(run_id, epoch)`: whether the lease taken at `epoch` on `run_id` is still held by a live owner."""
+LimitStep = Callable[[bytes | None, float, Live], tuple[bytes | None, Any]]
+"""What an adapter's `_do_limit` runs inside its atomic step: (the stored document's JSON bytes or None, now,
+live) -> (the JSON bytes to store, None: remove; what `limit` returns). The front builds it from the caller's
+`update` (it decodes, checks and encodes), so adapters store bytes and never judge a document."""
+
+
+def validate_limit_key(key: object) -> str:
+    """Return `key` if every adapter can store it as a limit key: 1-200 characters of text, no NUL and no lone
+    surrogate (`validate_name`); adapters hash it before it names a file."""
+    if not isinstance(key, str) or not key or len(key) > MAX_LIMIT_KEY_LEN or "\x00" in key or not _utf8(key):
+        raise ValidationError(
+            f"invalid limit key {key!r}: a limit key is 1-{MAX_LIMIT_KEY_LEN} characters of text without NUL or "
+            "lone surrogates",
+            hint="Name the limit by what it guards, e.g. 'rate:openai' or 'concurrency:customer-42'.",
+            docs=LIMITS_DOCS,
+        )
+    return key
+
+
+def validate_limit_prefix(prefix: object) -> str:
+    """Return `prefix` if it is a str (the start of the limit keys `limits` lists; "" lists them all)."""
+    if not isinstance(prefix, str):
+        raise ValidationError(f"a limit key prefix is a str, got {prefix!r}",
+                              hint="limits('rate:') lists the rate limits; limits() lists every one.", docs=LIMITS_DOCS)
+    return prefix
+
+
+def validate_limit_update(update: object) -> Callable[..., Any]:
+    """Return `update` if it can be called, before `limit` opens its atomic step."""
+    if not callable(update):
+        raise ValidationError(
+            f"a limit's update must be callable as update(doc, now, live) -> (new doc, result), got {update!r}",
+            hint="Pass a function without side effects: it may run more than once.", docs=LIMITS_DOCS)
+    return update
+
+
+def _not_json(value: object, depth: int = 0) -> str | None:
+    """What keeps `value` from being a plain JSON document (None: nothing), so what a limit stores comes back equal
+    from every adapter: no set, bytes, date or object that an encoder would quietly turn into something else."""
+    if value is None or isinstance(value, bool | int):
+        return None
+    if isinstance(value, str):
+        return None if _utf8(value) else f"the string {value!r} holds a lone surrogate"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value!r} is not a JSON number"
+    if depth >= 64:
+        return "it is nested more than 64 levels deep"
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                return f"the object key {name!r} is not a str"
+            problem = _not_json(name) or _not_json(item, depth + 1)
+            if problem:
+                return problem
+        return None
+    if isinstance(value, list | tuple):
+        for item in value:
+            problem = _not_json(item, depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"{type(value).__name__} {value!r:.80} is not a JSON value"
+
+
+def encode_limit_doc(key: str, doc: object) -> bytes:
+    """The JSON bytes of the document an update returned for limit `key`; `ValidationError` (nothing written)
+    unless it is plain JSON (`_not_json`)."""
+    problem = _not_json(doc)
+    if problem is None:
+        try:
+            return msgspec.json.encode(doc)
+        except (TypeError, OverflowError, msgspec.EncodeError, UnicodeEncodeError) as exc:
+            problem = str(exc)
+    raise ValidationError(
+        f"the document the update of limit {key!r} returned is not plain JSON: {problem}; nothing was stored",
+        hint="Return dicts with str keys, lists, str, int, float, bool or None (e.g. timestamps as floats).",
+        docs=LIMITS_DOCS)
+
+
+def decode_limit_doc(key: str, data: bytes, where: str) -> Any:
+    """The stored document of limit `key` (JSON bytes written by `encode_limit_doc`); `CorruptLogError` when it
+    is not JSON (damaged outside durably)."""
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CorruptLogError(
+            f"the stored document of limit {key!r} in {where} is not JSON ({exc})", path=where, line=None, field=key,
+            hint="Remove that limit's document (its row, or its file under limits/): the limit starts afresh.",
+        ) from None
 
 
 def validate_identity(identity: object) -> str:

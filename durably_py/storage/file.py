@@ -23,6 +23,8 @@ Layout under ``dir``::
     joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
+    limits/<sha256>.json  a flow-control document (`limit`, `limits`): {"key": key, "doc": document}, replaced
+                          by a rename under the flock of limits/.<first two hex digits>.lock (`filelimits.py`)
 
 Leases are OS file locks (`filelocks.py`: the locks, this process's registry of its leases, the claimant
 sidecar and the fsync helpers); the queue entries and join files are `filequeue.py`'s.
@@ -47,6 +49,7 @@ from .base import (
     Check,
     Choose,
     Lease,
+    LimitStep,
     Log,
     NewRun,
     QueueEntry,
@@ -66,6 +69,7 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields
+from .filelimits import FileLimits
 from .filelocks import (
     Held,
     OsLock,
@@ -125,6 +129,8 @@ class FileStorage(StorageFront):
                                wakeups=self.wakeups)
         self.queue_dir = self.queue.dir
         self.joins_dir = self.queue.joins_dir
+        self._limit_docs = FileLimits(self.dir, held=self._do_held,
+                                      epoch=lambda run_id: sidecar_epoch(self._runs_path, run_id))
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -894,6 +900,15 @@ class FileStorage(StorageFront):
                       names: frozenset[str] | None) -> list[Lease]:
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
         return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
+
+    # ---- limits (`filelimits.FileLimits`) -------------------------------------------------------------
+    def _do_limit(self, key: str, step: LimitStep) -> Any:
+        """Change the key's document under its flock (`filelimits.FileLimits.limit`)."""
+        return self._limit_docs.limit(key, step)
+
+    def _do_limits(self, prefix: str) -> dict[str, bytes]:
+        """The documents whose key starts with `prefix` (`filelimits.FileLimits.documents`)."""
+        return self._limit_docs.documents(prefix)
 
     # ---- workers (`fileworkers.FileWorkers`) -----------------------------------------------------------
     def _worker_paths(self, owner: str) -> tuple[str, str]:

@@ -5,24 +5,37 @@ bad input with the same `ValidationError`.
 
 Methods whose arguments need no check (`release`, `sync`, `sync_all`, `finish_all`, `count_runs`,
 `next_due`, `watch`, `workers`) are the adapters' own.
+
+A limit's document is JSON to its caller and bytes to its adapter: the front decodes what is stored, calls the
+caller's `update`, checks and encodes what it returns (`_limit_step`), so every adapter stores the same bytes and
+refuses the same documents.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..errors import CorruptLogError, ValidationError
 from .base import (
+    LIMITS_DOCS,
     Check,
     Choose,
     Lease,
+    LimitStep,
+    Live,
     Log,
     NewRun,
     QueueEntry,
     RunInfo,
+    decode_limit_doc,
+    encode_limit_doc,
     validate_at,
     validate_header,
     validate_identity,
     validate_limit,
+    validate_limit_key,
+    validate_limit_prefix,
+    validate_limit_update,
     validate_lines,
     validate_name,
     validate_new_runs,
@@ -38,6 +51,7 @@ from .base import (
     validate_workflows,
 )
 from .catalog import validate_page
+from .roles import LimitUpdate
 
 __all__ = ["StorageFront"]
 
@@ -50,6 +64,41 @@ def _checked_choose(choose: Choose) -> Choose:
         return None if line is None else validate_lines(line)
 
     return lines
+
+
+def _limit_step(key: str, update: LimitUpdate, where: str) -> LimitStep:
+    """The step an adapter runs for `limit(key, update)`: the stored bytes decoded for `update`, its `live`
+    checked and answering only while it runs, what it returns checked (a pair) and its document encoded
+    (`encode_limit_doc`: plain JSON, else `ValidationError` before anything is written)."""
+
+    def step(stored: bytes | None, now: float, live: Live) -> tuple[bytes | None, Any]:
+        doc = None if stored is None else decode_limit_doc(key, stored, where)
+        running = True
+
+        def checked_live(run_id: str, epoch: int) -> bool:
+            if not running:
+                raise ValidationError(f"live() of limit {key!r} was called after its update returned",
+                                      hint="Call live(run_id, epoch) inside update only: it answers in the same "
+                                           "atomic step.", docs=LIMITS_DOCS)
+            validate_run_id(run_id)
+            if isinstance(epoch, bool) or not isinstance(epoch, int):
+                raise ValidationError(f"live() takes a lease's epoch as an int, got {epoch!r}",
+                                      hint="Pass lease.epoch, as recorded when the permit was taken.",
+                                      docs=LIMITS_DOCS)
+            return -(2**63) <= epoch < 2**63 and bool(live(run_id, epoch))  # an epoch no store holds: not live
+
+        try:
+            answer = update(doc, now, checked_live)
+        finally:
+            running = False
+        if not isinstance(answer, tuple) or len(answer) != 2:
+            raise ValidationError(
+                f"the update of limit {key!r} must return (new document, result), got {answer!r:.120}; nothing "
+                "was stored", hint="Return (doc, result); a None document removes it.", docs=LIMITS_DOCS)
+        new, result = answer
+        return (None if new is None else encode_limit_doc(key, new)), result
+
+    return step
 
 
 class StorageFront:
@@ -207,6 +256,25 @@ class StorageFront:
         """Remove worker `owner`'s advertisement (`Fleet.retire`)."""
         self._do_retire(validate_owner(owner))
 
+    # ---- Limits ------------------------------------------------------------------------------------------
+    def limit(self, key: str, update: LimitUpdate) -> Any:
+        """Atomically change the document stored under `key` (`Limits.limit`); checked key, callable update,
+        and a plain-JSON document, else `ValidationError` and nothing written."""
+        validate_limit_key(key)
+        return self._do_limit(key, _limit_step(key, validate_limit_update(update), repr(self)))
+
+    def limits(self, prefix: str = "") -> dict[str, Any]:
+        """Every stored limit document whose key starts with `prefix`, by key in key order (`Limits.limits`); a
+        document damaged outside durably is left out (`limit` of its key names it)."""
+        found = self._do_limits(validate_limit_prefix(prefix))
+        docs: dict[str, Any] = {}
+        for key in sorted(found):
+            try:
+                docs[key] = decode_limit_doc(key, found[key], repr(self))
+            except CorruptLogError:
+                continue
+        return docs
+
     # ---- what each adapter implements, its arguments checked ---------------------------------------------
     def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
                    priority: int) -> None:
@@ -293,4 +361,13 @@ class StorageFront:
         raise NotImplementedError
 
     def _do_retire(self, owner: str) -> None:
+        raise NotImplementedError
+
+    def _do_limit(self, key: str, step: LimitStep) -> Any:
+        """Run `step` on the bytes stored under `key` in one atomic step and store (or remove) what it returns
+        first; return what it returns second."""
+        raise NotImplementedError
+
+    def _do_limits(self, prefix: str) -> dict[str, bytes]:
+        """The stored bytes of every limit document whose key starts with `prefix`."""
         raise NotImplementedError

@@ -18,6 +18,7 @@ from .base import (
     Check,
     Choose,
     Lease,
+    LimitStep,
     Log,
     NewRun,
     QueueEntry,
@@ -61,7 +62,9 @@ class _Run:
 class MemoryStorage(StorageFront):
     """Runs in a dict, guarded by one lock; nothing survives the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        """`clock`: the store's clock for limits (epoch seconds; `TestEngine` passes its fake clock's)."""
+        self.clock = clock
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
         self._runs: dict[str, _Run] = {}
@@ -70,6 +73,7 @@ class MemoryStorage(StorageFront):
         self._joined: dict[str, str] = {}  # a child -> the run waiting for it in a join
         self._index: dict[str, str] = {}
         self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
+        self._limits: dict[str, bytes] = {}  # limit key -> its document's JSON bytes
         self._lock = threading.Lock()
         self._order = itertools.count()
 
@@ -418,6 +422,30 @@ class MemoryStorage(StorageFront):
         with self._lock:
             lines = [line for line, expires in self._workers.values() if expires >= now]
         return [found for line in lines if (found := decode_worker(line)) is not None]
+
+    # ---- limits ---------------------------------------------------------------------------------
+    def _do_limit(self, key: str, step: LimitStep) -> Any:
+        """Run `step` on the key's document under the adapter's lock, with `now` from the store's `clock`."""
+        with self._lock:
+            stored = self._limits.get(key)
+            data, result = step(stored, self.clock(), self._live)
+            if data is None:
+                self._limits.pop(key, None)
+            else:
+                self._limits[key] = data
+            return result
+
+    def _live(self, run_id: str, epoch: int) -> bool:
+        """True while the lease taken at `epoch` on `run_id` is the run's current one, held and unexpired (call
+        with the lock held)."""
+        run = self._runs.get(run_id)
+        return (run is not None and run.epoch == epoch and run.owner is not None
+                and run.expires >= time.monotonic())
+
+    def _do_limits(self, prefix: str) -> dict[str, bytes]:
+        """The documents whose key starts with `prefix`."""
+        with self._lock:
+            return {key: data for key, data in self._limits.items() if key.startswith(prefix)}
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

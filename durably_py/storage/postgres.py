@@ -2,8 +2,10 @@
 
 Tables live in their own schema (``durably`` by default), created on first use: ``runs`` (one row per run: header
 line, times, lease epoch/owner/expiry, last line, log size), ``records`` (the log as appended chunks of lines, in
-``seq`` order), ``identities`` (identity -> run id, keyed by the identity's SHA-256 so any identity fits an index)
-and ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order).
+``seq`` order), ``identities`` (identity -> run id, keyed by the identity's SHA-256 so any identity fits an index),
+``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order), ``queue``, ``joins``, ``workers``
+and ``limits`` (one JSON document per flow-control key, changed under a transaction-scoped advisory lock on the
+key, against the database clock).
 
 The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
 an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
@@ -44,6 +46,7 @@ from .base import (
     Check,
     Choose,
     Lease,
+    LimitStep,
     Log,
     NewRun,
     QueueEntry,
@@ -119,6 +122,10 @@ CREATE TABLE IF NOT EXISTS {s}.workers (
     owner TEXT PRIMARY KEY,
     info BYTEA NOT NULL,
     expires TIMESTAMPTZ NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.limits (
+    key TEXT PRIMARY KEY,
+    doc BYTEA NOT NULL
 );
 """
 
@@ -247,6 +254,7 @@ class PostgresStorage(StorageFront):
         self._runs, self._records, self._identities, self._signals, self._queue, self._joins, self._workers = (
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
+        self._limits = f"{s}.limits"
 
     def __repr__(self) -> str:
         return f"PostgresStorage(schema={self.schema!r})"
@@ -261,7 +269,7 @@ class PostgresStorage(StorageFront):
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")  # whatever the server's default: every commit is durable
-                if not self._exists(conn, self._workers):  # the newest table: anything older is upgraded here
+                if not self._exists(conn, self._limits):  # the newest table: anything older is upgraded here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
                         before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
@@ -963,6 +971,50 @@ class PostgresStorage(StorageFront):
         """The rows of live workers (database clock)."""
         rows = self._fetch(f"SELECT info FROM {self._workers} WHERE expires >= clock_timestamp()", ())
         return [found for row in rows if (found := decode_worker(bytes(row[0]))) is not None]
+
+    # ---- limits -------------------------------------------------------------------------------
+    def _do_limit(self, key: str, step: LimitStep) -> Any:
+        """Run `step` on the key's row in one transaction: a transaction-scoped advisory lock on (this schema, the
+        key's hash) queues every session changing that key (waited for at most `lock_wait` seconds, then
+        `StorageBusyError`); `now` and `live` (the ``runs`` lease columns) are read against the database clock
+        once the lock is held; the row is then written or deleted and committed durably (``synchronous_commit =
+        on``). Two keys whose hashes collide only take turns."""
+        psycopg = _psycopg()
+        try:
+            with self._cursor(transaction=True) as cur:
+                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(self.lock_wait * 1000)}ms",))
+                cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))",
+                            (f"durably-limits:{self.schema}", key))
+                # a statement after the lock: its snapshot holds the last holder's commit
+                cur.execute(f"SELECT extract(epoch FROM clock_timestamp())::float8,"
+                            f" (SELECT doc FROM {self._limits} WHERE key = %s)", (key,))
+                now, doc = cur.fetchone()  # type: ignore[misc]
+                stored = None if doc is None else bytes(doc)
+
+                def live(run_id: str, epoch: int) -> bool:
+                    cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND epoch = %s AND owner IS NOT NULL"
+                                " AND lease_expires >= clock_timestamp()", (run_id, epoch))
+                    return cur.fetchone() is not None
+
+                data, result = step(stored, float(now), live)
+                if data is None:
+                    if stored is not None:
+                        cur.execute(f"DELETE FROM {self._limits} WHERE key = %s", (key,))
+                elif data != stored:
+                    cur.execute(f"INSERT INTO {self._limits} (key, doc) VALUES (%s, %s)"
+                                " ON CONFLICT (key) DO UPDATE SET doc = excluded.doc", (key, data))
+        except psycopg.errors.LockNotAvailable:
+            raise StorageBusyError(
+                f"limit {key!r} in PostgreSQL schema {self.schema} stayed locked for {self.lock_wait:g} s by another "
+                "session's open transaction", docs=BUSY_DOCS,
+                hint="Find it in pg_stat_activity (state 'idle in transaction') and end it, then run the same "
+                     "command again; nothing was written.") from None
+        return result
+
+    def _do_limits(self, prefix: str) -> dict[str, bytes]:
+        """The rows whose key starts with `prefix` (compared character by character, whatever the collation)."""
+        rows = self._fetch(f"SELECT key, doc FROM {self._limits} WHERE left(key, %s) = %s", (len(prefix), prefix))
+        return {key: bytes(doc) for key, doc in rows}
 
     # ---- signals ------------------------------------------------------------------------------
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:

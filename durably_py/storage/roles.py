@@ -1,5 +1,6 @@
 """The storage protocol, as the roles a service names (`RunLogs`, `Identities`, `Catalog`, `Inbox`, `DueQueue`,
-`Fleet`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to storage."""
+`Fleet`, `Limits`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
+storage."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, RunInfo
 
-__all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "RunLogs", "Storage"]
+__all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs", "Storage"]
+
+LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
+"""What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
+(the document to store, None to remove it; what `limit` returns)."""
 
 
 @runtime_checkable
@@ -214,5 +219,33 @@ class Fleet(Protocol):
 
 
 @runtime_checkable
-class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Protocol):
+class Limits(Protocol):
+    """Flow-control state every process sharing the store sees: one small JSON document per limit key
+    (a rate limit's recent starts, a concurrency key's permits, a breaker's outcomes), changed atomically.
+    The logic of each limit lives above storage, once; storage only reads, changes and writes a document in
+    one atomic step, and tells inside that step whether a lease is still held."""
+
+    def limit(self, key: str, update: LimitUpdate) -> Any:
+        """Atomically, against every process sharing the store, read the document stored under `key` (None when
+        none is), call `update(doc, now, live)` and store the document it returns first (None: remove it); return
+        what it returns second. `now` is the store's clock in epoch seconds (PostgreSQL: the database's clock, so
+        machines whose clocks differ agree; elsewhere time.time()). `live(run_id, epoch)` says, inside the same
+        atomic step, whether the lease taken at `epoch` on `run_id` is still held by a live owner (a permit taken
+        under a lease lapses with it: a SIGKILLed worker's permits come back within its lease; a released or
+        re-claimed lease is not live; an unknown run is not live). `update` may be called more than once (a
+        retried transaction) and must have no side effects (nor call the storage: it runs under its lock). What
+        it stored survives a kill of any process once `limit` returns.
+
+        Documents are plain JSON (dicts with str keys, lists, str, int, finite float, bool, None; a tuple is
+        stored as a list). A bad `key` (1-200 characters of text, no NUL), an `update` that is not callable,
+        or a document that is not plain JSON is a `ValidationError`, and nothing is written; an exception
+        `update` raises propagates, the stored document unchanged."""
+
+    def limits(self, prefix: str = "") -> dict[str, Any]:
+        """Every stored document whose key starts with `prefix`, by key (what `durably queues` and the console
+        show)."""
+
+
+@runtime_checkable
+class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""

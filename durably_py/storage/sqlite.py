@@ -7,7 +7,8 @@ count of durable commits: a commit that changes nothing writes nothing, so `sync
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
 ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
 ``queue`` (one row per run that has not ended: due time, priority, the signals that wake it; the due query
-reads this small table and its index, never the logs of ended runs).
+reads this small table and its index, never the logs of ended runs), ``workers`` (live workers' advertisements)
+and ``limits`` (one JSON document per flow-control key, changed in one ``BEGIN IMMEDIATE`` transaction).
 Each append is one committed transaction, so it survives a crash of the process; with ``synchronous=NORMAL``
 it may not survive a machine crash until `sync`, which commits once with ``synchronous=FULL`` (the WAL is
 fsynced, carrying every earlier commit with it) and counts that as one fsync.
@@ -44,6 +45,7 @@ from .base import (
     Check,
     Choose,
     Lease,
+    LimitStep,
     Log,
     NewRun,
     QueueEntry,
@@ -63,7 +65,7 @@ from .catalog import OPEN, RunFilter, header_fields, state_after
 from .front import StorageFront
 from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 6  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 7  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -113,6 +115,10 @@ CREATE TABLE IF NOT EXISTS workers (
     owner TEXT PRIMARY KEY,
     info BLOB NOT NULL,
     expires REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS limits (
+    key TEXT PRIMARY KEY,
+    doc BLOB NOT NULL
 );
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
@@ -707,6 +713,36 @@ class SqliteStorage(StorageFront):
         with self._lock:
             rows = self._db().execute("SELECT info FROM workers WHERE expires >= ?", (time.time(),)).fetchall()
         return [found for row in rows if (found := decode_worker(row[0])) is not None]
+
+    # ---- limits ---------------------------------------------------------------------------------
+    def _do_limit(self, key: str, step: LimitStep) -> Any:
+        """Run `step` on the key's row in one ``BEGIN IMMEDIATE`` transaction (the database's write lock, so every
+        process sharing the file takes its turn), `now` from `time.time()`, the lease columns of ``runs`` read in
+        it for `live`; committed as every append is, so it survives a kill of the process (a machine crash may
+        lose it until the next durable commit)."""
+        with self._lock, _transaction(self._db()) as db:
+            row = db.execute("SELECT doc FROM limits WHERE key = ?", (key,)).fetchone()
+            stored = None if row is None else bytes(row[0])
+            now = time.time()
+
+            def live(run_id: str, epoch: int) -> bool:
+                return db.execute("SELECT 1 FROM runs WHERE run_id = ? AND epoch = ? AND owner IS NOT NULL"
+                                  " AND lease_expires >= ?", (run_id, epoch, time.time())).fetchone() is not None
+
+            data, result = step(stored, now, live)
+            if data is None:
+                if stored is not None:
+                    db.execute("DELETE FROM limits WHERE key = ?", (key,))
+            elif data != stored:
+                db.execute("INSERT OR REPLACE INTO limits (key, doc) VALUES (?, ?)", (key, data))
+        return result
+
+    def _do_limits(self, prefix: str) -> dict[str, bytes]:
+        """The rows whose key starts with `prefix` (compared as text, character by character)."""
+        with self._lock:
+            rows = self._db().execute("SELECT key, doc FROM limits WHERE substr(key, 1, ?) = ?",
+                                      (len(prefix), prefix)).fetchall()
+        return {key: bytes(doc) for key, doc in rows}
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()
