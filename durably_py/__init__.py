@@ -12,12 +12,14 @@ from ._authoring.engine_api import EngineAPI
 from ._authoring.graphs import GraphState, NodeState, Task
 from ._authoring.handles import Handle
 from ._authoring.policies import Retry
+from ._authoring.queues import Queue, queue
 from ._authoring.resources import Breaker, RateLimit, Resource, resource
 from ._authoring.result import Err, Ok, is_ok, partition
 from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
 from ._engine.operations import BulkResult
+from ._engine.queue import QueueInfo
 from ._events import StepEvent
 from ._state.advisories import Advisory
 from ._state.history import RunState, SignalSent, StepState
@@ -105,6 +107,8 @@ __all__ = [
     "Ok",
     "PostgresStorage",
     "PurityError",
+    "Queue",
+    "QueueInfo",
     "RateLimit",
     "ReplayDivergenceError",
     "Resource",
@@ -139,6 +143,7 @@ __all__ = [
     "engine_for",
     "is_ok",
     "partition",
+    "queue",
     "resource",
     "run",
     "run_async",

@@ -114,6 +114,8 @@ class Header(_Base, tag="run", omit_defaults=False):
     parent: str | None = None
     detached: bool = False
     scheduled_at: str | None = None  # the tick (ISO 8601) a run a schedule started serves
+    queue: str | None = None  # the named queue it was enqueued on (None: "default")
+    partition: str | None = None  # and its partition there, if any
     ts: float | None = None
 
 

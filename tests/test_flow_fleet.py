@@ -21,7 +21,7 @@ import pytest
 from helpers import wait_until
 
 from durably_py import create_engine
-from durably_py._authoring.workflow import REGISTRY, load_script
+from durably_py._authoring.workflow import load_script
 from durably_py.storage.url import open_storage
 
 JOBS = '''
@@ -66,20 +66,19 @@ async def fleet_tenant(ctx, job):
 class Fleet:
     """A project with the jobs module, a store of one kind, and the `durably worker` processes serving it."""
 
-    def __init__(self, tmp_path: Path, url: str, per: float = 2.0) -> None:
+    def __init__(self, tmp_path: Path, url: str, per: float = 2.0, jobs: str = JOBS) -> None:
         self.root = tmp_path / "project"
         self.root.mkdir()
         self.jobs = self.root / "fleet_jobs.py"
-        self.jobs.write_text(JOBS)
+        self.jobs.write_text(jobs)
         self.ledger = tmp_path / "ledger.txt"
         self.url = url
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
         self.env.update(FLEET_LEDGER=str(self.ledger), FLEET_PER=str(per),
                         XDG_CONFIG_HOME=str(tmp_path / "user-config"))
         os.environ.update(FLEET_LEDGER=str(self.ledger), FLEET_PER=str(per))
-        for name in ("fleet_rated", "fleet_tenant"):
-            REGISTRY.pop(name, None)
-        load_script(self.jobs)
+        module = load_script(self.jobs)
+        self.workflows = {name: wf for name, wf in vars(module).items() if hasattr(wf, "fingerprint")}
         self.storage = open_storage(url)
         self.engine = create_engine(self.storage)
         self.procs: list[subprocess.Popen[str]] = []
@@ -106,7 +105,7 @@ class Fleet:
     def enqueue(self, workflow: str, job: dict[str, Any]) -> str:
         import asyncio
 
-        return asyncio.run(self.engine.enqueue(REGISTRY[workflow], job)).run_id
+        return asyncio.run(self.engine.enqueue(self.workflows[workflow], job)).run_id
 
     def inspect(self, run_id: str) -> Any:
         import asyncio
@@ -230,9 +229,19 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
         wait_until(lambda: any(fleet.inspect(r).status == "waiting" for r in ids), 30)
         waiting = next(fleet.inspect(r) for r in ids if fleet.inspect(r).status == "waiting")
         assert waiting.steps[-1].output["limit"] == "tenant:alice concurrency 2/2"
-        listed = subprocess.run([sys.executable, "-m", "durably_py.cli", "inspect", waiting.run_id, "--storage",
-                                 fleet.url], cwd=fleet.root, env=fleet.env, capture_output=True, text=True)
-        assert "waiting for tenant:alice concurrency 2/2" in listed.stdout, listed.stdout + listed.stderr
+        shown: list[str] = []
+
+        def cli_says_so() -> bool:  # a parked run is woken as permits come back: look until one is seen parked
+            parked = [r for r in ids if fleet.inspect(r).status == "waiting"]
+            if not parked:
+                return all(fleet.status(r) != "open" for r in ids)
+            listed = subprocess.run([sys.executable, "-m", "durably_py.cli", "inspect", parked[0], "--storage",
+                                     fleet.url], cwd=fleet.root, env=fleet.env, capture_output=True, text=True)
+            shown.append(listed.stdout + listed.stderr)
+            return "waiting for tenant:alice concurrency 2/2" in listed.stdout
+
+        wait_until(cli_says_so, 30, every=0.05)
+        assert "waiting for tenant:alice concurrency 2/2" in shown[-1], shown[-1]
         # SIGKILL the victim while it holds a permit
         wait_until(lambda: any(m[0] == "start" and m[2] == victim.pid for m in fleet.marks()), 30)
         killed = time.time()

@@ -435,7 +435,27 @@ def test_on_files_a_damaged_document_is_named_and_left_out_of_listings(tmp_path:
     store.limit("good", bump)
     store.limit("bad", bump)
     digest = hashlib.sha256(b"bad").hexdigest()
-    (tmp_path / "state" / "limits" / f"{digest}.json").write_bytes(b'{"key": "bad", "doc": {"n": ')
+    (tmp_path / "state" / "limits" / f"{digest}.json").write_bytes(b'{"key": "bad", "doc": {"n": \n')
     with pytest.raises(CorruptLogError, match="bad"):
         store.limit("bad", bump)
     assert store.limits() == {"good": {"n": 1}}
+
+
+def test_on_files_a_version_torn_by_a_kill_is_passed_over_and_cut_before_the_next(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "state")
+    store.limit("torn", bump)
+    path = tmp_path / "state" / "limits" / f"{hashlib.sha256(b'torn').hexdigest()}.json"
+    with path.open("ab") as f:
+        f.write(b'{"key": "torn", "doc": {"n": 9')  # a kill in the middle of an append
+    assert store.limits() == {"torn": {"n": 1}}
+    store.limit("torn", bump)
+    assert store.limits() == {"torn": {"n": 2}}
+    assert [json.loads(line)["doc"] for line in path.read_bytes().splitlines()] == [{"n": 1}, {"n": 2}]
+
+
+def test_on_files_a_document_file_is_rewritten_to_its_current_version_as_it_grows(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "state")
+    for _ in range(2000):
+        store.limit("busy", bump)
+    path = tmp_path / "state" / "limits" / f"{hashlib.sha256(b'busy').hexdigest()}.json"
+    assert store.limits() == {"busy": {"n": 2000}} and path.stat().st_size <= 16 * 1024

@@ -29,7 +29,8 @@ class Workflow:
     """A durable workflow: `async def fn(ctx)` or `async def fn(ctx, input)` plus its name and schemas."""
 
     def __init__(self, fn: Callable[..., Awaitable[Any]], *, name: str | None = None,
-                 input: Any = None, output: Any = None) -> None:
+                 input: Any = None, output: Any = None, queue: str | None = None) -> None:
+        from .queues import check_queue_name
         from .schema import compile_schema
 
         if not inspect.iscoroutinefunction(fn):
@@ -52,6 +53,7 @@ class Workflow:
         self.fingerprint = _fingerprint(fn)
         self.input_schema = compile_schema(input, f"input schema of workflow {self.name!r}")
         self.output_schema = compile_schema(output, f"output schema of workflow {self.name!r}")
+        self.queue = check_queue_name(queue) if queue is not None else None  # where `enqueue` puts its runs
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", self.name)
         self.__qualname__ = getattr(fn, "__qualname__", self.name)
@@ -68,15 +70,17 @@ class Workflow:
 @overload
 def workflow(fn: Callable[..., Awaitable[Any]], /) -> Workflow: ...
 @overload
-def workflow(*, name: str | None = None, input: Any = None, output: Any = None) -> Callable[[Callable[..., Awaitable[Any]]], Workflow]: ...
+def workflow(*, name: str | None = None, input: Any = None, output: Any = None,
+             queue: str | None = None) -> Callable[[Callable[..., Awaitable[Any]]], Workflow]: ...
 
 
 def workflow(fn: Callable[..., Awaitable[Any]] | None = None, /, *, name: str | None = None,
-             input: Any = None, output: Any = None) -> Any:
-    """Mark `async def f(ctx[, input])` as a workflow; bare or as `@workflow(name=..., input=..., output=...)`."""
+             input: Any = None, output: Any = None, queue: str | None = None) -> Any:
+    """Mark `async def f(ctx[, input])` as a workflow; bare or as `@workflow(name=..., input=..., output=...,
+    queue=...)` (`queue`: the named queue `enqueue` puts its runs on unless told another)."""
     if fn is not None:
         return Workflow(fn)
-    return lambda f: Workflow(f, name=name, input=input, output=output)
+    return lambda f: Workflow(f, name=name, input=input, output=output, queue=queue)
 
 
 def as_workflow(wf: Any) -> Workflow:

@@ -42,7 +42,15 @@ from .heartbeat import Heartbeat
 from .hooks import RunHook, add_run_hook, remove_run_hook, run_hooks, set_run_hook
 from .identity import Identities
 from .operations import BulkResult, Operations
-from .queue import RunQueue, check_delay, check_priority
+from .queue import (
+    QueueInfo,
+    RunQueue,
+    check_delay,
+    check_enqueue_options,
+    check_priority,
+    placement,
+    queue_infos,
+)
 from .runs import PruneReport, Runs, check_retention
 
 __all__ = ["Engine", "RunHook", "add_run_hook", "create_engine", "durably", "engine_for", "remove_run_hook",
@@ -117,7 +125,7 @@ class Engine:
         self.schedules: dict[str, Schedule] = {}
         self.retries: set[str] = set()  # runs `retry` runs again now: one failing when it stopped is reopened
         self.identities = Identities(self.storage, self.runs.valid)
-        self.queue = RunQueue(self.storage, self.identities)
+        self.queue = RunQueue(self.storage, self.identities, cancel=lambda run_id: self.cancel(run_id))
         self.children = ChildRuns(self.storage, self.executor, concurrency=lambda: self.concurrency, run=self.run,
                                   workflow_for=self.workflow_for, read=self.runs.read, retries=self.retries,
                                   poke=self.queue.poke)
@@ -397,13 +405,24 @@ class Engine:
     # ---- the durable queue (queue.py) and this engine's worker (_worker/worker.py) ----------------------
     async def enqueue(self, wf: Any, input: Any = None, *, key: str | None = None, priority: int = 0,
                       delay: float = 0.0, budget: dict[str, float] | None = None,
-                      checkpoint_every: int | None = None) -> RunHandle:
+                      checkpoint_every: int | None = None, queue: str | None = None,
+                      partition: str | None = None, fresh: bool = False, debounce: float | None = None,
+                      on_conflict: str | None = None) -> RunHandle:
         """Record the run as `pending` in the storage's queue and return its handle; nothing runs yet.
 
         A worker runs it once due (`delay` seconds from now), highest `priority` first, then oldest: this
         engine after `start()`, or any `durably worker` on the same storage. The identity rules hold: the
-        same workflow and input (or `key`) names the same run. `join` waits for it (running it here when
-        this engine has no worker); `drain` works the queue off."""
+        same workflow and input (or `key`) names the same run; `fresh=True` makes a new one all the same.
+        `join` waits for it (running it here when this engine has no worker); `drain` works the queue off.
+
+        `queue`: the named queue it waits on (default: its workflow's `@workflow(queue=)`, else "default"),
+        whose limits every worker holds it to; `partition`: its partition there (a tenant, say), for fairness
+        and per-partition limits. With a `key`: `debounce=SECONDS` makes it due once that long passes with no
+        newer enqueue of the key, a newer one superseding it while it has not started (the superseded run
+        ends cancelled, naming the run that took its place); `on_conflict` says what happens while a run with
+        the key has not ended: "use_existing" (its handle), "fail" (`KeyConflictError`) or "cancel_existing"
+        (it is cancelled, or superseded if it never started, and the newcomer takes the key). Without either,
+        the same input names that run and another input is a `KeyConflictError`."""
         workflow = as_workflow(wf)
         priority = check_priority(priority)
         delay = check_delay(delay)
@@ -411,26 +430,39 @@ class Engine:
         check_checkpoint(checkpoint_every)
         if key is not None:
             validate_key(key)
-        return await self.queue.enqueue(workflow, input, key, priority, delay, budget)
+        debounce = check_enqueue_options(key, fresh, debounce, on_conflict)
+        extra = placement(workflow, queue, partition)
+        return await self.queue.enqueue(workflow, input, key, priority, delay, budget, extra, fresh, debounce,
+                                        on_conflict)
 
     async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int = 0, delay: float = 0.0,
-                           budget: dict[str, float] | None = None) -> builtins.list[RunHandle]:
+                           budget: dict[str, float] | None = None, queue: str | None = None,
+                           partition: str | None = None) -> builtins.list[RunHandle]:
         """Record many pending runs at once and return their handles, in order: each item is
         `(workflow, input)` or `(workflow, input, key)`. Like `enqueue` of each, under the same identity rules
         (an item naming a run that exists, or an earlier item of the batch, gets that run's handle), but the
         new runs are written `ENQUEUE_BATCH` at a time in one durable write each (one fsync or commit per
-        batch, not per run). Every item is checked before anything is written."""
+        batch, not per run). Every item is checked before anything is written. `queue` and `partition` place
+        every new run (default: each workflow's queue)."""
         priority = check_priority(priority)
         delay = check_delay(delay)
         budget = check_budget(budget) if budget is not None else self.budget
-        return await self.queue.enqueue_many(runs, priority=priority, delay=delay, budget=budget)
+        return await self.queue.enqueue_many(runs, priority=priority, delay=delay, budget=budget, queue=queue,
+                                             partition=partition)
 
-    async def start(self, *, poll: float = 0.2) -> None:
-        """Run the queue in this process: claim due runs (at most `concurrency` at once), run them, park
-        and release them, and repeat, until `stop()`. Returns at once; idempotent."""
+    async def queues(self) -> builtins.list[QueueInfo]:
+        """Every named queue that holds a run or that this process declares: its pending (due now and later),
+        running and parked runs, its oldest wait, its partitions, its limits and what is in use of them."""
+        return await asyncio.to_thread(queue_infos, self.storage)
+
+    async def start(self, *, poll: float = 0.2, queues: Iterable[str] | None = None) -> None:
+        """Run the queue in this process: claim due runs (at most `concurrency` at once, of the named `queues`
+        only when given), run them, park and release them, and repeat, until `stop()`. Returns at once;
+        idempotent."""
         worker = self.queue.live_worker()
         if worker is None:
-            worker = self.queue.worker = Worker(self, concurrency=self.concurrency, poll=poll)
+            worker = self.queue.worker = Worker(self, concurrency=self.concurrency, poll=poll,
+                                                queues=None if queues is None else list(queues))
         worker.start()
 
     async def join(self, handle: RunHandle) -> Any:

@@ -108,15 +108,17 @@ class Identities:
         self.valid = valid
 
     async def identify(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
-                       budget: dict[str, float] | None, at: float | None = None, priority: int = 0) -> str:
-        """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed."""
+                       budget: dict[str, float] | None, at: float | None = None, priority: int = 0,
+                       **extra: Any) -> str:
+        """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed
+        (`extra`: header fields of a new run, such as its queue)."""
         wire_input, input_digest, identity = identity_of(workflow, input, key)
         return await self.find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
-                                         at, priority)
+                                         at, priority, **extra)
 
     async def find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
-                             at: float | None = None, priority: int = 0) -> str:
+                             at: float | None = None, priority: int = 0, **extra: Any) -> str:
         """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
         storage = self.storage
         waited = 0.0
@@ -142,7 +144,7 @@ class Identities:
             run_id = _ids.new_run_id(workflow.name)
             if storage.bind(identity, run_id, expect=previous):
                 self.create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
-                            priority=priority)
+                            priority=priority, **extra)
                 return run_id
 
     def create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,

@@ -23,13 +23,17 @@ killed, its lease lapsed) comes back: its entry stayed due while it ran.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import _ids
+from .. import _ids, records
 from .._authoring.calls import RunHandle
+from .._authoring.queues import DEFAULT_QUEUE, QUEUES, check_queue_name
 from .._authoring.workflow import Workflow, as_workflow
-from ..errors import ValidationError
+from .._codec import dump_error
+from .._state.history import History
+from ..errors import KeyConflictError, RunCancelledError, ValidationError
 from ..storage import Storage, validate_key
 from ..storage.base import NewRun
 from .identity import Identities, identity_of, new_header
@@ -41,6 +45,8 @@ ENQUEUE_BATCH = 1000
 """New runs `Engine.enqueue_many` writes in one durable write (`Storage.create_bound`)."""
 
 QUEUE_DOCS = "docs/running.md#the-queue"
+FLOW_DOCS = "docs/deploying.md#flow-control"
+ON_CONFLICT = ("use_existing", "fail", "cancel_existing")
 
 
 def _item(run: Any) -> tuple[Any, Any, str | None]:
@@ -52,6 +58,40 @@ def _item(run: Any) -> tuple[Any, Any, str | None]:
     if key is not None:
         validate_key(key)
     return as_workflow(run[0]), run[1], key
+
+
+def check_enqueue_options(key: str | None, fresh: Any, debounce: Any, on_conflict: Any) -> float | None:
+    """Validate `enqueue`'s `fresh=`, `debounce=` (seconds > 0) and `on_conflict=`, which need a `key`."""
+    if not isinstance(fresh, bool):
+        raise ValidationError(f"fresh= must be True or False, got {fresh!r}",
+                              hint="fresh=True starts a new run even when one with this input exists.", docs=FLOW_DOCS)
+    if debounce is not None and (isinstance(debounce, bool) or not isinstance(debounce, int | float)
+                                 or not 0 < debounce < 1e9):
+        raise ValidationError(f"debounce= must be seconds > 0, got {debounce!r}",
+                              hint="debounce=5 starts the run once 5 s pass with no newer enqueue of its key.",
+                              docs=FLOW_DOCS)
+    if on_conflict is not None and on_conflict not in ON_CONFLICT:
+        raise ValidationError(f"on_conflict= must be one of {', '.join(ON_CONFLICT)}, got {on_conflict!r}",
+                              hint="on_conflict='use_existing' returns the run that has the key already.",
+                              docs=FLOW_DOCS)
+    if (debounce is not None or on_conflict is not None) and key is None:
+        raise ValidationError(f"{'debounce=' if debounce is not None else 'on_conflict='} needs key=: it acts on "
+                              "the run that has the same key", hint="enqueue(job, doc, key=f\"index-{doc_id}\", "
+                              "debounce=5)", docs=FLOW_DOCS)
+    if fresh and (debounce is not None or on_conflict is not None):
+        raise ValidationError("fresh=True makes a new run whatever exists; it does not go with debounce= or "
+                              "on_conflict=", hint="Use one of them.", docs=FLOW_DOCS)
+    return None if debounce is None else float(debounce)
+
+
+def placement(workflow: Workflow, queue: str | None, partition: str | None) -> dict[str, str]:
+    """The header fields that place a new run: its queue (`queue`, else its workflow's; the default queue is
+    left out) and partition, checked."""
+    name = check_queue_name(queue) if queue is not None else workflow.queue
+    fields = {"queue": name} if name is not None and name != DEFAULT_QUEUE else {}
+    if partition is not None:
+        fields["partition"] = check_queue_name(partition, "partition")
+    return fields
 
 
 def check_priority(priority: Any) -> int:
@@ -70,13 +110,66 @@ def check_delay(delay: Any) -> float:
     return float(delay)
 
 
+@dataclass
+class QueueInfo:
+    """One named queue as `Engine.queues` and `durably queues` show it: its runs by state (`due`: due now and
+    not running; `later`: due at a later time; `running`: held by a live process; `parked`: due only when
+    woken), how long its oldest due run has waited, its partitions (each the same counts, by name), its limits
+    as declared in this process (`limits`, empty when it declares none), and what the store holds against
+    them (`in_use`: "runs" started and not ended, "starts" in the rate window)."""
+
+    name: str
+    due: int = 0
+    later: int = 0
+    running: int = 0
+    parked: int = 0
+    oldest_wait: float | None = None
+    partitions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    in_use: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON object of every field (what `durably queues --json` prints)."""
+        return asdict(self)
+
+
+def queue_infos(storage: Storage) -> list[QueueInfo]:
+    """Every queue that holds a run, or that this process declares, with its counts and limits (by name)."""
+    now = time.time()
+    infos: dict[str, QueueInfo] = {}
+    for row in storage.queue_stats(now):
+        info = infos.setdefault(row.queue, QueueInfo(row.queue))
+        counts = {"due": row.due, "later": row.later, "running": row.running, "parked": row.parked,
+                  "oldest_wait": None if row.oldest is None else max(now - row.oldest, 0.0)}
+        info.due, info.later = info.due + row.due, info.later + row.later
+        info.running, info.parked = info.running + row.running, info.parked + row.parked
+        if counts["oldest_wait"] is not None:
+            info.oldest_wait = max(info.oldest_wait or 0.0, counts["oldest_wait"])
+        if row.partition is not None:
+            info.partitions[row.partition] = counts
+    for name, declared in QUEUES.items():
+        info = infos.setdefault(name, QueueInfo(name))
+        rate = declared.rate_limit
+        info.limits = {k: v for k, v in (
+            ("concurrency", declared.concurrency), ("per_worker", declared.per_worker),
+            ("rate_limit", None if rate is None else {"max": rate.max, "per": rate.per, "window": rate.window}),
+            ("partition_concurrency", declared.partition_concurrency)) if v is not None}
+    for key, doc in storage.limits("queue:").items():
+        name, _, partition = key[len("queue:"):].partition("/")
+        if name in infos and not partition and isinstance(doc, dict):
+            infos[name].in_use = {"runs": len(doc.get("permits", ())), "starts": len(doc.get("starts", ()))}
+    return [infos[name] for name in sorted(infos)]
+
+
 class RunQueue:
     """The durable queue as one engine writes it (`Engine.queue`): enqueueing runs, and the worker this
     engine started (`Engine.start`), poked when new work is due."""
 
-    def __init__(self, storage: Storage, identities: Identities) -> None:
+    def __init__(self, storage: Storage, identities: Identities,
+                 cancel: Callable[[str], Awaitable[Any]]) -> None:
         self.storage = storage
         self.identities = identities
+        self.cancel = cancel  # `Engine.cancel`: on_conflict="cancel_existing" cancels the open run
         self.worker: Worker | None = None
         self.enqueued: set[str] = set()
 
@@ -90,34 +183,105 @@ class RunQueue:
         return None if self.worker is None or self.worker.finished else self.worker
 
     async def enqueue(self, workflow: Workflow, input: Any, key: str | None, priority: int, delay: float,
-                      budget: dict[str, float] | None) -> RunHandle:
-        """The body of `Engine.enqueue`, whose docstring says what it does (its arguments checked already)."""
-        run_id = await self.identities.identify(workflow, input, key, False, budget, at=time.time() + delay,
-                                                priority=priority)
+                      budget: dict[str, float] | None, extra: dict[str, str] | None = None, fresh: bool = False,
+                      debounce: float | None = None, on_conflict: str | None = None) -> RunHandle:
+        """The body of `Engine.enqueue`, whose docstring says what it does (its arguments checked already;
+        `extra`: the new run's queue and partition header fields)."""
+        extra = extra or {}
+        if debounce is None and on_conflict is None:
+            run_id = await self.identities.identify(workflow, input, key, fresh, budget, at=time.time() + delay,
+                                                    priority=priority, **extra)
+        else:
+            assert key is not None
+            run_id = await self._keyed(workflow, input, key, priority, delay, budget, extra, debounce, on_conflict)
         self.enqueued.add(run_id)
         self.poke()
         return RunHandle(run_id, workflow)
 
+    async def _keyed(self, workflow: Workflow, input: Any, key: str, priority: int, delay: float,
+                     budget: dict[str, float] | None, extra: dict[str, str], debounce: float | None,
+                     on_conflict: str | None) -> str:
+        """Enqueue under `key` when a run with the key may be open: a pending one is superseded by the newcomer
+        (`debounce`: the newcomer is due after the quiet period, and the superseded run ends cancelled, naming
+        it), else `on_conflict` says what happens (see `Engine.enqueue`)."""
+        wire_input, input_digest, identity = identity_of(workflow, input, key)
+        storage = self.storage
+        at = time.time() + (debounce if debounce is not None else delay)
+        while True:
+            previous = storage.lookup(identity)
+            info = storage.info(previous) if previous is not None else None
+            if previous is not None and info is None:  # another process is writing its header now
+                return await self.identities.identify(workflow, input, key, False, budget, at=at, priority=priority,
+                                                      **extra)
+            replaced = None
+            if info is not None and not info.ended:
+                self.identities.valid(info)
+                same = info.input_digest == input_digest
+                policy = on_conflict or ("replace" if debounce is not None else "use_existing" if same else "fail")
+                if policy == "use_existing":
+                    return info.run_id
+                if policy == "fail":
+                    raise KeyConflictError(
+                        f"key {key!r} names run {info.run_id}, which has not ended "
+                        f"({'the same' if same else 'another'} input)",
+                        hint="on_conflict='use_existing' returns that run, 'cancel_existing' cancels it for the "
+                             "newcomer; or enqueue again once it ended.", docs=FLOW_DOCS, run_id=info.run_id,
+                        key=key)
+                replaced = info.run_id
+            run_id = _ids.new_run_id(workflow.name)
+            if storage.bind(identity, run_id, expect=previous):
+                self.identities.create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
+                                       priority=priority, **extra)
+                if replaced is not None and not self._supersede(replaced, run_id) \
+                        and on_conflict == "cancel_existing":
+                    await self.cancel(replaced)
+                return run_id
+
+    def _supersede(self, run_id: str, by: str) -> bool:
+        """End a pending run that never started as cancelled, naming run `by` that took its place under its key;
+        False (nothing changed) when it started (a process claimed it once) or is held now."""
+
+        def choose(recs: list[Any], where: str) -> bytes | None:
+            history = History(recs, where)
+            if history.claim is not None or history.end is not None:
+                return None
+            error = RunCancelledError(f"run {run_id} was superseded by run {by} before it started: a newer enqueue "
+                                      "of its key took its place", run_id=run_id, superseded_by=by,
+                                      hint=f"`durably inspect {by}` shows the run that took its place.",
+                                      docs=FLOW_DOCS)
+            ended.append(True)
+            return records.encode(records.End(status="cancelled", error=dump_error(error), ts=time.time()))
+
+        ended: list[bool] = []
+        if not self.storage.amend(run_id, choose, check=records.load) or not ended:
+            return False
+        self.storage.unschedule(run_id)
+        return True
+
     async def enqueue_many(self, runs: Iterable[tuple[Any, ...]], *, priority: int, delay: float,
-                           budget: dict[str, float] | None) -> list[RunHandle]:
+                           budget: dict[str, float] | None, queue: str | None = None,
+                           partition: str | None = None) -> list[RunHandle]:
         """The body of `Engine.enqueue_many`, whose docstring says what it does (`priority`, `delay` and
         `budget` checked already; each item is checked here before anything is written)."""
         items = [_item(run) for run in runs]
+        places = {workflow.name: placement(workflow, queue, partition) for workflow, _, _ in items}
         named = [(workflow, input, key, *identity_of(workflow, input, key)) for workflow, input, key in items]
         at = time.time() + delay if delay else None
         ids: list[str | None] = [None] * len(named)
         for start in range(0, len(named), ENQUEUE_BATCH):
             chunk = range(start, min(start + ENQUEUE_BATCH, len(named)))
-            await self._enqueue_chunk(named, chunk, ids, at, priority, budget)
+            await self._enqueue_chunk(named, chunk, ids, at, priority, budget, places)
         self.enqueued.update(r for r in ids if r is not None)
         self.poke()
         return [RunHandle(run_id, workflow) for run_id, (workflow, *_) in zip(ids, named, strict=True)
                 if run_id is not None]
 
     async def _enqueue_chunk(self, named: list[tuple[Any, ...]], chunk: range, ids: list[str | None],
-                             at: float | None, priority: int, budget: dict[str, float] | None) -> None:
-        """Find or create the runs of `chunk` (indexes into `named`), new ones in one `create_bound`; an item
-        whose identity another process is binding right now, or lost to one, goes the way `enqueue` goes."""
+                             at: float | None, priority: int, budget: dict[str, float] | None,
+                             places: dict[str, dict[str, str]]) -> None:
+        """Find or create the runs of `chunk` (indexes into `named`), new ones in one `create_bound` (each placed
+        as `places` says for its workflow); an item whose identity another process is binding right now, or
+        lost to one, goes the way `enqueue` goes."""
         storage = self.storage
         first: dict[str, int] = {}  # identity -> the first item of the chunk naming it
         for i in chunk:
@@ -150,7 +314,8 @@ class RunQueue:
         for i in fresh:
             workflow, input, key, wire_input, input_digest, identity = named[i]
             run_id = _ids.new_run_id(workflow.name)
-            header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget)
+            header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget,
+                                **places[workflow.name])
             batch.append(NewRun(run_id, header, identity, expect[i], at=at, priority=priority))
         lost = storage.create_bound(batch) if batch else None
         for n, run in enumerate(batch):
@@ -160,7 +325,8 @@ class RunQueue:
             ids[fresh[n]] = run.run_id
         for i in sorted(slow):
             workflow, input, key, *_ = named[i]
-            ids[i] = await self.identities.identify(workflow, input, key, False, budget, at=at, priority=priority)
+            ids[i] = await self.identities.identify(workflow, input, key, False, budget, at=at, priority=priority,
+                                                    **places[workflow.name])
         for i in chunk:
             if ids[i] is None:
                 ids[i] = ids[first[named[i][5]]]

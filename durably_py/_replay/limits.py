@@ -61,7 +61,7 @@ def _live_permits(doc: dict[str, Any], live: Live, holder: list[Any]) -> list[li
     return [p for p in doc.get("permits", ()) if p != holder and live(p[0], p[1])]
 
 
-def _window(limit: Limit, doc: dict[str, Any], now: float) -> list[float]:
+def window(limit: Limit, doc: dict[str, Any], now: float) -> list[float]:
     """The starts that count against the rate limit at `now`."""
     rate = limit.rate
     assert rate is not None
@@ -73,6 +73,8 @@ def take(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any]) -> t
     """Let an attempt of `holder` ([run_id, epoch, path]) start under `limit`, atomically in the store: record
     its permit and its start (None), or say why not, noting its run as waiting (a `Denied`)."""
     doc = dict(doc) if isinstance(doc, dict) else {}
+    if holder in doc.get("permits", ()) and live(holder[0], holder[1]):
+        return doc, None  # it holds one already (a run's queue permit, taken again as it resumes)
     breaker = limit.breaker
     if breaker is not None and doc.get("open_until", 0) > now:
         return doc, Denied(f"{limit.label} circuit breaker open", None, doc["open_until"] - now)
@@ -85,7 +87,7 @@ def take(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any]) -> t
         denied = Denied(f"{limit.label} concurrency {len(permits)}/{cap}", None)
     starts: list[float] = []
     if denied is None and limit.rate is not None:
-        starts = _window(limit, doc, now)
+        starts = window(limit, doc, now)
         if len(starts) >= limit.rate.max:
             rate = limit.rate
             again = min(starts) + rate.per if rate.window == "sliding" else now - now % rate.per + rate.per
@@ -103,6 +105,21 @@ def take(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any]) -> t
         doc["starts"] = starts
     doc["permits"], doc["waiters"] = permits, waiters
     return doc, None
+
+
+def full(doc: Any, now: float, live: Live, limit: Limit) -> tuple[Any, bool]:
+    """Whether `limit` would let no attempt start now (its live permits at the limit, or its rate window
+    full), keeping only its live permits and the starts in its window; nothing is taken."""
+    doc = dict(doc) if isinstance(doc, dict) else {}
+    permits = [p for p in doc.get("permits", ()) if live(p[0], p[1])]
+    doc["permits"] = permits
+    cap = limit.concurrency if limit.concurrency is not None else doc.get("limit")
+    if cap is not None and len(permits) >= cap:
+        return doc, True
+    if limit.rate is not None:
+        doc["starts"] = window(limit, doc, now)
+        return doc, len(doc["starts"]) >= limit.rate.max
+    return doc, False
 
 
 def give_back(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any],
@@ -123,7 +140,7 @@ def give_back(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any],
         doc["outcomes"] = outcomes
     waiters = list(doc.get("waiters", ()))
     cap = doc.get("limit")
-    free = len(waiters) if cap is None else max(cap - len(permits), 0)
+    free = 0 if cap is None else max(cap - len(permits), 0)  # a rate limit's waiters wake at their time
     doc["waiters"] = waiters[free:]
     return doc, waiters[:free]
 

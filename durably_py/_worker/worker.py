@@ -27,10 +27,12 @@ from typing import Any, Protocol
 
 from .. import records as log_format
 from .._authoring.calls import RunHandle
+from .._authoring.queues import check_queue_name
 from .._authoring.workflow import Workflow
 from .._replay.kernel import Parked
 from .._state.history import History
 from ..errors import DurablyError, RunCancelledError, ValidationError
+from .admission import Admission
 from .schedules import ScheduleHost, fire_due
 
 JOIN_POLL = 0.05
@@ -152,8 +154,10 @@ class Worker:
     its engine's `code` claims (`CodeSource.claims`)."""
 
     def __init__(self, engine: Client, *, concurrency: int = 4, poll: float = 0.2,
-                 log: Callable[[str], Any] | None = None) -> None:
+                 log: Callable[[str], Any] | None = None, queues: Collection[str] | None = None) -> None:
         self.engine = engine
+        self.admission = Admission(engine.storage, frozenset(check_queue_name(q) for q in queues)
+                                   if queues else None)  # the named queues it serves (None: all) and their limits
         self.concurrency = check_concurrency(concurrency)
         self.poll = check_poll(poll)
         self._schedules_at = 0.0
@@ -272,14 +276,16 @@ class Worker:
                 free = self.concurrency - len(self.active)
                 claimed = 0
                 if free > 0:
+                    admission = self.admission
                     try:
                         leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped(),
-                                                          workflows=engine.code.claims())
+                                                          workflows=engine.code.claims(), queues=admission.served,
+                                                          full=admission.full())
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
                         leases = []
                     for lease in leases:
-                        if self._stopping:
+                        if self._stopping or not self._admitted(lease):
                             engine.storage.release(lease)
                             continue
                         self.active[lease.run_id] = asyncio.get_running_loop().create_task(self._serve(lease))
@@ -305,6 +311,23 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
                 self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _left(self, lease: Any) -> None:
+        """A run this worker ran stopped: its queue permits go back if it ended."""
+        try:
+            info = self.engine.storage.info(lease.run_id)
+            self.admission.left(lease.run_id, lease.records[0], release=info is None or info.ended)
+        except Exception as exc:  # noqa: BLE001 - its permits lapse with the run's end all the same
+            self._say(f"{lease.run_id}: its queue's permits could not be given back: {type(exc).__name__}: {exc}")
+
+    def _admitted(self, lease: Any) -> bool:
+        """Whether the claimed run of `lease` may start: its queue's permits taken (False: another worker took
+        the last room first; it stays due)."""
+        try:
+            return self.admission.admit(lease.run_id, lease.records[0])
+        except Exception as exc:  # noqa: BLE001 - a storage hiccup: let it go, it stays due
+            self._say(f"{lease.run_id}: its queue's permits could not be taken: {type(exc).__name__}: {exc}")
+            return False
 
     def _watch(self) -> Callable[[], None] | None:
         """Have the storage poke this loop whenever another process makes work due (`Storage.watch`: local
@@ -394,6 +417,7 @@ class Worker:
                 workflow = engine.code_for(history.header)
             except DurablyError as exc:
                 engine.storage.release(lease)
+                self.admission.left(run_id, lease.records[0], release=True)  # it did not start: no place held
                 self._skip[run_id] = time.monotonic() + SKIP_SECONDS
                 self._say(f"{run_id}: {exc} (retrying in {SKIP_SECONDS:g}s)")
                 return
@@ -431,6 +455,7 @@ class Worker:
         finally:
             self.active.pop(run_id, None)
             self.ending.pop(run_id, None)
+            self._left(lease)
             if self._changed is not None:
                 self._changed.set()
             self.poke()

@@ -67,6 +67,7 @@ app.command("docs")(admin.docs_command)
 app.command(cls=admin.ServeCommand)(admin.serve)
 app.command()(queue.worker)
 app.command()(queue.enqueue)
+app.command()(queue.queues)
 app.command()(admin.prune)
 
 

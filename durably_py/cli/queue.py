@@ -88,6 +88,53 @@ def schedules(
         out_console().print(table)
 
 
+@shared("dir", "storage", "as_json", "debug")
+def queues(
+    imports: Annotated[list[str] | None, typer.Option(
+        "--import", metavar="PATH_OR_MODULE", show_default=False,
+        help="A script or module declaring queues (durably_py.queue), to show their limits; repeatable.")] = None,
+    opts: Options = OPTIONS,
+) -> None:
+    """Show each named queue: its runs due now, due later, running and parked, the oldest wait, its partitions,
+    and its limits (those the imported code declares) with what is in use of them."""
+    with opts.guard():
+        import_code(imports or [])
+        found = asyncio.run(opts.engine().queues())
+        if opts.as_json:
+            opts.print_json([info.to_dict() for info in found])
+            return
+        if not found:
+            err_console().print(Text("no queued runs and no declared queue (pass --import with the script or "
+                                      "module that calls durably_py.queue to see its limits)", "yellow"))
+            return
+        from rich.table import Table
+
+        table = Table(title_justify="left")
+        for column in ("queue", "due", "later", "running", "parked", "oldest wait", "partitions", "limits"):
+            table.add_column(column, justify="right" if column in ("due", "later", "running", "parked") else "left")
+        for info in found:
+            table.add_row(info.name, str(info.due), str(info.later), str(info.running), str(info.parked),
+                          duration_text(info.oldest_wait) if info.oldest_wait is not None else "",
+                          str(len(info.partitions)) if info.partitions else "", _limits_text(info))
+        out_console().print(table)
+
+
+def _limits_text(info: Any) -> str:
+    """A queue's limits as `durably queues` prints them, with what is in use: `concurrency 3/20, ...`."""
+    limits, used = info.limits, info.in_use
+    parts = []
+    if "concurrency" in limits:
+        parts.append(f"concurrency {used.get('runs', 0)}/{limits['concurrency']}")
+    if "per_worker" in limits:
+        parts.append(f"{limits['per_worker']} per worker")
+    if "rate_limit" in limits:
+        rate = limits["rate_limit"]
+        parts.append(f"rate {used.get('starts', 0)}/{rate['max']} per {rate['per']:g}s")
+    if "partition_concurrency" in limits:
+        parts.append(f"{limits['partition_concurrency']} per partition")
+    return ", ".join(parts)
+
+
 def _import_code(target: str) -> None:
     """Load a script (a path to a .py file) or import a module (dotted name) so its @workflows register."""
     path = Path(target)
@@ -142,11 +189,16 @@ def worker(
     retention: Annotated[str | None, typer.Option("--retention", metavar="DURATION",
                                                   help="Delete runs this long after they ended (30d, 12h), "
                                                        "checked every tenth of it, at most hourly.")] = None,
+    queues: Annotated[list[str] | None, typer.Option("--queue", metavar="NAME",
+                                                     help="Serve only the runs of this named queue (repeatable; "
+                                                          "'default' is the queue of runs enqueued without one) "
+                                                          "[default: every queue].")] = None,
     opts: Options = OPTIONS,
 ) -> None:
     """Run due runs of the imported workflows until stopped: claim, run, park, release, repeat. SIGTERM or
     Ctrl-C stops gracefully (no new claims or steps; running steps finish and are recorded; leases released;
-    exit 0)."""
+    exit 0). The limits of the named queues the imported code declares (durably_py.queue) hold across every
+    worker sharing the store."""
     with opts.guard():
         settings = opts.settings()
         for name, value, flag in (("concurrency", concurrency, "--concurrency"), ("lease", lease, "--lease"),
@@ -181,9 +233,11 @@ def worker(
 
         engine.heartbeat.report = tell
         loop_worker = Worker(engine, concurrency=engine.concurrency,
-                             poll=settings.poll if settings.poll is not None else 0.2, log=say)
+                             poll=settings.poll if settings.poll is not None else 0.2, log=say, queues=queues)
         where = settings.storage or os.path.abspath(settings.dir or ".durably")
         served = ", ".join(sorted(engine.code.serves or ())) or "no imported workflow"
+        if queues:
+            served += f" on the queue{'s' if len(set(queues)) > 1 else ''} {', '.join(sorted(set(queues)))}"
         recorded = f"; recorded code under {engine.code.root}" if engine.code.recorded else ""
         tell(f"durably worker {engine.owner} on {where}: concurrency {loop_worker.concurrency}, lease "
             f"{engine.lease_ttl:g}s renewed every {engine.heartbeat_every:g}s, poll {loop_worker.poll:g}s, "
@@ -233,6 +287,21 @@ def enqueue(
                                               help="Enqueue one run per line of a JSON-lines file (- reads "
                                                    "stdin): each line {\"input\": ..., \"key\": ...}, both "
                                                    "optional; written a batch at a time.")] = None,
+    queue: Annotated[str | None, typer.Option("--queue", metavar="NAME",
+                                              help="The named queue it waits on [default: its workflow's, "
+                                                   "else 'default'].")] = None,
+    partition: Annotated[str | None, typer.Option("--partition", metavar="NAME",
+                                                  help="Its partition of the queue (a tenant, say): runs are "
+                                                       "taken round-robin across partitions.")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="A new run even when one with this input or key "
+                                                        "exists.")] = False,
+    debounce: Annotated[str | None, typer.Option("--debounce", metavar="SECONDS",
+                                                 help="With --key: due once this long passes with no newer "
+                                                      "enqueue of the key, which supersedes it until it "
+                                                      "starts.")] = None,
+    on_conflict: Annotated[str | None, typer.Option("--on-conflict", metavar="POLICY",
+                                                    help="With --key, while a run with the key has not ended: "
+                                                         "use_existing, fail or cancel_existing.")] = None,
     opts: Options = OPTIONS,
 ) -> None:
     """Record a pending run of one of SCRIPT's workflows and print its id; a worker runs it when due. With
@@ -247,7 +316,11 @@ def enqueue(
             raise ValidationError("--from gives each run its input and key: it takes no --input or --key",
                                   hint='Put them in each line: {"input": {"n": 1}, "key": "job-1"}.',
                                   docs="docs/cli.md#durably-enqueue")
+        if lines is not None and (fresh or debounce is not None or on_conflict is not None):
+            raise ValidationError("--from takes no --fresh, --debounce or --on-conflict: they act on one run",
+                                  hint="Enqueue such runs one at a time.", docs="docs/cli.md#durably-enqueue")
         seconds = parse_duration(delay) if delay is not None else 0.0
+        quiet = parse_duration(debounce) if debounce is not None else None
         items = _enqueue_lines(lines) if lines is not None else None
         value = parse_input(input) if items is None else None
         script = script.resolve()
@@ -257,10 +330,13 @@ def enqueue(
             engine = open_engine(settings)
             if items is None:
                 check_input_given(wf, input is not None, script, "enqueue")
-                handles = [asyncio.run(engine.enqueue(wf, value, key=key, priority=priority, delay=seconds))]
+                handles = [asyncio.run(engine.enqueue(wf, value, key=key, priority=priority, delay=seconds,
+                                                      queue=queue, partition=partition, fresh=fresh,
+                                                      debounce=quiet, on_conflict=on_conflict))]
             else:
                 handles = asyncio.run(engine.enqueue_many([(wf, item_input, item_key) for item_input, item_key
-                                                           in items], priority=priority, delay=seconds))
+                                                           in items], priority=priority, delay=seconds,
+                                                          queue=queue, partition=partition))
         if opts.as_json:
             opts.print_json({"run_id": handles[0].run_id} if items is None else
                         {"run_ids": [handle.run_id for handle in handles]})

@@ -3,7 +3,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .base import LOG_VERSION, Lease, Log, RunInfo, validate_key, validate_run_id
+from .base import LOG_VERSION, Lease, Log, QueueStats, RunInfo, validate_key, validate_run_id
 from .file import FileStorage
 from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, Limits, LimitUpdate, RunLogs, Storage
 
@@ -26,6 +26,7 @@ __all__ = [
     "Log",
     "MemoryStorage",
     "PostgresStorage",
+    "QueueStats",
     "RunInfo",
     "RunLogs",
     "SqliteStorage",

@@ -24,9 +24,10 @@ wait whose time came, a woken wait, or an orphan whose process died or whose lea
 from __future__ import annotations
 
 import errno
+import heapq
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -40,7 +41,7 @@ from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
 
 __all__ = [
     "LOG_VERSION", "Catalog", "Check", "Choose", "DueQueue", "Fleet", "Identities", "Inbox", "Lease", "Log",
-    "RunInfo", "RunLogs", "Storage",
+    "QueueEntry", "QueueStats", "RunInfo", "RunLogs", "Storage",
 ]
 
 Check = Callable[[list[Any], str], list[Any]]
@@ -83,6 +84,9 @@ def validate_key(key: object) -> str:
 
 MAX_LIMIT_KEY_LEN = 200
 LIMITS_DOCS = "docs/policies.md#resources"
+FLOW_DOCS = "docs/deploying.md#flow-control"
+DEFAULT_QUEUE = "default"
+"""The queue of a run whose header names none."""
 Live = Callable[[str, int], bool]
 """`live(run_id, epoch)`: whether the lease taken at `epoch` on `run_id` is still held by a live owner."""
 LimitStep = Callable[[bytes | None, float, Live], tuple[bytes | None, Any]]
@@ -278,6 +282,9 @@ def validate_header(run_id: str, header: object) -> dict[str, Any]:
             f"invalid header for run {run_id!r}: expected one line {{\"t\": \"run\", \"run_id\": {run_id!r}, ...}}",
             hint="Create runs through the kernel, which writes the header.",
         )
+    for name in ("queue", "partition"):  # where the run waits: text every adapter's queue can store
+        if record.get(name) is not None:
+            validate_queue_name(record[name], f"the {name} of run {run_id!r}")
     return record
 
 
@@ -483,13 +490,32 @@ def _text(header: object, name: str) -> str | None:
 
 @dataclass
 class QueueEntry:
-    """A run's place in the queue: due at `at` (epoch seconds; None: only a `wake` makes it due)."""
+    """A run's place in the queue: due at `at` (epoch seconds; None: only a `wake` makes it due), in the named
+    `queue` and `partition` its header gives (`catalog.queue_fields`; they never change while it is queued)."""
 
     run_id: str
     at: float | None
     priority: int = 0
     wait: tuple[str, ...] = ()  # signal names whose arrival makes the run due at once
     created: float = 0.0
+    queue: str = DEFAULT_QUEUE
+    partition: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """What one queue, or one partition of it, holds (`DueQueue.queue_stats`): each entry is counted once, as
+    `running` while a live owner holds its run, else as `due` (due by now), `later` (due at a later time) or
+    `parked` (due only when woken). `oldest` is the earliest due time (epoch seconds) among the `due` ones, so
+    an operator sees how long the queue's oldest waiting run has waited (None: none is due)."""
+
+    queue: str
+    partition: str | None
+    due: int = 0
+    later: int = 0
+    running: int = 0
+    parked: int = 0
+    oldest: float | None = None
 
 
 def validate_priority(priority: object) -> int:
@@ -531,6 +557,40 @@ def validate_workflows(workflows: object) -> frozenset[str] | None:
     return frozenset(workflows)
 
 
+def validate_queue_name(name: object, what: str = "a queue name") -> str:
+    """Return `name` if every adapter can store it as text: a non-empty str without NUL (PostgreSQL text holds
+    none) or lone surrogates (not UTF-8)."""
+    if not isinstance(name, str) or not name or "\x00" in name or not _utf8(name):
+        raise ValidationError(f"{what} must be non-empty text without NUL or lone surrogates, got {name!r}",
+                              hint='queue="emails", partition="tenant-42"', docs=FLOW_DOCS)
+    return name
+
+
+def validate_queue_set(names: object, what: str, *, none: bool) -> frozenset[str] | None:
+    """`names` (a set, or any iterable other than a string, of queue names, or "QUEUE/PARTITION" for `full=`)
+    as a frozenset; None only when `none` allows it. Checked before anything is claimed."""
+    if names is None and none:
+        return None
+    if isinstance(names, str | bytes) or not isinstance(names, Iterable):
+        raise ValidationError(
+            f"{what}= is a set of queue names{' or None' if none else ''}, got {names!r}",
+            hint=f'{what}=frozenset({{"emails"}})' + (' (a partition: "emails/tenant-42")' if what == "full" else ""),
+            docs=FLOW_DOCS)
+    found = frozenset(names)
+    for name in found:
+        validate_queue_name(name, f"each name in {what}=")
+    return found
+
+
+def queue_allows(entry: QueueEntry, queues: frozenset[str] | None, full: frozenset[str]) -> bool:
+    """Whether `due(queues=, full=)` keeps `entry`: its queue is one of `queues` (None: any) and neither its
+    queue nor its "QUEUE/PARTITION" is in `full`."""
+    if queues is not None and entry.queue not in queues:
+        return False
+    return not full or entry.queue not in full and (
+        entry.partition is None or f"{entry.queue}/{entry.partition}" not in full)
+
+
 def validate_worker(owner: object, info: object) -> bytes:
     """The JSON line of a worker's advertisement (`Storage.advertise`): a non-empty owner, a JSON object."""
     validate_owner(owner)
@@ -556,8 +616,102 @@ def validate_limit(limit: object) -> int:
 
 
 def due_order(entry: QueueEntry) -> tuple[float, float, float, str]:
-    """How due entries are ordered: highest priority first, then earliest due, then oldest, then by id."""
+    """How due entries are ordered before partitions take turns (`fair_order`): highest priority first, then
+    earliest due, then oldest, then by id."""
     return (-entry.priority, entry.at if entry.at is not None else float("inf"), entry.created, entry.run_id)
+
+
+def fair_order(ready: list[QueueEntry], eligible: Callable[[QueueEntry], bool]) -> Iterator[QueueEntry]:
+    """The entries of `ready` (sorted by `due_order`) that `eligible` accepts, in the queue's fair order: highest
+    priority first; within one priority, partitions take turns (the first eligible run of each (queue,
+    partition) comes before the second of any), each turn in due order; a run without a partition takes its
+    turn first, as if alone in a partition of its own, so without partitions this is `due_order`. The order
+    the SQL adapters give with ``ROW_NUMBER() OVER (PARTITION BY queue, partition, priority)``.
+
+    Lazy: `eligible` is asked once per entry, only as far as the caller reads (a file adapter's check is a
+    lock probe), and a queue without partitions is one pass with no grouping."""
+    i, count = 0, len(ready)
+    while i < count:
+        entry = ready[i]
+        if entry.partition is None:  # ahead of every partitioned entry of its priority: due no later, rank 1
+            i += 1
+            if eligible(entry):
+                yield entry
+            continue
+        end = i
+        while end < count and ready[end].priority == entry.priority:
+            end += 1
+        yield from _in_turns(ready[i:end], eligible)
+        i = end
+
+
+def _in_turns(level: list[QueueEntry], eligible: Callable[[QueueEntry], bool]) -> Iterator[QueueEntry]:
+    """`fair_order` of entries of one priority (in due order): turn after turn, each partition's next eligible
+    entry, merged in due order (runs without a partition all in the first turn)."""
+    plain: list[QueueEntry] = []
+    groups: dict[tuple[str, str], list[QueueEntry]] = {}
+    for entry in level:
+        if entry.partition is None:
+            plain.append(entry)
+        else:
+            groups.setdefault((entry.queue, entry.partition), []).append(entry)
+
+    def key(entry: QueueEntry) -> tuple[float, float, str]:
+        return (entry.at if entry.at is not None else float("inf"), entry.created, entry.run_id)
+
+    # the heap holds each source's next entry: (its order, its position, its group; None: the plain runs)
+    heap: list[tuple[tuple[float, float, str], int, tuple[str, str] | None]] = []
+    if plain:
+        heap.append((key(plain[0]), 0, None))
+    heap.extend((key(entries[0]), 0, group) for group, entries in groups.items())
+    heapq.heapify(heap)
+    turn: list[tuple[str, str]] = []  # the groups that gave an entry this turn, back in the next one
+    position = dict.fromkeys(groups, 0)
+    while heap or turn:
+        if not heap:
+            for group in turn:
+                at = position[group]
+                if at < len(groups[group]):
+                    heapq.heappush(heap, (key(groups[group][at]), at, group))
+            turn = []
+            continue
+        _, at, source = heapq.heappop(heap)
+        entries = plain if source is None else groups[source]
+        entry = entries[at]
+        ok = eligible(entry)
+        if source is None:
+            if at + 1 < len(plain):
+                heapq.heappush(heap, (key(plain[at + 1]), at + 1, None))
+        else:
+            position[source] = at + 1
+            if ok:
+                turn.append(source)
+            elif at + 1 < len(entries):
+                heapq.heappush(heap, (key(entries[at + 1]), at + 1, source))
+        if ok:
+            yield entry
+
+
+def count_queues(entries: Iterable[tuple[QueueEntry, bool]], now: float) -> list[QueueStats]:
+    """`queue_stats` from (entry, held by a live owner) pairs, for adapters that count in Python."""
+    counts: dict[tuple[str, str | None], list[Any]] = {}
+    for entry, held in entries:
+        row = counts.setdefault((entry.queue, entry.partition), [0, 0, 0, 0, None])
+        if held:
+            row[2] += 1
+        elif entry.at is None:
+            row[3] += 1
+        elif entry.at > now:
+            row[1] += 1
+        else:
+            row[0] += 1
+            row[4] = entry.at if row[4] is None else min(row[4], entry.at)
+    return sorted_stats(QueueStats(queue, partition, *row) for (queue, partition), row in counts.items())
+
+
+def sorted_stats(stats: Iterable[QueueStats]) -> list[QueueStats]:
+    """`stats` by queue, then partition (none first), in Python's string order (not a database's collation)."""
+    return sorted(stats, key=lambda s: (s.queue, s.partition is not None, s.partition or ""))
 
 
 def claim_candidates(storage: Any, candidates: list[str], owner: str, ttl: float, limit: int,

@@ -23,6 +23,7 @@ import msgspec
 
 from ..errors import ValidationError
 from ..records import is_end_line, is_open_line, kind_of, may_change_state
+from .base import DEFAULT_QUEUE
 
 OPEN = "open"
 ENDED = ("completed", "failed", "cancelled")
@@ -72,6 +73,16 @@ def header_fields(header: Any) -> tuple[str | None, str | None, str | None]:
         return None, None, None
     found = [header.get(name) for name in ("workflow", "key", "parent")]
     return tuple(value if isinstance(value, str) else None for value in found)  # type: ignore[return-value]
+
+
+def queue_fields(header: Any) -> tuple[str, str | None]:
+    """(queue, partition) a decoded header places its run in: its "queue" ("default" unless a non-empty string)
+    and its "partition" (None unless a non-empty string), as `QueueEntry` keeps them."""
+    if not isinstance(header, dict) and not hasattr(header, "get"):
+        return DEFAULT_QUEUE, None
+    queue, partition = header.get("queue"), header.get("partition")
+    return (queue if isinstance(queue, str) and queue else DEFAULT_QUEUE,
+            partition if isinstance(partition, str) and partition else None)
 
 
 def _text(name: str, value: object) -> str | None:

@@ -12,7 +12,8 @@ Layout under ``dir``::
                           may send, lease or not), so a reader sees a whole signal or none
     index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
     queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "p": priority,
-                          "w": [signal names that wake it], "c": created}; replaced atomically (temp file and
+                          "w": [signal names that wake it], "c": created, "q": its named queue (absent: the
+                          default queue), "pt": its partition (absent: none)}; replaced atomically (temp file and
                           rename) under the flock of queue/.lock, deleted when the run ends. The due query
                           lists this directory only, so ended runs cost it nothing.
     catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
@@ -53,6 +54,7 @@ from .base import (
     Log,
     NewRun,
     QueueEntry,
+    QueueStats,
     RunInfo,
     checked,
     claim_candidates,
@@ -68,7 +70,7 @@ from .base import (
     storage_full,
     validate_run_id,
 )
-from .catalog import OPEN, RunFilter, header_fields
+from .catalog import OPEN, RunFilter, header_fields, queue_fields
 from .filelimits import FileLimits
 from .filelocks import (
     Held,
@@ -130,7 +132,9 @@ class FileStorage(StorageFront):
         self.queue_dir = self.queue.dir
         self.joins_dir = self.queue.joins_dir
         self._limit_docs = FileLimits(self.dir, held=self._do_held,
-                                      epoch=lambda run_id: sidecar_epoch(self._runs_path, run_id))
+                                      epoch=lambda run_id: sidecar_epoch(self._runs_path, run_id),
+                                      open=lambda run_id: (info := self._do_info(run_id)) is not None
+                                      and not info.ended)
 
     def __repr__(self) -> str:
         return f"FileStorage({str(self.dir)!r})"
@@ -180,7 +184,8 @@ class FileStorage(StorageFront):
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
         with self.queue.lock():
-            queued = self.queue.add(QueueEntry(run_id, now if at is None else at, priority, (), now))
+            queued = self.queue.add(QueueEntry(run_id, now if at is None else at, priority, (), now,
+                                               *queue_fields(record)))
         self._new_log(run_id, header, queued)
         # the catalog row comes after the log, so no one waiting for the log waits for the catalog; a crash in
         # between leaves a log without a row, which the next listing finds (``runs/`` changed)
@@ -506,7 +511,8 @@ class FileStorage(StorageFront):
         now = time.time()
         with self.queue.lock():
             queued = [run.queued and self.queue.add(QueueEntry(run.run_id, now if run.at is None else run.at,
-                                                                run.priority, (), now)) for run in bound]
+                                                                run.priority, (), now, *queue_fields(header)))
+                      for run, header in zip(bound, headers, strict=False)]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
@@ -883,10 +889,10 @@ class FileStorage(StorageFront):
         """Every queue entry (unfinished runs only), in no particular order (`FileQueue.entries`)."""
         return self.queue.entries()
 
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
-                names: frozenset[str] | None) -> list[str]:
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
+                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
         """Due runs no live process holds, from the queue directory (`FileQueue.due`)."""
-        return self.queue.due(limit, now, skip, names)
+        return self.queue.due(limit, now, skip, names, queues, full)
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
@@ -897,9 +903,15 @@ class FileStorage(StorageFront):
         return self.wakeups.watch(callback)
 
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      names: frozenset[str] | None) -> list[Lease]:
+                      names: frozenset[str] | None, queues: frozenset[str] | None,
+                      full: frozenset[str]) -> list[Lease]:
         """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
-        return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
+        due = self.queue.due(2 * limit + 2, None, skip, names, queues, full)
+        return claim_candidates(self, due, owner, ttl, limit, check)
+
+    def _do_queue_stats(self, now: float) -> list[QueueStats]:
+        """Counted from every queue entry (`FileQueue.stats`)."""
+        return self.queue.stats(now)
 
     # ---- limits (`filelimits.FileLimits`) -------------------------------------------------------------
     def _do_limit(self, key: str, step: LimitStep) -> Any:

@@ -4,16 +4,30 @@ files of runs parked until their children end (``joins/<run_id>/<child>``); the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .base import QueueEntry, RunInfo, decode_record, due_order, is_run_id
+from .base import (
+    DEFAULT_QUEUE,
+    QueueEntry,
+    QueueStats,
+    RunInfo,
+    count_queues,
+    decode_record,
+    due_order,
+    fair_order,
+    is_run_id,
+    queue_allows,
+)
+from .catalog import queue_fields
 from .wakeup import LocalWakeups
 
 try:
@@ -75,7 +89,8 @@ class FileQueue:
                     continue
                 info = self._info(run_id)
                 if info is not None and not info.ended and self.read(run_id) is None:
-                    self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at))
+                    self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at,
+                                          *queue_fields(info.header)))
         self._ready_dir = True
 
     @contextmanager
@@ -102,8 +117,14 @@ class FileQueue:
             os.close(fd)
 
     def write(self, entry: QueueEntry) -> None:
-        """Atomically replace a run's queue entry (call with the queue lock held)."""
-        data = msgspec.json.encode({"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created})
+        """Atomically replace a run's queue entry (call with the queue lock held); its queue ("q") and
+        partition ("pt") only when not the default queue and none."""
+        fields: dict[str, Any] = {"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created}
+        if entry.queue != DEFAULT_QUEUE:
+            fields["q"] = entry.queue
+        if entry.partition is not None:
+            fields["pt"] = entry.partition
+        data = msgspec.json.encode(fields)
         tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
         try:
             os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
@@ -144,9 +165,10 @@ class FileQueue:
         `priority` None keeps the entry's. What it waited for in a join is dropped."""
         with self.lock():
             old = self.read(run_id)
-            keep = old.priority if old is not None else 0
-            created = old.created if old is not None else time.time()
-            self.write(QueueEntry(run_id, at, keep if priority is None else priority, wait, created))
+            if old is not None:
+                self.write(replace(old, at=at, wait=wait, priority=old.priority if priority is None else priority))
+            else:
+                self.write(QueueEntry(run_id, at, priority or 0, wait, time.time(), *self._place_of(run_id)))
             self._drop_joins(run_id)
 
     def _drop_joins(self, run_id: str) -> None:
@@ -173,8 +195,9 @@ class FileQueue:
                     (folder / child).touch()
             old = self.read(run_id)
             now = time.time()
-            self.write(QueueEntry(run_id, None if queued else now, old.priority if old else 0, (),
-                                  old.created if old else now))
+            due = None if queued else now
+            self.write(replace(old, at=due, wait=()) if old is not None
+                       else QueueEntry(run_id, due, 0, (), now, *self._place_of(run_id)))
         if not queued:
             self.wakeups.notify()
         return not queued
@@ -193,14 +216,22 @@ class FileQueue:
             for run_id, parent in zip(run_ids, parents, strict=True):
                 self._unqueue(run_id, parent)
 
-    def _parent_of(self, run_id: str) -> str | None:
-        """The parent run a run's header names (None: none, or no log)."""
+    def _header_of(self, run_id: str) -> dict[str, Any]:
+        """A run's decoded header ({}: no log, or no header line)."""
         try:
             with open(os.path.join(self._runs_path, f"{run_id}.jsonl"), "rb") as f:
-                parent = (decode_record(f.readline()) or {}).get("parent")
+                return decode_record(f.readline()) or {}
         except FileNotFoundError:
-            return None
+            return {}
+
+    def _parent_of(self, run_id: str) -> str | None:
+        """The parent run a run's header names (None: none, or no log)."""
+        parent = self._header_of(run_id).get("parent")
         return parent if isinstance(parent, str) and is_run_id(parent) else None
+
+    def _place_of(self, run_id: str) -> tuple[str, str | None]:
+        """The queue and partition a run's header names, for an entry written anew (a run queued again)."""
+        return queue_fields(self._header_of(run_id))
 
     def _unqueue(self, run_id: str, parent: str | None) -> None:
         """`unschedule` of one run with the queue lock held: its file in its parent's join goes first (the last
@@ -216,7 +247,7 @@ class FileQueue:
                 old = self.read(parent)
                 now = time.time()
                 if old is not None and (old.at is None or old.at > now):
-                    self.write(QueueEntry(parent, now, old.priority, old.wait, old.created))
+                    self.write(replace(old, at=now))
                     self.wakeups.notify()
                 folder.rmdir()
         self._drop_joins(run_id)
@@ -233,7 +264,7 @@ class FileQueue:
             now = time.time()
             if old.at is not None and old.at <= now:
                 return False
-            self.write(QueueEntry(run_id, now, old.priority, old.wait, old.created))
+            self.write(replace(old, at=now))
         self.wakeups.notify()
         return True
 
@@ -261,26 +292,31 @@ class FileQueue:
         self._listed = (mtime, out) if settled else None
         return out
 
-    def due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None) -> list[str]:
-        """Due runs from the queue directory: entries due by `now` whose run no live process holds (and, for
-        `names`, whose header names one of them: read once per run, headers never change)."""
+    def due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
+            queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
+        """Due runs from the queue directory, in the queue's fair order (`base.fair_order`): entries due by
+        `now` whose run no live process holds, in `queues` and not `full` (the entry says its queue and
+        partition), and, for `names`, whose header names one of them (read once per run, headers never
+        change)."""
         ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
-        now = time.time() if now is None else now
-        out: list[str] = []
-        for entry in ready:
-            if len(out) >= limit:
-                break
-            if entry.run_id in skip or names is not None and self._workflow_of(entry.run_id) not in names:
-                continue
+        at = time.time() if now is None else now
+
+        def eligible(entry: QueueEntry) -> bool:
+            if entry.run_id in skip or not queue_allows(entry, queues, full):
+                return False
+            if names is not None and self._workflow_of(entry.run_id) not in names:
+                return False
             if cached:  # the sorted list is from an earlier look: the entry as it is now decides
                 fresh = self.read(entry.run_id)
-                if fresh is None or fresh.at is None or fresh.at > now:
-                    continue
-            if not self._held(entry.run_id) and (self.runs_dir / f"{entry.run_id}.jsonl").exists():
-                out.append(entry.run_id)
+                if fresh is None or fresh.at is None or fresh.at > at:
+                    return False
+            return not self._held(entry.run_id) and os.path.exists(
+                os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
+
+        out = [entry.run_id for entry in itertools.islice(fair_order(ready, eligible), limit)]
         if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
             self._ready_list = None
-            return self.due(limit, None, skip, names)
+            return self.due(limit, None, skip, names, queues, full)
         return out
 
     def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
@@ -322,6 +358,13 @@ class FileQueue:
         now = time.time() if now is None else now
         return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
 
+    def stats(self, now: float) -> list[QueueStats]:
+        """`queue_stats` from every entry whose run has a log (an entry whose log was never created is not a
+        run), each run's lock probed: for operators, not for a worker's loop."""
+        found = [(entry, self._held(entry.run_id)) for entry in self.entries()
+                 if os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))]
+        return count_queues(found, now)
+
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
     """A queue entry from its stored JSON, or None when it is not one."""
@@ -331,8 +374,11 @@ def _entry(run_id: str, raw: Any) -> QueueEntry | None:
     if (at is not None and not isinstance(at, int | float)) or not isinstance(priority, int) \
             or not isinstance(wait, list) or not isinstance(created, int | float):
         return None
+    queue, partition = raw.get("q"), raw.get("pt")  # absent in entries from before named queues
     return QueueEntry(run_id, None if at is None else float(at), priority,
-                      tuple(w for w in wait if isinstance(w, str)), float(created))
+                      tuple(w for w in wait if isinstance(w, str)), float(created),
+                      queue if isinstance(queue, str) and queue else DEFAULT_QUEUE,
+                      partition if isinstance(partition, str) and partition else None)
 
 
 def _unlink(path: str) -> None:

@@ -13,6 +13,7 @@ refuses the same documents.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..errors import CorruptLogError, ValidationError
@@ -26,6 +27,7 @@ from .base import (
     Log,
     NewRun,
     QueueEntry,
+    QueueStats,
     RunInfo,
     decode_limit_doc,
     encode_limit_doc,
@@ -41,6 +43,7 @@ from .base import (
     validate_new_runs,
     validate_owner,
     validate_priority,
+    validate_queue_set,
     validate_rewrite,
     validate_run_id,
     validate_signal,
@@ -64,6 +67,13 @@ def _checked_choose(choose: Choose) -> Choose:
         return None if line is None else validate_lines(line)
 
     return lines
+
+
+def _full(full: object) -> frozenset[str]:
+    """`full=` of `due` and `claim_due` as a frozenset of queue and "QUEUE/PARTITION" names."""
+    found = validate_queue_set(full, "full", none=False)
+    assert found is not None
+    return found
 
 
 def _limit_step(key: str, update: LimitUpdate, where: str) -> LimitStep:
@@ -233,18 +243,29 @@ class StorageFront:
         return self._do_entry(validate_run_id(run_id))
 
     def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
+            workflows: frozenset[str] | None = None, queues: frozenset[str] | None = None,
+            full: frozenset[str] = frozenset()) -> list[str]:
         """Ids of due, unheld runs (`DueQueue.due`)."""
         validate_limit(limit)
-        return self._do_due(limit, now, skip, validate_workflows(workflows))
+        names = validate_workflows(workflows)
+        return self._do_due(limit, now, skip, names, validate_queue_set(queues, "queues", none=True),
+                            _full(full))
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
+                  check: Check | None = None, workflows: frozenset[str] | None = None,
+                  queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[Lease]:
         """Claim up to `limit` due runs (`DueQueue.claim_due`)."""
         validate_owner(owner)
         ttl = validate_ttl(ttl)
         validate_limit(limit)
-        return self._do_claim_due(owner, ttl, limit, skip, check, validate_workflows(workflows))
+        names = validate_workflows(workflows)
+        return self._do_claim_due(owner, ttl, limit, skip, check, names,
+                                  validate_queue_set(queues, "queues", none=True), _full(full))
+
+    def queue_stats(self, now: float | None = None) -> list[QueueStats]:
+        """What each queue and partition holds (`DueQueue.queue_stats`)."""
+        at = validate_at(now)
+        return self._do_queue_stats(time.time() if at is None else at)
 
     # ---- Fleet -------------------------------------------------------------------------------------------
     def advertise(self, owner: str, info: dict[str, Any], ttl: float) -> None:
@@ -349,12 +370,17 @@ class StorageFront:
     def _do_entry(self, run_id: str) -> QueueEntry | None:
         raise NotImplementedError
 
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
-                workflows: frozenset[str] | None) -> list[str]:
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], workflows: frozenset[str] | None,
+                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
         raise NotImplementedError
 
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      workflows: frozenset[str] | None) -> list[Lease]:
+                      workflows: frozenset[str] | None, queues: frozenset[str] | None,
+                      full: frozenset[str]) -> list[Lease]:
+        raise NotImplementedError
+
+    def _do_queue_stats(self, now: float) -> list[QueueStats]:
+        """`queue_stats` at `now` (epoch seconds)."""
         raise NotImplementedError
 
     def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:

@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..errors import LeaseLostError, RunNotFoundError, ValidationError
@@ -22,29 +23,34 @@ from .base import (
     Log,
     NewRun,
     QueueEntry,
+    QueueStats,
     RunInfo,
     bind_and_create,
     checked,
     claim_candidates,
     claimed,
+    count_queues,
     decode_record,
     decode_signal,
     decode_worker,
     due_order,
     ended,
+    fair_order,
     finish_each,
     last_line,
     parse_log,
+    queue_allows,
     sync_each,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after
+from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
 
 
 class _Run:
     """One run's log bytes, lease state and signal inbox."""
 
-    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals", "state", "fields")
+    __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals", "state", "fields",
+                 "place")
 
     def __init__(self, data: bytes, order: int) -> None:
         self.data = bytearray(data)
@@ -56,7 +62,14 @@ class _Run:
         self.synced = 0
         self.signals: list[tuple[str, bytes]] = []  # (signal id, line), in send order
         self.state = OPEN  # the catalog state: "open" or the end status
-        self.fields = header_fields(decode_record(data))  # workflow, key, parent
+        header = decode_record(data)
+        self.fields = header_fields(header)  # workflow, key, parent
+        self.place = queue_fields(header)  # the queue and partition its entries are in
+
+
+def _kept(entry: QueueEntry) -> bool:
+    """Every entry `fair_order` is given is kept (the memory adapter filters them first)."""
+    return True
 
 
 class MemoryStorage(StorageFront):
@@ -86,9 +99,9 @@ class MemoryStorage(StorageFront):
         with self._lock:
             if run_id in self._runs:
                 raise ValidationError(f"run {run_id} already exists in memory", run_id=run_id)
-            self._runs[run_id] = _Run(header, next(self._order))
+            run = self._runs[run_id] = _Run(header, next(self._order))
             now = time.time()
-            self._queue[run_id] = QueueEntry(run_id, now if at is None else at, priority, (), now)
+            self._queue[run_id] = QueueEntry(run_id, now if at is None else at, priority, (), now, *run.place)
 
     def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown)."""
@@ -315,11 +328,12 @@ class MemoryStorage(StorageFront):
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Set the run's queue entry."""
         with self._lock:
-            self._get(run_id)
+            run = self._get(run_id)
             old = self._queue.get(run_id)
             keep = old.priority if old is not None else 0
             created = old.created if old is not None else time.time()
-            self._queue[run_id] = QueueEntry(run_id, at, keep if priority is None else priority, wait, created)
+            self._queue[run_id] = QueueEntry(run_id, at, keep if priority is None else priority, wait, created,
+                                             *run.place)
             self._drop_joins(run_id)
 
     def _drop_joins(self, run_id: str) -> None:
@@ -330,13 +344,13 @@ class MemoryStorage(StorageFront):
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """Park the run until the children still queued end; due now when none is."""
         with self._lock:
-            self._get(run_id)
+            run = self._get(run_id)
             old = self._queue.get(run_id)
             self._drop_joins(run_id)
             waiting = {c for c in children if c in self._queue}
             now = time.time()
             self._queue[run_id] = QueueEntry(run_id, None if waiting else now, old.priority if old else 0, (),
-                                             old.created if old else now)
+                                             old.created if old else now, *run.place)
             if waiting:
                 self._joins[run_id] = waiting
                 for child in waiting:
@@ -361,7 +375,7 @@ class MemoryStorage(StorageFront):
                 del self._joins[parent]
                 now = time.time()
                 if entry is not None and (entry.at is None or entry.at > now):
-                    self._queue[parent] = QueueEntry(parent, now, entry.priority, entry.wait, entry.created)
+                    self._queue[parent] = replace(entry, at=now)
 
     def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its entry waits for `name` (None: unconditionally)."""
@@ -370,7 +384,7 @@ class MemoryStorage(StorageFront):
             now = time.time()
             if old is None or (name is not None and name not in old.wait) or (old.at is not None and old.at <= now):
                 return False
-            self._queue[run_id] = QueueEntry(run_id, now, old.priority, old.wait, old.created)
+            self._queue[run_id] = replace(old, at=now)
             return True
 
     def _do_entry(self, run_id: str) -> QueueEntry | None:
@@ -378,17 +392,19 @@ class MemoryStorage(StorageFront):
         with self._lock:
             return self._queue.get(run_id)
 
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
-                names: frozenset[str] | None) -> list[str]:
-        """Due, unheld runs (of `names`, when given) in queue order."""
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
+                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
+        """Due, unheld runs (of `names` and `queues`, when given, none of `full`) in the queue's fair order."""
         now = time.time() if now is None else now
         clock = time.monotonic()
         with self._lock:
             ready = [e for e in self._queue.values() if e.at is not None and e.at <= now and e.run_id not in skip
                      and e.run_id in self._runs
                      and (names is None or self._runs[e.run_id].fields[0] in names)
+                     and queue_allows(e, queues, full)
                      and not (self._runs[e.run_id].owner is not None and self._runs[e.run_id].expires >= clock)]
-        return [e.run_id for e in sorted(ready, key=due_order)[:limit]]
+        ready.sort(key=due_order)
+        return [e.run_id for e in itertools.islice(fair_order(ready, _kept), limit)]
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
@@ -401,9 +417,19 @@ class MemoryStorage(StorageFront):
         return None
 
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      names: frozenset[str] | None) -> list[Lease]:
+                      names: frozenset[str] | None, queues: frozenset[str] | None,
+                      full: frozenset[str]) -> list[Lease]:
         """Claim up to `limit` due runs."""
-        return claim_candidates(self, self._do_due(2 * limit + 2, None, skip, names), owner, ttl, limit, check)
+        due = self._do_due(2 * limit + 2, None, skip, names, queues, full)
+        return claim_candidates(self, due, owner, ttl, limit, check)
+
+    def _do_queue_stats(self, now: float) -> list[QueueStats]:
+        """Every entry counted under the lock."""
+        clock = time.monotonic()
+        with self._lock:
+            found = [(entry, run is not None and run.owner is not None and run.expires >= clock)
+                     for entry in self._queue.values() for run in (self._runs.get(entry.run_id),)]
+        return count_queues(found, now)
 
     # ---- workers --------------------------------------------------------------------------------
     def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
@@ -439,6 +465,8 @@ class MemoryStorage(StorageFront):
         """True while the lease taken at `epoch` on `run_id` is the run's current one, held and unexpired (call
         with the lock held)."""
         run = self._runs.get(run_id)
+        if epoch < 0:  # held while the run has not ended
+            return run is not None and run.state == OPEN
         return (run is not None and run.epoch == epoch and run.owner is not None
                 and run.expires >= time.monotonic())
 

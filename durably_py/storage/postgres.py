@@ -50,6 +50,7 @@ from .base import (
     Log,
     NewRun,
     QueueEntry,
+    QueueStats,
     RunInfo,
     bind_and_create,
     checked,
@@ -60,10 +61,11 @@ from .base import (
     ended,
     last_line,
     parse_log,
+    sorted_stats,
     sync_each,
     validate_run_id,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after
+from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
 
 if TYPE_CHECKING:
@@ -112,6 +114,8 @@ CREATE TABLE IF NOT EXISTS {s}.queue (
     wait TEXT[] NOT NULL DEFAULT '{{}}'
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON {s}.queue (priority DESC, due, created) WHERE due IS NOT NULL;
+ALTER TABLE {s}.queue ADD COLUMN IF NOT EXISTS queue_name TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE {s}.queue ADD COLUMN IF NOT EXISTS partition_name TEXT;
 CREATE TABLE IF NOT EXISTS {s}.joins (
     parent TEXT NOT NULL,
     child TEXT NOT NULL,
@@ -127,6 +131,8 @@ CREATE TABLE IF NOT EXISTS {s}.limits (
     key TEXT PRIMARY KEY,
     doc BYTEA NOT NULL
 );
+CREATE INDEX IF NOT EXISTS queue_parts ON {s}.queue (queue_name, partition_name, priority, due, created, run_id)
+    WHERE partition_name IS NOT NULL;
 """
 
 
@@ -255,6 +261,7 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
+        self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
     def __repr__(self) -> str:
         return f"PostgresStorage(schema={self.schema!r})"
@@ -269,7 +276,7 @@ class PostgresStorage(StorageFront):
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")  # whatever the server's default: every commit is durable
-                if not self._exists(conn, self._limits):  # the newest table: anything older is upgraded here
+                if not self._exists(conn, self._limits, self._queue_parts):  # the newest: older ones upgrade here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
                         before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
@@ -287,9 +294,11 @@ class PostgresStorage(StorageFront):
         return self._conn
 
     @staticmethod
-    def _exists(conn: psycopg.Connection[Any], table: str) -> bool:
-        found = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
-        return found is not None and found[0] is not None
+    def _exists(conn: psycopg.Connection[Any], *relations: str) -> bool:
+        """Whether every one of `relations` (tables, indexes) exists, asked in one statement."""
+        found = conn.execute("SELECT " + ", ".join(["to_regclass(%s) IS NOT NULL"] * len(relations)),
+                             relations).fetchone()
+        return found is not None and all(found)
 
     def _queue_unended(self, conn: psycopg.Connection[Any]) -> None:
         """A schema from before the queue: every run that has not ended enters it, due now, so a worker takes
@@ -383,12 +392,12 @@ class PostgresStorage(StorageFront):
         created = self._write(  # the CTEs run to completion whatever the SELECT reads; the notification at commit
             f"WITH created AS (INSERT INTO {self._runs} (run_id, header, last, size, workflow, key, parent, state)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s, 'open') ON CONFLICT (run_id) DO NOTHING RETURNING run_id),"
-            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-            " SELECT run_id, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING),"
+            f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created, queue_name, partition_name)"
+            " SELECT run_id, %s, %s, %s, %s, %s FROM created ON CONFLICT (run_id) DO NOTHING),"
             f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM created)"
             " SELECT pg_notify(%s, '') FROM created",
-            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now, header,
-             self._channel),
+            (run_id, header, header, len(header), *fields, now if at is None else at, priority, now,
+             *queue_fields(record), header, self._channel),
         )
         if created == 0:
             raise ValidationError(f"run {run_id} already exists in PostgreSQL schema {self.schema}", run_id=run_id)
@@ -674,20 +683,22 @@ class PostgresStorage(StorageFront):
         as a bind would. A batch that names one identity twice, or that another process races (a binding or a
         run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
         fields = [header_fields(header) for header in headers]
+        places = [queue_fields(header) for header in headers]
         digests = [_digest(run.identity) for run in runs]
         if not runs:
             return None
         if len(set(digests)) != len(digests):
             return bind_and_create(self, runs)
         try:
-            lost = self._create_batch(runs, digests, fields)
+            lost = self._create_batch(runs, digests, fields, places)
         except _Raced:
             return bind_and_create(self, runs)
         self.fsyncs += 1
         return lost
 
     def _create_batch(self, runs: list[NewRun], digests: list[str],
-                      fields: list[tuple[str | None, str | None, str | None]]) -> str | None:
+                      fields: list[tuple[str | None, str | None, str | None]],
+                      places: list[tuple[str, str | None]]) -> str | None:
         """`create_bound` of distinct identities as one transaction; `_Raced` (rolled back) if it cannot stand."""
         with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT digest, run_id FROM {self._identities} WHERE digest = ANY(%s) FOR UPDATE",
@@ -723,15 +734,16 @@ class PostgresStorage(StorageFront):
                 " SELECT r, h, h, length(h), w, k, p, 'open'"
                 " FROM unnest(%s::text[], %s::bytea[], %s::text[], %s::text[], %s::text[]) AS u(r, h, w, k, p)"
                 " ON CONFLICT (run_id) DO NOTHING RETURNING run_id, header),"
-                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created)"
-                " SELECT c.run_id, coalesce(u.due, %s), u.priority, %s FROM created c"
-                " JOIN unnest(%s::text[], %s::float8[], %s::bigint[]) AS u(r, due, priority) ON u.r = c.run_id"
+                f" queued AS (INSERT INTO {self._queue} (run_id, due, priority, created, queue_name, partition_name)"
+                " SELECT c.run_id, coalesce(u.due, %s), u.priority, %s, u.q, u.pt FROM created c"
+                " JOIN unnest(%s::text[], %s::float8[], %s::bigint[], %s::text[], %s::text[])"
+                " AS u(r, due, priority, q, pt) ON u.r = c.run_id"
                 " ON CONFLICT (run_id) DO NOTHING)"
                 f" INSERT INTO {self._records} (run_id, data) SELECT run_id, header FROM created",
                 ([run.run_id for run in runs[:take]], [bytes(run.header) for run in runs[:take]],
                  *([f[j] for f in fields[:take]] for j in range(3)), now, now,
                  [run.run_id for run in runs[:take]], [run.at for run in runs[:take]],
-                 [run.priority for run in runs[:take]]),
+                 [run.priority for run in runs[:take]], *([p[j] for p in places[:take]] for j in range(2))),
             )
             if cur.rowcount != take:
                 raise _Raced()  # a run id that exists: one at a time, `create` says which
@@ -791,17 +803,24 @@ class PostgresStorage(StorageFront):
 
     # ---- the queue ------------------------------------------------------------------------------
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
-        """Upsert the run's queue row."""
+        """Move the run's queue row in one statement; a run without one (queued again) gets a row in the queue
+        and partition its header names, read in a second statement (the row's insert needs the run's row)."""
         names = list(wait)
         if self._write(
             f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
-            f" INSERT INTO {self._queue} (run_id, due, priority, created, wait)"
-            f" SELECT run_id, %s, coalesce(%s, 0), %s, %s FROM {self._runs} WHERE run_id = %s"
-            " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait,"
-            f" priority = coalesce(%s, {self._queue}.priority)",
-            (run_id, at, priority, time.time(), names, run_id, priority),
+            f" UPDATE {self._queue} SET due = %s, wait = %s, priority = coalesce(%s, priority) WHERE run_id = %s",
+            (run_id, at, names, priority, run_id),
         ) == 0:
-            raise self._missing(run_id)
+            rows = self._fetch(f"SELECT header FROM {self._runs} WHERE run_id = %s", (run_id,))
+            if not rows or self._write(
+                f"INSERT INTO {self._queue} (run_id, due, priority, created, wait, queue_name, partition_name)"
+                f" SELECT run_id, %s, coalesce(%s, 0), %s, %s, %s, %s FROM {self._runs} WHERE run_id = %s"
+                " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait,"
+                f" priority = coalesce(%s, {self._queue}.priority)",
+                (at, priority, time.time(), names, *queue_fields(decode_record(bytes(rows[0][0]))), run_id,
+                 priority),
+            ) == 0:
+                raise self._missing(run_id)
         self._notify()
 
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
@@ -822,9 +841,14 @@ class PostgresStorage(StorageFront):
                                 [(run_id, child) for child in queued])
             waiting = bool(queued)
             due = None if waiting else now
-            cur.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created, wait) VALUES (%s, %s, 0, %s, '{{}}')"
-                        " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait",
-                        (run_id, due, now))
+            cur.execute(f"UPDATE {self._queue} SET due = %s, wait = '{{}}' WHERE run_id = %s", (due, run_id))
+            if cur.rowcount == 0:  # not queued (the run's row is share-locked by no one: read its header now)
+                cur.execute(f"SELECT header FROM {self._runs} WHERE run_id = %s", (run_id,))
+                place = queue_fields(decode_record(bytes(cur.fetchone()[0])))  # type: ignore[index]
+                cur.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created, wait, queue_name,"
+                            " partition_name) VALUES (%s, %s, 0, %s, '{}', %s, %s)"
+                            " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait",
+                            (run_id, due, now, *place))
             if not waiting:
                 cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
         return not waiting
@@ -911,38 +935,87 @@ class PostgresStorage(StorageFront):
 
     def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
-        rows = self._fetch(f"SELECT due, priority, wait, created FROM {self._queue} WHERE run_id = %s", (run_id,))
+        rows = self._fetch(f"SELECT due, priority, wait, created, queue_name, partition_name FROM {self._queue}"
+                           " WHERE run_id = %s", (run_id,))
         if not rows:
             return None
-        due, priority, wait, created = rows[0]
-        return QueueEntry(run_id, due, priority, tuple(wait), created)
+        due, priority, wait, created, queue, partition = rows[0]
+        return QueueEntry(run_id, due, priority, tuple(wait), created, queue, partition)
 
-    _DUE = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id"
-            " WHERE q.due IS NOT NULL AND q.due <= %s"
-            " AND (r.owner IS NULL OR r.lease_expires < clock_timestamp()) AND NOT (q.run_id = ANY(%s))"
-            " AND (%s OR r.workflow = ANY(%s))"
-            " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
+    _KEPT = ("q.due IS NOT NULL AND q.due <= %s AND (r.owner IS NULL OR r.lease_expires < clock_timestamp())"
+             " AND NOT (q.run_id = ANY(%s)) AND (%s OR r.workflow = ANY(%s)) AND (%s OR q.queue_name = ANY(%s))"
+             " AND NOT (q.queue_name = ANY(%s))"
+             " AND (q.partition_name IS NULL OR NOT (q.queue_name || '/' || q.partition_name = ANY(%s)))")
+    """What a due row of ``queue q JOIN runs r`` meets (`_kept_params`)."""
+    _PARTED = "SELECT 1 FROM {queue} WHERE partition_name IS NOT NULL LIMIT 1"
+    """Whether any queued row has a partition (one probe of the partial index ``queue_parts``)."""
+    _PLAIN = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
+              + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
+    """The due query while no row has a partition: the walk of ``queue_by_due`` in order, as before partitions."""
+    _FAIR = ("SELECT c.run_id, r.epoch FROM ("
+             "(SELECT q.run_id, q.priority, 1::bigint AS nth, q.due, q.created FROM {queue} q"
+             " JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NULL AND " + _KEPT
+             + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s)"
+             " UNION ALL (SELECT * FROM (SELECT q.run_id, q.priority, row_number() OVER (PARTITION BY q.queue_name,"
+             " q.partition_name, q.priority ORDER BY q.due, q.created, q.run_id) AS nth, q.due, q.created"
+             " FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NOT NULL AND " + _KEPT
+             + ") ranked WHERE nth <= %s)"
+             ") c JOIN {runs} r ON r.run_id = c.run_id WHERE (r.owner IS NULL OR r.lease_expires < clock_timestamp())"
+             " ORDER BY c.priority DESC, c.nth, c.due, c.created, c.run_id LIMIT %s")
+    """The due query in the queue's fair order (`base.fair_order`) once some row has a partition, in two parts:
+    the rows without a partition walk ``queue_by_due`` in order up to a number of rows; the rows with one
+    (through ``queue_parts``) are ranked in their (queue, partition, priority) by row_number(), a rank past that
+    number left out. Outside, each run's row is joined once more, so ``FOR UPDATE OF r SKIP LOCKED`` locks it
+    and re-checks its lease."""
 
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
-                names: frozenset[str] | None) -> list[str]:
-        """Due, unheld runs (of `names`, when given) from the queue table's index."""
-        now = time.time() if now is None else now
-        rows = self._fetch(self._DUE.format(queue=self._queue, runs=self._runs),
-                           (now, list(skip), names is None, sorted(names or ()), limit))
-        return [row[0] for row in rows]
+    @staticmethod
+    def _kept_params(now: float, skip: tuple[str, ...], names: frozenset[str] | None,
+                     queues: frozenset[str] | None, full: frozenset[str]) -> tuple[Any, ...]:
+        """The parameters of `_KEPT`."""
+        return (now, list(skip), names is None, sorted(names or ()), queues is None, sorted(queues or ()),
+                sorted(full), sorted(full))
+
+    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int,
+                  lock: str = "") -> list[tuple[str, int]]:
+        """(run id, epoch) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no queued row has a
+        partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each part; `lock`
+        is appended to the query."""
+        cur.execute(self._PARTED.format(queue=self._queue))
+        if cur.fetchone() is None:
+            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs) + lock, (*kept, limit))
+        else:
+            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs) + lock,
+                        (*kept, take, *kept, take, limit))
+        return cur.fetchall()
+
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
+                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
+        """Due, unheld runs (of `names` and `queues`, when given, none of `full`) from the queue table's indexes."""
+        kept = self._kept_params(time.time() if now is None else now, skip, names, queues, full)
+        psycopg = _psycopg()
+        for tries_left in (1, 0):  # as `_fetch`: once more on a new connection if the old one had broken
+            try:
+                with self._cursor() as cur:
+                    return [row[0] for row in self._due_rows(cur, kept, limit, limit)]
+            except psycopg.OperationalError:
+                if not tries_left or self._conn is not None:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      names: frozenset[str] | None) -> list[Lease]:
+                      names: frozenset[str] | None, queues: frozenset[str] | None,
+                      full: frozenset[str]) -> list[Lease]:
         """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
-        claiming at once take different runs instead of queueing on the same rows."""
+        claiming at once take different runs instead of queueing on the same rows (in the fair order, the due
+        query looks at `4 * limit + 32` rows of each part, so the rows other machines are claiming meanwhile,
+        locked and skipped, leave enough for this one)."""
         ttl = min(ttl, MAX_TTL)
         if limit == 0:
             return []
         leases = []
+        kept = self._kept_params(time.time(), skip, names, queues, full)
         with self._cursor(transaction=True) as cur:
-            cur.execute(self._DUE.format(queue=self._queue, runs=self._runs) + " FOR UPDATE OF r SKIP LOCKED",
-                        (time.time(), list(skip), names is None, sorted(names or ()), limit))
-            for run_id, epoch in cur.fetchall():
+            for run_id, epoch in self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED"):
                 try:
                     with cur.connection.transaction():
                         lease = self._claim_locked(cur, run_id, epoch, owner, ttl, check)
@@ -951,6 +1024,18 @@ class PostgresStorage(StorageFront):
                 if lease is not None:
                     leases.append(lease)
         return leases
+
+    def _do_queue_stats(self, now: float) -> list[QueueStats]:
+        """One GROUP BY over the queue table (and each row's lease, on the database clock)."""
+        rows = self._fetch(
+            "SELECT queue_name, partition_name, count(*) FILTER (WHERE NOT held AND due <= %s),"
+            " count(*) FILTER (WHERE NOT held AND due > %s), count(*) FILTER (WHERE held),"
+            " count(*) FILTER (WHERE NOT held AND due IS NULL), min(due) FILTER (WHERE NOT held AND due <= %s)"
+            " FROM (SELECT q.queue_name, q.partition_name, q.due,"
+            " coalesce(r.owner IS NOT NULL AND r.lease_expires >= clock_timestamp(), false) AS held"
+            f" FROM {self._queue} q LEFT JOIN {self._runs} r ON r.run_id = q.run_id) entries"
+            " GROUP BY queue_name, partition_name", (now, now, now))
+        return sorted_stats(QueueStats(*row) for row in rows)
 
     # ---- workers ------------------------------------------------------------------------------
     def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
@@ -992,8 +1077,11 @@ class PostgresStorage(StorageFront):
                 stored = None if doc is None else bytes(doc)
 
                 def live(run_id: str, epoch: int) -> bool:
-                    cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND epoch = %s AND owner IS NOT NULL"
-                                " AND lease_expires >= clock_timestamp()", (run_id, epoch))
+                    if epoch < 0:  # held while the run has not ended (`Limits.limit`)
+                        cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND state = %s", (run_id, OPEN))
+                    else:
+                        cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND epoch = %s"
+                                    " AND owner IS NOT NULL AND lease_expires >= clock_timestamp()", (run_id, epoch))
                     return cur.fetchone() is not None
 
                 data, result = step(stored, float(now), live)

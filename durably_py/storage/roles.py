@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, RunInfo
+    from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
 __all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs", "Storage"]
 
@@ -180,16 +180,31 @@ class DueQueue(Protocol):
         """The run's queue entry (None when it is not queued)."""
 
     def due(self, limit: int, now: float | None = None, *, skip: tuple[str, ...] = (),
-            workflows: frozenset[str] | None = None) -> list[str]:
+            workflows: frozenset[str] | None = None, queues: frozenset[str] | None = None,
+            full: frozenset[str] = frozenset()) -> list[str]:
         """Up to `limit` ids of queued runs due at `now` (default: the current time) that no live owner
-        holds, except those in `skip`, and only runs of `workflows` when given: highest priority first, then
-        earliest due, then oldest."""
+        holds, except those in `skip`; only runs of `workflows` and in `queues` when given (an entry's queue,
+        from its run's header: `QueueEntry.queue`), and never a run whose queue, or whose "QUEUE/PARTITION",
+        is in `full` (at its limit).
+
+        Order: highest priority first; within one priority the partitions of each queue take turns: rank each
+        run among the runs kept of its (queue, partition, priority) by due time, then creation, and the first
+        of each partition comes before the second of any; then earliest due, then oldest. A run without a
+        partition ranks first, as if alone in a partition of its own, so without partitions this is highest
+        priority, then earliest due, then oldest (`base.fair_order`)."""
 
     def claim_due(self, owner: str, ttl: float, limit: int, *, skip: tuple[str, ...] = (),
-                  check: Check | None = None, workflows: frozenset[str] | None = None) -> list[Lease]:
-        """Claim up to `limit` due runs (of `workflows`, when given) in `due` order, as `claim` does each
-        (with `check`, never reopening an ended run); runs another owner claims at the same moment are
-        skipped, never waited for, and a damaged log is passed over."""
+                  check: Check | None = None, workflows: frozenset[str] | None = None,
+                  queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[Lease]:
+        """Claim up to `limit` due runs (of `workflows` and `queues`, when given, none of `full`) in `due`
+        order, as `claim` does each (with `check`, never reopening an ended run); runs another owner claims
+        at the same moment are skipped, never waited for, and a damaged log is passed over."""
+
+    def queue_stats(self, now: float | None = None) -> list[QueueStats]:
+        """What each queue and partition holds at `now` (default: the current time), one `QueueStats` per
+        (queue, partition) with any entry, by queue then partition (None first): runs due (not held), due
+        later, running (held by a live owner), parked (due only when woken), and the oldest due time among
+        the due ones. For operators: an adapter may read every entry to answer."""
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest due time after `now` (default: the current time) of any queued run, None when no
@@ -232,7 +247,9 @@ class Limits(Protocol):
         machines whose clocks differ agree; elsewhere time.time()). `live(run_id, epoch)` says, inside the same
         atomic step, whether the lease taken at `epoch` on `run_id` is still held by a live owner (a permit taken
         under a lease lapses with it: a SIGKILLed worker's permits come back within its lease; a released or
-        re-claimed lease is not live; an unknown run is not live). `update` may be called more than once (a
+        re-claimed lease is not live; an unknown run is not live). `live(run_id, -1)` (any negative epoch) says
+        whether the run exists and has not ended: a permit a run holds from its start to its end, parked or
+        not (a named queue's). `update` may be called more than once (a
         retried transaction) and must have no side effects (nor call the storage: it runs under its lock). What
         it stored survives a kill of any process once `limit` returns.
 

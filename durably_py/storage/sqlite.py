@@ -49,6 +49,7 @@ from .base import (
     Log,
     NewRun,
     QueueEntry,
+    QueueStats,
     RunInfo,
     checked,
     claimed,
@@ -58,14 +59,15 @@ from .base import (
     ended,
     last_line,
     parse_log,
+    sorted_stats,
     sync_each,
     validate_run_id,
 )
-from .catalog import OPEN, RunFilter, header_fields, state_after
+from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
 from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 7  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits; every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -101,7 +103,9 @@ CREATE TABLE IF NOT EXISTS queue (
     due REAL,
     priority INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
-    wait TEXT NOT NULL DEFAULT '[]'
+    wait TEXT NOT NULL DEFAULT '[]',
+    queue_name TEXT NOT NULL DEFAULT 'default',
+    partition_name TEXT
 );
 CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
 CREATE INDEX IF NOT EXISTS queue_next ON queue (due) WHERE due IS NOT NULL;
@@ -156,6 +160,7 @@ class SqliteStorage(StorageFront):
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
                             conn.execute(statement)
+                    _ensure_places(conn)
                     if 0 < version < 3:
                         _queue_unended(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -192,11 +197,11 @@ class SqliteStorage(StorageFront):
         transaction; `ValidationError` if the id exists."""
         fields = header_fields(record)
         with self._lock, _transaction(self._db()) as db:
-            self._insert_run(db, run_id, bytes(header), fields, at, priority)
+            self._insert_run(db, run_id, bytes(header), fields, queue_fields(record), at, priority)
         self.wakeups.notify()
 
     def _insert_run(self, db: sqlite3.Connection, run_id: str, header: bytes, fields: tuple[Any, ...],
-                    at: float | None, priority: int) -> None:
+                    place: tuple[str, str | None], at: float | None, priority: int) -> None:
         """Insert a new run's row, header record and queue entry (inside the caller's transaction)."""
         now = time.time()
         try:
@@ -208,8 +213,8 @@ class SqliteStorage(StorageFront):
         except sqlite3.IntegrityError:
             raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
         db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
-        db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
-                   (run_id, now if at is None else at, priority, now))
+        db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created, queue_name, partition_name)"
+                   " VALUES (?, ?, ?, ?, ?, ?)", (run_id, now if at is None else at, priority, now, *place))
 
     def _log_bytes(self, db: sqlite3.Connection, run_id: str) -> bytes:
         """The whole log of a run as one byte string."""
@@ -524,8 +529,10 @@ class SqliteStorage(StorageFront):
                  for run, found in zip(batch, fields, strict=False)])
             db.executemany("INSERT INTO records (run_id, data) VALUES (?, ?)",
                            [(run.run_id, bytes(run.header)) for run in batch])
-            db.executemany("INSERT OR REPLACE INTO queue (run_id, due, priority, created) VALUES (?, ?, ?, ?)",
-                           [(run.run_id, now if run.at is None else run.at, run.priority, now) for run in batch])
+            db.executemany("INSERT OR REPLACE INTO queue (run_id, due, priority, created, queue_name,"
+                           " partition_name) VALUES (?, ?, ?, ?, ?, ?)",
+                           [(run.run_id, now if run.at is None else run.at, run.priority, now, *queue_fields(header))
+                            for run, header in zip(batch, headers, strict=False)])
         if take:
             self.wakeups.notify()
         return lost
@@ -606,8 +613,9 @@ class SqliteStorage(StorageFront):
             cur = db.execute("UPDATE queue SET due = ?, wait = ?, priority = coalesce(?, priority) WHERE run_id = ?",
                              (at, names, priority, run_id))
             if cur.rowcount == 0:
-                db.execute("INSERT INTO queue (run_id, due, priority, created, wait) VALUES (?, ?, ?, ?, ?)",
-                           (run_id, at, priority or 0, time.time(), names))
+                db.execute("INSERT INTO queue (run_id, due, priority, created, wait, queue_name, partition_name)"
+                           " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (run_id, at, priority or 0, time.time(), names, *self._place(db, run_id)))
             db.execute("DELETE FROM joins WHERE parent = ?", (run_id,))
         self.wakeups.notify()
 
@@ -622,8 +630,8 @@ class SqliteStorage(StorageFront):
             due = None if waiting else time.time()
             cur = db.execute("UPDATE queue SET due = ?, wait = '[]' WHERE run_id = ?", (due, run_id))
             if cur.rowcount == 0:
-                db.execute("INSERT INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
-                           (run_id, due, time.time()))
+                db.execute("INSERT INTO queue (run_id, due, priority, created, queue_name, partition_name)"
+                           " VALUES (?, ?, 0, ?, ?, ?)", (run_id, due, time.time(), *self._place(db, run_id)))
         if not waiting:
             self.wakeups.notify()
         return not waiting
@@ -652,18 +660,34 @@ class SqliteStorage(StorageFront):
             self.wakeups.notify()
         return woke
 
+    def _place(self, db: sqlite3.Connection, run_id: str) -> tuple[str, str | None]:
+        """The queue and partition a run's header names, for a queue row written anew (a run queued again)."""
+        row = db.execute("SELECT header FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return queue_fields(None if row is None else decode_record(row[0]))
+
     def _do_entry(self, run_id: str) -> QueueEntry | None:
         """The run's queue row."""
         with self._lock:
-            row = self._db().execute("SELECT due, priority, wait, created FROM queue WHERE run_id = ?",
-                                     (run_id,)).fetchone()
-        return None if row is None else QueueEntry(run_id, row[0], row[1], tuple(json.loads(row[2])), row[3])
+            row = self._db().execute("SELECT due, priority, wait, created, queue_name, partition_name FROM queue"
+                                     " WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else QueueEntry(run_id, row[0], row[1], tuple(json.loads(row[2])), row[3],
+                                                   row[4], row[5])
 
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...],
-                names: frozenset[str] | None) -> list[str]:
-        """Due, unheld runs (of `names`, when given) from the queue table's index."""
+    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
+                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
+        """Due, unheld runs (of `names` and `queues`, when given, none of `full`) from the queue table's indexes."""
         with self._lock:
-            return _due(self._db(), time.time() if now is None else now, limit, skip, names)
+            return _due(self._db(), time.time() if now is None else now, limit, skip, names, queues, full)
+
+    def _do_queue_stats(self, now: float) -> list[QueueStats]:
+        """One GROUP BY over the queue table (and each row's lease)."""
+        with self._lock:
+            rows = self._db().execute(
+                f"SELECT queue_name, partition_name, {_STATS} FROM (SELECT q.queue_name, q.partition_name, q.due,"
+                " coalesce(r.owner IS NOT NULL AND r.lease_expires >= ?, 0) AS held"
+                " FROM queue q LEFT JOIN runs r ON r.run_id = q.run_id)"
+                " GROUP BY queue_name, partition_name", (now, now, now, time.time())).fetchall()
+        return sorted_stats(QueueStats(*row) for row in rows)
 
     def next_due(self, now: float | None = None) -> float | None:
         """The earliest time after `now` at which a queued run falls due (None: none is to)."""
@@ -677,14 +701,15 @@ class SqliteStorage(StorageFront):
         return None if self.path == ":memory:" else self.wakeups.watch(callback)
 
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      names: frozenset[str] | None) -> list[Lease]:
+                      names: frozenset[str] | None, queues: frozenset[str] | None,
+                      full: frozenset[str]) -> list[Lease]:
         """Claim up to `limit` due runs in one write transaction (the due query and every claim in it; a
         damaged log is passed over before anything of its claim is written)."""
         leases: list[Lease] = []
         if limit == 0:
             return leases
         with self._lock, self._claiming("due runs") as db:
-            for run_id in _due(db, time.time(), 2 * limit + 2, skip, names):
+            for run_id in _due(db, time.time(), 2 * limit + 2, skip, names, queues, full):
                 if len(leases) >= limit:
                     break
                 try:
@@ -726,6 +751,9 @@ class SqliteStorage(StorageFront):
             now = time.time()
 
             def live(run_id: str, epoch: int) -> bool:
+                if epoch < 0:  # held while the run has not ended (`Limits.limit`)
+                    return db.execute("SELECT 1 FROM runs WHERE run_id = ? AND state = ?",
+                                      (run_id, OPEN)).fetchone() is not None
                 return db.execute("SELECT 1 FROM runs WHERE run_id = ? AND epoch = ? AND owner IS NOT NULL"
                                   " AND lease_expires >= ?", (run_id, epoch, time.time())).fetchone() is not None
 
@@ -793,19 +821,78 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
             db.execute(statement)
 
 
-def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...],
-         names: frozenset[str] | None) -> list[str]:
-    """The due query (`SqliteStorage.due`) on the queue table's index."""
-    marks = ",".join("?" * len(skip))
-    kinds = ",".join("?" * len(names or ()))
+def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...], names: frozenset[str] | None,
+         queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
+    """The due query (`SqliteStorage.due`) in the queue's fair order (`base.fair_order`). While no queued row
+    has a partition (one probe of the empty partial index ``queue_parts``), it is the walk of ``queue_by_due``
+    in order that stops at `limit`, as before partitions existed. Otherwise one statement of two parts: the
+    rows without a partition walk ``queue_by_due`` the same way; the rows with one, found through
+    ``queue_parts``, are ranked in their (queue, partition, priority) by ROW_NUMBER(), and a rank past `limit`
+    cannot make the first `limit`."""
+    if names is not None and not names or queues is not None and not queues:
+        return []  # no workflow, or no queue, is served
+    where, params = _kept(now, skip, names, queues, full)
+    if db.execute("SELECT 1 FROM queue INDEXED BY queue_parts WHERE partition_name IS NOT NULL LIMIT 1").fetchone() \
+            is None:
+        rows = db.execute(  # +q.due: walk queue_by_due in order
+            f"SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id WHERE {where}"
+            " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?", (*params, limit)).fetchall()
+        return [row[0] for row in rows]
     rows = db.execute(
-        "SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id"  # +q.due: walk queue_by_due in order
-        " WHERE q.due IS NOT NULL AND +q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
-        + (f" AND q.run_id NOT IN ({marks})" if skip else "")
-        + (f" AND r.workflow IN ({kinds})" if names else " AND 0" if names is not None else "")
-        + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?",
-        (now, time.time(), *skip, *(names or ()), limit)).fetchall()
+        "SELECT run_id FROM (SELECT * FROM ("
+        "SELECT q.run_id, q.priority, 1 AS nth, q.due, q.created FROM queue q JOIN runs r ON r.run_id = q.run_id"
+        f" WHERE q.partition_name IS NULL AND {where} ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?)"
+        " UNION ALL SELECT * FROM (SELECT q.run_id, q.priority, ROW_NUMBER() OVER (PARTITION BY q.queue_name,"
+        " q.partition_name, q.priority ORDER BY q.due, q.created, q.run_id) AS nth, q.due, q.created"
+        " FROM queue q INDEXED BY queue_parts JOIN runs r ON r.run_id = q.run_id"
+        f" WHERE q.partition_name IS NOT NULL AND {where}) WHERE nth <= ?)"
+        " ORDER BY priority DESC, nth, due, created, run_id LIMIT ?",
+        (*params, limit, *params, limit, limit)).fetchall()
     return [row[0] for row in rows]
+
+
+_STATS = ("count(CASE WHEN NOT held AND due <= ? THEN 1 END), count(CASE WHEN NOT held AND due > ? THEN 1 END),"
+          " count(CASE WHEN held THEN 1 END), count(CASE WHEN NOT held AND due IS NULL THEN 1 END),"
+          " min(CASE WHEN NOT held AND due <= ? THEN due END)")
+"""What `queue_stats` counts per group of rows with columns ``due`` and ``held`` (parameters: now, thrice)."""
+
+
+def _kept(now: float, skip: tuple[str, ...], names: frozenset[str] | None, queues: frozenset[str] | None,
+          full: frozenset[str]) -> tuple[str, list[Any]]:
+    """The condition (over ``queue q JOIN runs r``) a due row meets, and its parameters (`names` and `queues`
+    None, or not empty: `_due` answers an empty one itself)."""
+    def marks(values: Any) -> str:
+        return ",".join("?" * len(values))
+
+    where = "q.due IS NOT NULL AND +q.due <= ? AND (r.owner IS NULL OR r.lease_expires < ?)"
+    params: list[Any] = [now, time.time()]
+    if skip:
+        where += f" AND q.run_id NOT IN ({marks(skip)})"
+        params.extend(skip)
+    if names:
+        where += f" AND r.workflow IN ({marks(names)})"
+        params.extend(names)
+    if queues:
+        where += f" AND q.queue_name IN ({marks(queues)})"
+        params.extend(queues)
+    if full:
+        where += (f" AND q.queue_name NOT IN ({marks(full)}) AND (q.partition_name IS NULL"
+                  f" OR q.queue_name || '/' || q.partition_name NOT IN ({marks(full)}))")
+        params.extend([*full, *full])
+    return where, params
+
+
+def _ensure_places(db: sqlite3.Connection) -> None:
+    """The queue table's named-queue columns and the partial index of its partitioned rows; a database from
+    before them gets the columns, its rows in the queue "default" without a partition (their runs' headers
+    name none: the engine wrote neither field then)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(queue)")}
+    if "queue_name" not in have:
+        db.execute("ALTER TABLE queue ADD COLUMN queue_name TEXT NOT NULL DEFAULT 'default'")
+    if "partition_name" not in have:
+        db.execute("ALTER TABLE queue ADD COLUMN partition_name TEXT")
+    db.execute("CREATE INDEX IF NOT EXISTS queue_parts ON queue (queue_name, partition_name, priority, due, created,"
+               " run_id) WHERE partition_name IS NOT NULL")  # run_id: ranked in index order, without a sort
 
 
 def _unschedule(db: sqlite3.Connection, run_id: str) -> bool:

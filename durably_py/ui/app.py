@@ -287,6 +287,16 @@ class Console:
         except DurablyError as exc:
             return _error(exc)
 
+    async def queues(self, request: Request) -> Response:
+        """Every named queue as `durably queues --json` gives it."""
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        try:
+            return Json([info.to_dict() for info in await self.read(self.engine.queues)])
+        except DurablyError as exc:
+            return _error(exc)
+
     async def count(self, request: Request) -> Response:
         """How many runs match the filters of `/api/runs` (limit and offset aside), from the run catalog."""
         refused = self.guard(request, mutating=False)
@@ -522,6 +532,8 @@ def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> 
     routes = [
         Route("/", console.page),
         Route("/runs/{run:path}", console.page),
+        Route("/queues", console.page),
+        Route("/api/queues", console.queues),
         Route("/api/runs", console.runs),
         Route("/api/events", console.runs_events),
         Route("/api/count", console.count),

@@ -695,7 +695,54 @@ function makeWaterfall(onPick) {
   return wf;
 }
 
+// ---- queues page ------------------------------------------------------------------------------------
+function queuesPage() {
+  document.title = "Queues · durably";
+  const tbody = h("tbody");
+  const problem = h("div");
+  const table = h("table", { class: "runs queues" },
+    h("thead", {}, h("tr", {}, h("th", {}, "Queue"), h("th", { class: "num" }, "Due"), h("th", { class: "num" }, "Later"),
+      h("th", { class: "num" }, "Running"), h("th", { class: "num" }, "Parked"), h("th", {}, "Oldest wait"),
+      h("th", {}, "Partitions"), h("th", {}, "Limits"))),
+    tbody);
+  main.replaceChildren(h("div", { class: "heading" }, h("h1", {}, "Queues")), problem,
+    h("div", { class: "panel", style: "padding: 4px 6px" }, table));
+  const limitsText = (q) => {
+    const l = q.limits, u = q.in_use, parts = [];
+    if (l.concurrency !== undefined) parts.push(`concurrency ${u.runs || 0}/${l.concurrency}`);
+    if (l.per_worker !== undefined) parts.push(`${l.per_worker} per worker`);
+    if (l.rate_limit) parts.push(`rate ${u.starts || 0}/${l.rate_limit.max} per ${l.rate_limit.per}s`);
+    if (l.partition_concurrency !== undefined) parts.push(`${l.partition_concurrency} per partition`);
+    return parts.join(", ");
+  };
+  function render(queues) {
+    if (!queues.length) {
+      tbody.replaceChildren(h("tr", {}, h("td", { colspan: 8, class: "note" }, "No queued runs yet: `durably enqueue` records some.")));
+      return;
+    }
+    tbody.replaceChildren(...queues.map((q) => h("tr", { "data-queue": q.name },
+      h("td", {}, q.name), h("td", { class: "num" }, String(q.due)), h("td", { class: "num" }, String(q.later)),
+      h("td", { class: "num" }, String(q.running)), h("td", { class: "num" }, String(q.parked)),
+      h("td", {}, q.oldest_wait === null ? "" : fmtDuration(q.oldest_wait)),
+      h("td", { title: Object.keys(q.partitions).join(", ") }, Object.keys(q.partitions).length ? String(Object.keys(q.partitions).length) : ""),
+      h("td", {}, limitsText(q)))));
+  }
+  async function reload() {
+    try {
+      render(await api("/api/queues"));
+      problem.replaceChildren();
+      setLive("on", "live");
+    } catch (err) {
+      problem.replaceChildren(errorBanner(err));
+      setLive("off", "retrying…");
+    }
+    setTimeout(reload, 2000);
+  }
+  reload();
+}
+
 // ---- routing ---------------------------------------------------------------------------------------
 const match = location.pathname.match(/^\/runs\/(.+)$/);
 if (match) runPage(decodeURIComponent(match[1]));
+else if (location.pathname === "/queues") queuesPage();
 else runsPage();
