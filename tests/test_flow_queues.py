@@ -151,7 +151,39 @@ def test_per_worker_and_queue_flags_take_effect_and_durably_queues_shows_it(
                                "--import", str(fleet.jobs)], cwd=fleet.root, env={**fleet.env, "COLUMNS": "200"},
                               capture_output=True, text=True, timeout=60)
         assert "concurrency 0/3" in text.stdout and "1 per worker" in text.stdout, text.stdout
+        fleet_view = subprocess.run([sys.executable, "-m", "durably_py.cli", "queues", "--storage", fleet.url,
+                                     "--json"], cwd=fleet.root, env=fleet.env, capture_output=True, text=True,
+                                    timeout=60)
+        seen = {q["name"]: q["limits"] for q in json.loads(fleet_view.stdout)}
+        assert seen["solo"] == {"per_worker": 1}  # no --import: the limits the live worker advertises
+        assert "batch" not in seen  # that worker does not serve it
         fleet.worker("-c", "2")  # every queue
         fleet.wait_done([plain], 30)
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+def test_a_burst_of_fifty_debounced_enqueues_runs_once_on_a_worker_with_the_last_input(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    fleet = QueueFleet(tmp_path, _url(kind, tmp_path, request))
+    try:
+        fleet.worker("-c", "4")
+        wf = fleet.workflows["plain_job"]
+
+        async def burst() -> list[str]:
+            return [(await fleet.engine.enqueue(wf, {"name": f"rev{i}", "seconds": 0.0}, key="doc-1",
+                                                debounce=0.5)).run_id for i in range(50)]
+
+        ids = asyncio.run(burst())
+        fleet.wait_done(ids[-1:], 30)
+        time.sleep(0.3)  # a worker that wrongly started a superseded run would have marked it by now
+        ran = [m[1] for m in fleet.marks() if m[0] == "start"]
+        superseded = [fleet.inspect(r) for r in ids[:-1]]
+        print(f"\n{kind}: 50 debounced enqueues of one key -> {len(ran)} execution ({ran}), "
+              f"{sum(s.status == 'cancelled' for s in superseded)} superseded")
+        assert ran == ["rev49"]
+        assert all(s.status == "cancelled" and later in s.error["message"]
+                   for s, later in zip(superseded, ids[1:], strict=True))
     finally:
         fleet.stop()

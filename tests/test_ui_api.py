@@ -350,3 +350,25 @@ def test_cli_says_what_to_install_without_the_extra(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode != 0
     assert "pip install 'durably-py[ui]'" in done.stderr
+
+
+def test_queues_has_the_cli_json_shape(tmp_path: Path) -> None:
+    from durably_py import create_engine, queue, workflow
+
+    queue("ui-mail", concurrency=4, partition_concurrency=1)
+
+    @workflow(queue="ui-mail")
+    async def ui_mail(ctx: Any, to: str) -> str:
+        return to
+
+    engine = create_engine(tmp_path / ".durably")
+    import asyncio
+
+    asyncio.run(engine.enqueue(ui_mail, "a@x", partition="acme"))
+    asyncio.run(engine.enqueue(ui_mail, "b@x", partition="globex", delay=3600))
+    shown = TestClient(create_app(Engine(FileStorage(tmp_path / ".durably")))).get("/api/queues").json()
+    mail = next(q for q in shown if q["name"] == "ui-mail")
+    assert (mail["due"], mail["later"], mail["running"], mail["parked"]) == (1, 1, 0, 0)
+    assert set(mail["partitions"]) == {"acme", "globex"}
+    assert mail["limits"] == {"concurrency": 4, "partition_concurrency": 1}
+    assert set(mail) == set(asyncio.run(engine.queues())[0].to_dict())  # the same fields as `durably queues --json`

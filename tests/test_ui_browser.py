@@ -367,3 +367,13 @@ def test_a_pending_run_says_a_worker_runs_it_and_a_parked_run_stops_its_clock(pa
     playwright_api.expect(row).to_have_count(1)
     cell = row.locator("td").nth(5).inner_text()
     assert cell.endswith("ms") or float(cell.split()[0]) < 2, cell
+
+
+def test_the_queues_page_shows_each_queue_and_its_runs(page: Any, server: str) -> None:
+    page.goto(f"{server}/")
+    page.click("header nav a[href='/queues']")
+    page.wait_for_selector("tr[data-queue='default']", timeout=20_000)
+    shown = [c.strip() for c in page.inner_text("tr[data-queue='default']").split("\t")]
+    default = next(q for q in page.evaluate("fetch('/api/queues').then(r => r.json())") if q["name"] == "default")
+    assert shown[:5] == ["default", *(str(default[k]) for k in ("due", "later", "running", "parked"))]
+    assert page.title() == "Queues · durably"

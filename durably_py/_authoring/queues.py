@@ -16,6 +16,7 @@ time, are resources and concurrency keys (`resources.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ValidationError
 from .resources import RateLimit
@@ -67,6 +68,14 @@ class Queue:
         if self.rate_limit is not None and not isinstance(self.rate_limit, RateLimit):
             raise ValidationError(f"queue rate_limit= takes a RateLimit, got {self.rate_limit!r}",
                                   hint="rate_limit=RateLimit(100, per=60)", docs=QUEUE_DOCS)
+
+    def limits(self) -> dict[str, Any]:
+        """The limits it sets, as `durably queues` and a worker's advertisement show them."""
+        rate = self.rate_limit
+        return {k: v for k, v in (
+            ("concurrency", self.concurrency), ("per_worker", self.per_worker),
+            ("rate_limit", None if rate is None else {"max": rate.max, "per": rate.per, "window": rate.window}),
+            ("partition_concurrency", self.partition_concurrency)) if v is not None}
 
     @property
     def limited(self) -> bool:

@@ -134,7 +134,8 @@ class QueueInfo:
 
 
 def queue_infos(storage: Storage) -> list[QueueInfo]:
-    """Every queue that holds a run, or that this process declares, with its counts and limits (by name)."""
+    """Every queue that holds a run, that this process declares, or whose limits a live worker advertises,
+    with its counts and limits (by name; this process's declarations win)."""
     now = time.time()
     infos: dict[str, QueueInfo] = {}
     for row in storage.queue_stats(now):
@@ -147,13 +148,13 @@ def queue_infos(storage: Storage) -> list[QueueInfo]:
             info.oldest_wait = max(info.oldest_wait or 0.0, counts["oldest_wait"])
         if row.partition is not None:
             info.partitions[row.partition] = counts
+    for advert in storage.workers():  # the limits the live workers hold the queues to, as they declared them
+        served = advert.get("queues")
+        for name, limits in (served.items() if isinstance(served, dict) else ()):
+            if isinstance(limits, dict):
+                infos.setdefault(name, QueueInfo(name)).limits = limits
     for name, declared in QUEUES.items():
-        info = infos.setdefault(name, QueueInfo(name))
-        rate = declared.rate_limit
-        info.limits = {k: v for k, v in (
-            ("concurrency", declared.concurrency), ("per_worker", declared.per_worker),
-            ("rate_limit", None if rate is None else {"max": rate.max, "per": rate.per, "window": rate.window}),
-            ("partition_concurrency", declared.partition_concurrency)) if v is not None}
+        infos.setdefault(name, QueueInfo(name)).limits = declared.limits()
     for key, doc in storage.limits("queue:").items():
         name, _, partition = key[len("queue:"):].partition("/")
         if name in infos and not partition and isinstance(doc, dict):

@@ -54,6 +54,11 @@ class Admission:
         self.served = served
         self.running: dict[str, str] = {}  # run id -> queue, of the runs this worker runs now
 
+    def advertised(self) -> dict[str, dict[str, Any]]:
+        """The limits of the declared queues this worker serves (what `durably queues` shows of a fleet)."""
+        return {name: queue.limits() for name, queue in QUEUES.items()
+                if (self.served is None or name in self.served) and queue.limits()}
+
     def full(self) -> frozenset[str]:
         """The queues ("NAME") and partitions ("NAME/PARTITION") whose runs may not start now."""
         closed = {name for name, queue in QUEUES.items()

@@ -368,7 +368,8 @@ class Worker:
         engine = self.engine
         self._advertised_at = time.monotonic() + max(engine.lease_ttl / 3, self.poll)
         info = {**engine.code.describe(), "pid": os.getpid(), "host": socket.gethostname(),
-                "concurrency": self.concurrency, "lease": engine.lease_ttl, "started": self.started}
+                "concurrency": self.concurrency, "lease": engine.lease_ttl, "started": self.started,
+                "queues": self.admission.advertised()}
         try:
             engine.storage.advertise(engine.owner, info, engine.lease_ttl)
         except Exception as exc:  # noqa: BLE001 - a storage hiccup is retried at the next pass
