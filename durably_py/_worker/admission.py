@@ -12,7 +12,7 @@ while holding one gives it back to nobody and loses nothing: the run is still op
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._authoring.queues import DEFAULT_QUEUE, QUEUES, Queue, find_queue
@@ -105,13 +105,14 @@ class Admission:
         self.running[run_id] = name
         return True
 
-    def left(self, run_id: str, header: Any, release: bool) -> None:
-        """A run this worker ran stopped: it no longer counts here, and its permits go back when `release` (it
-        ended, or never started); a parked run keeps its place."""
+    def left(self, run_id: str, header: Any, release: Callable[[], bool]) -> None:
+        """A run this worker ran stopped: it no longer counts here, and the permits of a limited queue go back
+        when `release()` says so (it ended, or never started); a parked run keeps its place."""
         self.running.pop(run_id, None)
-        if release:
-            name, partition = placed(header)
-            self._give_back(limits_of(find_queue(name), partition), run_id)
+        name, partition = placed(header)
+        limits = limits_of(find_queue(name), partition)
+        if limits and release():
+            self._give_back(limits, run_id)
 
     def _give_back(self, limits: Iterable[Limit], run_id: str) -> None:
         holder = [run_id, -1, RUN_HOLDER]

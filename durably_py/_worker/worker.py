@@ -314,9 +314,10 @@ class Worker:
 
     def _left(self, lease: Any) -> None:
         """A run this worker ran stopped: its queue permits go back if it ended."""
+        storage = self.engine.storage
         try:
-            info = self.engine.storage.info(lease.run_id)
-            self.admission.left(lease.run_id, lease.records[0], release=info is None or info.ended)
+            self.admission.left(lease.run_id, lease.records[0],
+                                lambda: (info := storage.info(lease.run_id)) is None or info.ended)
         except Exception as exc:  # noqa: BLE001 - its permits lapse with the run's end all the same
             self._say(f"{lease.run_id}: its queue's permits could not be given back: {type(exc).__name__}: {exc}")
 
@@ -418,7 +419,7 @@ class Worker:
                 workflow = engine.code_for(history.header)
             except DurablyError as exc:
                 engine.storage.release(lease)
-                self.admission.left(run_id, lease.records[0], release=True)  # it did not start: no place held
+                self.admission.left(run_id, lease.records[0], lambda: True)  # it did not start: no place held
                 self._skip[run_id] = time.monotonic() + SKIP_SECONDS
                 self._say(f"{run_id}: {exc} (retrying in {SKIP_SECONDS:g}s)")
                 return
