@@ -240,6 +240,44 @@ def test_the_operation_id_is_the_key_inside_a_step_and_the_result_round_trips(db
     assert other.run_id != done.run_id and level(db) == 98
 
 
+def test_an_operation_id_names_one_step_of_one_run_however_often_it_runs() -> None:
+    engine = TestEngine()
+    seen: list[tuple[str, str]] = []
+    failing = [True]
+
+    def note(tag: str) -> str:
+        seen.append((tag, attempt().operation_id))
+        return tag
+
+    def pay() -> str:
+        seen.append(("pay", attempt().operation_id))
+        if failing[0]:
+            raise durably_py.NonRetryableError("declined")
+        return "paid"
+
+    async def turn(state: int, it: Any) -> Any:
+        await it.step(note, f"turn{state}")
+        return it.done(state) if state == 1 else state + 1
+
+    @workflow
+    async def checkout(ctx: Any) -> str:
+        await ctx.parallel([ctx.step(note, "left"), ctx.step(note, "right")])
+        await ctx.loop(0, turn)
+        return await ctx.step(pay)
+
+    failed = engine.sync.run(checkout)
+    assert failed.status == "failed"
+    failing[0] = False
+    done = engine.sync.resume(failed.run_id)  # the failed run retried: its failed step runs again, same id
+    assert done.result == "paid" and done.run_id == failed.run_id
+    again = engine.sync.run(checkout)  # a completed run started again is a new run
+    assert again.run_id != failed.run_id
+    first = dict(seen[:5])
+    assert len(set(first.values())) == 5 and all(op.startswith(f"{failed.run_id}/") for op in first.values())
+    assert seen[5] == ("pay", first["pay"])
+    assert [op.rpartition("/")[0] for _, op in seen[6:]] == [again.run_id] * 5
+
+
 def test_a_repeat_discards_the_writes_of_its_block_and_an_error_rolls_the_block_back(db: sqlite3.Connection) -> None:
     assert take(db, "k") == "taken"
     with once(db, "k") as op:
