@@ -11,6 +11,7 @@ from ._authoring.context import AttemptContext, BudgetView, First, WorkflowConte
 from ._authoring.engine_api import EngineAPI
 from ._authoring.graphs import GraphState, NodeState, Task
 from ._authoring.handles import Handle
+from ._authoring.once import Once, once
 from ._authoring.policies import Retry
 from ._authoring.queues import Queue, queue
 from ._authoring.resources import Breaker, RateLimit, Resource, resource
@@ -105,6 +106,7 @@ __all__ = [
     "NotDurableError",
     "NotSupportedError",
     "Ok",
+    "Once",
     "PostgresStorage",
     "PurityError",
     "Queue",
@@ -142,6 +144,7 @@ __all__ = [
     "durably",
     "engine_for",
     "is_ok",
+    "once",
     "partition",
     "queue",
     "resource",
