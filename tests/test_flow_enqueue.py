@@ -166,6 +166,11 @@ def test_durably_enqueue_takes_queue_partition_fresh_debounce_and_on_conflict(tm
     assert superseded.status == "cancelled" and second_id in superseded.error["message"]
     header = engine.storage.read(first_id).records[0]
     assert (header["queue"], header["partition"]) == ("deploys", "eu")
+    placed = enqueue("-i", '"us"', "--queue", "deploys", "--partition", "us")
+    placed_id = json.loads(placed.stdout)["run_id"]
+    shown = subprocess.run([sys.executable, "-m", "durably_py.cli", "inspect", placed_id], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert "queue deploys (partition us)" in shown.stdout, shown.stdout
     refused = enqueue("-i", '"eu-2"', "--key", "deploy-eu", "--on-conflict", "fail")
     assert refused.returncode == 2 and second_id in refused.stderr
     kept = enqueue("-i", '"eu-3"', "--key", "deploy-eu", "--on-conflict", "use_existing")

@@ -240,7 +240,8 @@ class Runs:
         if state.status == "pending":
             entry = self.storage.entry(run_id)
             if entry is not None:
-                state.queued = {"due": entry.at, "priority": entry.priority}
+                state.queued = {"due": entry.at, "priority": entry.priority, "queue": entry.queue,
+                                "partition": entry.partition}
         if not held and state.status in ("waiting", "sleeping"):
             state.ready = ready(state, history, {m.get("name") for m in unread}, self.status)
 

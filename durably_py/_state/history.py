@@ -454,7 +454,7 @@ class RunState:
     stale: dict[str, Any] | None = None
     signals: list[dict[str, Any]] = field(default_factory=list)  # unread signals in the inbox (name, at, payload)
     ready: str | None = None  # what a parked run no process holds received: it continues on its next claim
-    queued: dict[str, Any] | None = None  # a pending run's place in the queue: due (epoch seconds), priority
+    queued: dict[str, Any] | None = None  # a pending run's place in the queue: due (epoch seconds), priority, queue, partition
     owner: dict[str, Any] | None = None  # who holds a running run's lease (see `Runs.holder`)
 
     def to_dict(self) -> dict[str, Any]:

@@ -322,8 +322,11 @@ def run_header(state: RunState) -> Text:
         rows.append(("parked", Text(detail, "blue")))
     if state.queued is not None:
         due = state.queued.get("due")
+        queue, partition = state.queued.get("queue"), state.queued.get("partition")
         rows.append(("queued", f"due {when_text(due) if due is not None else 'when woken'} · priority "
-                               f"{state.queued.get('priority', 0)}"))
+                               f"{state.queued.get('priority', 0)}"
+                               + (f" · queue {queue}" if queue and queue != "default" else "")
+                               + (f" (partition {partition})" if partition else "")))
     if state.owner:
         rows.append(("owner", owner_line(state.owner)))
     for sig in state.signals:
