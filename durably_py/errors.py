@@ -115,6 +115,20 @@ class StepInterruptedError(DurablyError):
     anchor = "stepinterruptederror"
 
 
+class EffectFailedError(DurablyError):
+    """An operator failed a cut-off unsafe step (`durably resolve RUN --path P --fail`): the workflow sees it
+    where the step is awaited, as any failed step's error (its `except` runs; a run that then fails runs its
+    compensations). `path`, `label` and `operation_id` name the step; the message is the operator's."""
+
+    path: list[int]
+    label: str
+    operation_id: str
+
+    default_hint = ("An operator decided that this step's external effect did not happen (or must count as "
+                    "failed); handle it like any failed step, or `durably retry` the failed run to run it again.")
+    anchor = "effectfailederror"
+
+
 class PurityError(DurablyError):
     """The workflow did something replay cannot reproduce (its recorded step topology changed)."""
 

@@ -40,6 +40,7 @@ __all__ = [
     "Record",
     "Reopen",
     "Reset",
+    "Resolve",
     "Resume",
     "Signal",
     "Snap",
@@ -232,11 +233,34 @@ class Fail(_Base, tag="fail"):
 
 
 class Start(_Base, tag="start"):
-    """An unsafe step began (a resume that finds no result refuses to run it again)."""
+    """A step began: an unsafe one (written and fsynced before it runs, so a resume that finds no result refuses
+    to run it again), or any step still running after a while (the heartbeat's, for `inspect`).
+
+    An unsafe step's start carries `effect`, what a cut-off attempt leads to (``"manual"``: the run needs an
+    operator's attention; ``"raise"``: the workflow gets `StepInterruptedError`), and `input`, the step's
+    arguments as a JSON list (an argument that is not JSON as its `repr`), so an operator sees what was sent.
+    The heartbeat's starts, and logs written before these fields existed, have neither."""
 
     path: str = msgspec.field(name="p")
     label: str = msgspec.field(name="l")
     attempt: int = msgspec.field(name="a")
+    effect: str | None = msgspec.field(default=None, name="fx")
+    input: Any = msgspec.field(default=None, name="in")
+    ts: float | None = None
+
+
+class Resolve(_Base, tag="resolve"):
+    """An operator's decision about a cut-off unsafe step (`durably resolve`, `Engine.resolve_effect`): the
+    step at `path`, whose attempt `attempt` started and never finished, is answered by `decision`: ``"value"``
+    (it happened, with result `value`, wire form), ``"rerun"`` (run it again, as a new attempt) or ``"fail"``
+    (it fails with `error`, an `EffectFailedError`)."""
+
+    path: str = msgspec.field(name="p")
+    label: str = msgspec.field(name="l")
+    attempt: int = msgspec.field(name="a")
+    decision: str = msgspec.field(name="d")
+    value: Any = msgspec.field(default=None, name="v")
+    error: dict[str, Any] | None = msgspec.field(default=None, name="e")
     ts: float | None = None
 
 
@@ -356,7 +380,7 @@ class Note(_Base, tag="note"):
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Cancel, Stale, End,
-    Ok, Err, Fail, Start, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
+    Ok, Err, Fail, Start, Resolve, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
 ]
 """Any record of a run's log."""
 

@@ -59,10 +59,11 @@ from .storage.base import parse_log
 __all__ = ["Crash", "ReplayDivergenceError", "ReplayReport", "ShadowReplayError", "SyncTestEngine", "TestEngine",
            "TestRunResult", "TestStep", "assert_replays", "inject_crash", "load_history", "replay_check"]
 
-RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused"]
+RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused", "needs_attention"]
 StepListener = Callable[[StepEvent], Any]
 HistorySource = str | os.PathLike[str] | bytes
-UNFINISHED = ("pending", "running", "interrupted", "waiting", "sleeping", "paused", "stale", "corrupt")
+UNFINISHED = ("pending", "running", "interrupted", "needs_attention", "waiting", "sleeping", "paused", "stale",
+              "corrupt")
 
 
 class ShadowReplayError(PurityError):

@@ -160,10 +160,11 @@ class RunHandle:
 class StepOptions:
     """Validated options of one `ctx.step` call."""
 
-    __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe")
+    __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe",
+                 "on_interrupt")
 
     def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
-                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any) -> None:
+                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None) -> None:
         if retry is not None and not isinstance(retry, Retry):
             raise ValidationError(f"retry= of step {label!r} must be a Retry(...), got {retry!r}",
                                   hint="Use retry=Retry(3, backoff='exponential').", docs="docs/policies.md#retry")
@@ -171,10 +172,23 @@ class StepOptions:
             raise ValidationError(f"compensate= of step {label!r} must be callable, got {compensate!r}",
                                   hint="Pass a function that takes the step's output and undoes it.",
                                   docs="docs/policies.md#compensation")
-        if replay not in ("safe", "unsafe"):
-            raise ValidationError(f"replay= of step {label!r} must be 'safe' or 'unsafe', got {replay!r}",
-                                  hint="replay='unsafe' stops a resumed run from re-running an interrupted step.",
+        if replay not in REPLAY_POLICIES:
+            raise ValidationError(f"replay= of step {label!r} must be 'safe', 'idempotent', 'manual' or 'unsafe', "
+                                  f"got {replay!r}",
+                                  hint="replay='manual' (or 'unsafe') stops a resumed run from re-running an "
+                                       "interrupted step: the run needs an operator's attention instead.",
                                   docs="docs/policies.md#replay")
+        if on_interrupt not in (None, "attention", "raise"):
+            raise ValidationError(f"on_interrupt= of step {label!r} must be 'attention' or 'raise', got "
+                                  f"{on_interrupt!r}",
+                                  hint="on_interrupt='raise' gives the workflow StepInterruptedError for a cut-off "
+                                       "unsafe step; 'attention' (the default) leaves the run needs_attention.",
+                                  docs="docs/policies.md#replay")
+        if on_interrupt is not None and replay not in ("manual", "unsafe"):
+            raise ValidationError(f"on_interrupt= of step {label!r} applies to replay='manual' (or 'unsafe') "
+                                  f"steps, not replay={replay!r}",
+                                  hint="A safe or idempotent step that was cut off simply runs again; add "
+                                       "replay='manual' for a step that must not.", docs="docs/policies.md#replay")
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValidationError(f"concurrency_limit= of step {label!r} must be an int >= 1",
                                   hint="concurrency_limit caps the steps sharing a concurrency_key.",
@@ -190,8 +204,14 @@ class StepOptions:
         self.concurrency_limit = concurrency_limit
         self.uses = uses
         self.schema = compile_schema(schema, f"schema of step {label!r}")
-        self.unsafe = replay == "unsafe"
+        self.unsafe = replay in ("manual", "unsafe")
+        self.on_interrupt = on_interrupt  # None: the mode's default ("attention" here; Restate raises)
 
+
+REPLAY_POLICIES = ("safe", "idempotent", "manual", "unsafe")
+"""`ctx.step(replay=)`: what a resumed run does with a step its process was cut off in. "safe" and "idempotent"
+run it again (the same `attempt().operation_id`: "idempotent" says the service deduplicates by it); "manual" and
+its older name "unsafe" record the start first and never run it again on their own."""
 
 PLAIN = StepOptions("", None, None, None, None, None, None, None, "safe")
 
@@ -202,7 +222,8 @@ _OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call s
 def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any = None, timeout: float | None = None,
                  compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
                  concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
-                 replay: str = "safe", **unknown: Any) -> tuple[str | None, StepOptions]:
+                 replay: str = "safe", on_interrupt: str | None = None,
+                 **unknown: Any) -> tuple[str | None, StepOptions]:
     """The step name and validated options of a `ctx.step` call with keywords (validated once per call shape)."""
     if unknown:
         raise ArgumentError(
@@ -210,17 +231,18 @@ def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any 
             hint="Arguments for the step function are positional: ctx.step(fn, a, b); to pass keywords, "
                  "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
     if (retry is None and timeout is None and compensate is None and concurrency_key is None
-            and concurrency_limit is None and uses is None and schema is None and replay == "safe"):
+            and concurrency_limit is None and uses is None and schema is None and replay in ("safe", "idempotent")
+            and on_interrupt is None):
         return name, PLAIN
     label = name or label_of(fn)
-    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay)
+    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay, on_interrupt)
     try:
         opts = _OPTIONS.get(key)
     except TypeError:
         key, opts = None, None  # type: ignore[assignment]
     if opts is None:
         opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
-                           replay)
+                           replay, on_interrupt)
         if key is not None and compensate is None:
             if len(_OPTIONS) >= 4096:
                 _OPTIONS.clear()

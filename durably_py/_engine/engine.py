@@ -35,7 +35,7 @@ from .._worker.worker import Worker, check_concurrency
 from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationError
 from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
-from . import versioning
+from . import effects, versioning
 from .children import ChildRuns, joined
 from .code import CodeSource
 from .heartbeat import Heartbeat
@@ -285,7 +285,7 @@ class Engine:
         except Parked as parked:
             outcome = (parked.status, None)
             raise RunParkedError(f"run {run_id} is {parked.detail}", run_id=run_id, status=parked.status,
-                                 hint=self._parked_hint(run_id, parked.status)) from None
+                                 hint=self._parked_hint(run_id, parked.status, parked.path)) from None
         except Exception as exc:
             outcome = (self.runs.status(run_id), exc)
             raise
@@ -348,10 +348,14 @@ class Engine:
                 if run_id not in waiters and len(waiters) < WAITERS_MAX:
                     self.storage.wake(run_id, name)
 
-    def _parked_hint(self, run_id: str, status: str) -> str:
+    def _parked_hint(self, run_id: str, status: str, path: str | None = None) -> str:
         """The next move for a parked run, naming the signals it waits for."""
         if status == "paused":
             return f"Resume it with `durably resume {run_id}`, then run it again; nothing is lost meanwhile."
+        if status == "needs_attention":
+            return (f"Check whether the step's effect happened (`durably inspect {run_id}` shows its operation id, "
+                    f"input and start), then `durably resolve {run_id} --path {path or 'PATH'}` with --value JSON (it "
+                    "happened: its result), --rerun (run it again) or --fail; nothing runs it meanwhile.")
         if status == "sleeping":
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
@@ -657,6 +661,21 @@ class Engine:
         its recorded result is used, the adoption is recorded, and the run goes on as `retry` would. A run that
         is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
         return await versioning.adopt(self.operations, run, path, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def resolve_effect(self, run: str, path: Any, *, value: Any = effects.MISSING, rerun: bool = False,
+                             fail: str | bool | None = None, here: bool = True,
+                             on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                             on_run: Callable[[str], Any] | None = None) -> Any:
+        """Decide about the cut-off unsafe step at `path` (``(2,)``, ``"3.1.0"``) of a run (by id or key) that
+        `needs_attention`: `value=` records the effect's verified result (the workflow gets it as the step's
+        result), `rerun=True` runs the step again, `fail=` (True or a message) fails it with
+        `EffectFailedError`. The decision is recorded (a `resolve` record), then the run continues here as
+        `retry` does and its value is returned (or its error raised); `here=False` leaves it due for a worker
+        and returns its `RunState`. Anything else (a run that does not need attention, another path, two
+        decisions, a value that is not JSON) is refused before anything is written. See
+        docs/operations.md#effects-that-need-attention."""
+        return await effects.resolve_effect(self.operations, run, path, value=value, rerun=rerun, fail=fail,
+                                            here=here, on_step=on_step, wait=wait, on_run=on_run)
 
 
 def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:

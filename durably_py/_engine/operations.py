@@ -177,7 +177,8 @@ class Resume(Operation):
 CANCEL, PAUSE, RESUME = Cancel(), Pause(), Resume()
 
 BULK_STATUSES = {
-    "cancel": ("pending", "running", "interrupted", "stale", "failed", "waiting", "sleeping", "paused"),
+    "cancel": ("pending", "running", "interrupted", "stale", "failed", "waiting", "sleeping", "paused",
+               "needs_attention"),
     "resume": ("paused",),
     "retry": ("failed", "interrupted"),
 }

@@ -635,7 +635,7 @@ class RunKernel:
             except BaseException:
                 discard(turns.close())
                 raise
-            if kind == "raise" and not isinstance(value, Exception):
+            if kind == "raise" and not isinstance(value, Exception) or kind == "halt" and isinstance(value, Parked):
                 self.control.torn_down = True  # as a process dying: the steps it cuts off are recorded as nothing
             elif kind in ("return", "raise"):
                 self.abandon_running()

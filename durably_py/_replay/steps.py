@@ -46,7 +46,7 @@ from ..errors import (
 from .control import Control
 from .limits import Limiter
 from .log import DEFAULT_SYNC_SECONDS, RunLog
-from .stops import CUT_OFF, Crash, Rest, is_run_cancel
+from .stops import CUT_OFF, Crash, Parked, Rest, is_run_cancel
 from .tasks import current_task, get_ident, running_task
 from .turns import Turns
 from .watchdog import Watchdog
@@ -74,6 +74,21 @@ def retry_started(prior: records.Fail | None, now: datetime, ms: float) -> datet
     if prior.ts is not None:
         return datetime.fromtimestamp(prior.ts - (prior.ms or 0) / 1000, UTC)
     return now - timedelta(milliseconds=ms)
+
+
+def effect_input(args: tuple[Any, ...]) -> Any:
+    """A step's arguments as an unsafe step's `start` record keeps them for an operator to read: a JSON list,
+    each argument in its wire form, or its `repr` (at most 500 characters) when it is not JSON."""
+    try:
+        return dump_value(list(args), "input")
+    except (SerializationError, TypeError, ValueError):
+        out: list[Any] = []
+        for arg in args:
+            try:
+                out.append(dump_value(arg, "input"))
+            except (SerializationError, TypeError, ValueError):
+                out.append(repr(arg)[:500])
+        return out
 
 
 def timeout_hint(retry: Any) -> str:
@@ -292,6 +307,8 @@ class Steps:
         if opts.unsafe:
             started = self.history.starts.get(path)
             if started is not None and (prior is None or started.attempt > prior.attempt):
+                if opts.on_interrupt != "raise" and control.cancel_error is None:
+                    await self.needs_attention(path, label, started, args)
                 error = StepInterruptedError(
                     f"step {label!r} at path {path_tuple(path)} started in an earlier process and never finished",
                     path=list(path_tuple(path)), label=label, operation_id=f"{self.run_id}/{path}")
@@ -301,6 +318,20 @@ class Steps:
                 self.emit(path, label, "failed", number, error=error)
                 raise error
         return await self._attempts(h, scope, path, label, fn, args, opts, number)
+
+    async def needs_attention(self, path: str, label: str, started: records.Start, args: tuple[Any, ...]) -> NoReturn:
+        """A "manual" unsafe step was cut off in an earlier process: nothing runs at it, and the whole run stops
+        here as `needs_attention` until an operator resolves the step (`Engine.resolve_effect`). A start recorded
+        without the manual policy (by older code, or under on_interrupt="raise") is recorded again with it, so
+        the log alone says the run needs attention."""
+        if started.effect != "manual":
+            self.log.write(records.Start(path=path, label=label, attempt=started.attempt, effect="manual",
+                                         input=started.input if started.input is not None else effect_input(args),
+                                         ts=started.ts))
+            self.log.sync()
+        await self.control.halt(Parked(
+            "needs_attention", f"needs attention: step {label!r} at path {path_tuple(path)} started in an earlier "
+            "process and never finished", path=path, label=label))
 
     def step_cut(self, h: Handle, att: Any) -> NoReturn:
         """Call while a running step's `CancelledError` is handled: the step was cut off.
@@ -346,7 +377,9 @@ class Steps:
                     number += 1
                     continue
             if opts.unsafe:
-                self.log.write(records.Start(path=path, label=label, attempt=number, ts=time.time()))
+                self.log.write(records.Start(path=path, label=label, attempt=number,
+                                             effect="raise" if opts.on_interrupt == "raise" else "manual",
+                                             input=effect_input(args), ts=time.time()))
                 self.log.sync()
             token = current_attempt.set(att)
             self.executions[path] = self.executions.get(path, 0) + 1

@@ -33,6 +33,7 @@ class History:
         self.errs: set[str] = set()  # paths recorded failed (`reopen` runs them again), with stale ones
         self.fails: dict[str, r.Fail] = {}
         self.starts: dict[str, r.Start] = {}
+        self.resolved: dict[str, r.Resolve] = {}  # operators' decisions about cut-off unsafe steps, by path
         self.stashes: dict[str, r.Stash] = {}
         self.comps: dict[str, r.Comp] = {}
         self.snaps: dict[str, r.Snap] = {}
@@ -111,6 +112,44 @@ class History:
                 self.signals.add(rec.signal)
         else:
             self.errs.add(rec.path)
+
+    def _start(self, rec: r.Start) -> None:
+        """A step began. An unsafe step's own start (with its `effect` and `input`) is kept over a later start
+        of the same attempt that lacks them (the heartbeat's), so what the attempt needs on a resume survives."""
+        known = self.starts.get(rec.path)
+        if known is not None and known.effect is not None and rec.effect is None and known.attempt == rec.attempt:
+            return
+        self.starts[rec.path] = rec
+
+    def _resolve(self, rec: r.Resolve) -> None:
+        """An operator's decision about a cut-off unsafe step, folded as the outcome it stands for: a value is
+        the step's result (an `ok`), a failure its error (an `err`), a rerun a failed attempt due at once (a
+        `fail`, so the next attempt runs with the next number). `resolved` keeps the decision for `inspect`."""
+        self.resolved[rec.path] = rec
+        if rec.decision == "value":
+            self.done[rec.path] = r.Ok(path=rec.path, label=rec.label, value=rec.value, attempt=rec.attempt,
+                                       ts=rec.ts)
+        elif rec.decision == "fail":
+            self.done[rec.path] = r.Err(path=rec.path, label=rec.label, error=rec.error or {}, attempt=rec.attempt,
+                                        ts=rec.ts)
+            self.errs.add(rec.path)
+        else:
+            when = datetime.fromtimestamp(rec.ts or 0, UTC).isoformat()
+            self.fails[rec.path] = r.Fail(path=rec.path, label=rec.label, attempt=rec.attempt,
+                                          error=rec.error or {}, next=when, ts=rec.ts)
+
+    def attention(self) -> dict[str, r.Start]:
+        """The unsafe steps with the "manual" policy whose last attempt started and never finished, by path: a
+        run no process holds with any of them `needs_attention` until an operator resolves each
+        (`Engine.resolve_effect`)."""
+        out: dict[str, r.Start] = {}
+        for path, start in self.starts.items():
+            if start.effect != "manual" or path in self.done:
+                continue
+            fail = self.fails.get(path)
+            if fail is None or fail.attempt < start.attempt:
+                out[path] = start
+        return out
 
     def _note(self, rec: r.Note) -> None:
         self.notes.update(rec.notes)
@@ -340,7 +379,8 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Ok: History._done,
     r.Err: History._done,
     r.Fail: _keep("fails"),
-    r.Start: _keep("starts"),
+    r.Start: History._start,
+    r.Resolve: History._resolve,
     r.Stash: _keep("stashes"),
     r.Charge: _keep("charges"),
     r.Comp: _keep("comps"),
@@ -380,8 +420,11 @@ def _preview(value: Any, limit: int = 80) -> str:
 
 @dataclass
 class StepState:
-    """One step as `inspect` shows it. `status` is ok, failed, retrying, running, interrupted, waiting,
-    sleeping, or compensated (it completed and a compensation then undid it: a retry runs it again)."""
+    """One step as `inspect` shows it. `status` is ok, failed, retrying, running, interrupted, needs_attention
+    (an unsafe "manual" step cut off: an operator decides), waiting, sleeping, or compensated (it completed
+    and a compensation then undid it: a retry runs it again). `effect` describes an unsafe step's last recorded
+    start: its ``policy``, ``operation_id``, ``input``, ``attempt``, ``started_at`` and, once an operator
+    decided about it, ``resolved`` (``decision`` and ``at``)."""
 
     path: tuple[int, ...]
     label: str
@@ -394,6 +437,7 @@ class StepState:
     finished_at: datetime | None = None
     compensation: str | None = None
     started_at: datetime | None = None  # when a step still running (or cut off) began, as its start record says
+    effect: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`), values shared with the step."""
@@ -456,6 +500,7 @@ class RunState:
     ready: str | None = None  # what a parked run no process holds received: it continues on its next claim
     queued: dict[str, Any] | None = None  # a pending run's place in the queue: due (epoch seconds), priority, queue, partition
     owner: dict[str, Any] | None = None  # who holds a running run's lease (see `Runs.holder`)
+    attention: list[dict[str, Any]] = field(default_factory=list)  # the cut-off steps an operator must resolve
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -483,6 +528,7 @@ def _ts(value: float | None) -> datetime | None:
 
 def run_status(history: History, held: bool) -> str:
     """completed / failed / cancelled from the end record; paused; stale (its replay no longer matches the code);
+    needs_attention (an unsafe "manual" step was cut off: an operator decides, `Engine.resolve_effect`);
     waiting, sleeping; running while held; pending until first claimed; else interrupted."""
     if history.paused and (not history.end or history.end.status == "failed"):
         return "paused"
@@ -490,12 +536,39 @@ def run_status(history: History, held: bool) -> str:
         return history.end.status
     if history.stale and not held:
         return "stale"
+    if not held and history.starts and history.attention():
+        return "needs_attention"
     parked = history.parked()
     if parked:
         return parked
     if held:
         return "running"
     return "pending" if history.claim is None else "interrupted"
+
+
+def _iso(ts: float | None) -> str | None:
+    """Epoch seconds as an ISO 8601 UTC time (None stays None)."""
+    return datetime.fromtimestamp(ts, UTC).isoformat() if ts is not None else None
+
+
+def effect_of(history: History, start: r.Start) -> dict[str, Any]:
+    """What `inspect` says about an unsafe step from its start record: its policy, operation id, input, attempt
+    and start time, and the operator's decision once there is one for that attempt."""
+    run_id = history.header.run_id
+    effect: dict[str, Any] = {"policy": start.effect, "operation_id": f"{run_id}/{start.path}",
+                              "input": load_value(start.input) if start.input is not None else None,
+                              "attempt": start.attempt,
+                              "started_at": _iso(start.ts)}
+    decided = history.resolved.get(start.path)
+    if decided is not None and decided.attempt == start.attempt:
+        effect["resolved"] = {"decision": decided.decision,
+                              "at": _iso(decided.ts)}
+    return effect
+
+
+def status_needs(step: StepState, attention: dict[str, r.Start], path: str) -> bool:
+    """Whether `step` (at `path`) is one of the cut-off steps an operator must resolve."""
+    return step.status == "needs_attention" and path in attention
 
 
 def describe(history: History, *, held: bool, warnings: list[str] | None = None, steps: bool = True) -> RunState:
@@ -520,6 +593,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         return state
     paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes)
                                   if p not in history.done]
+    attention = history.attention() if history.starts and history.end is None else {}
     for path in dict.fromkeys(paths):
         rec = history.done.get(path)
         fail = history.fails.get(path)
@@ -540,8 +614,14 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
                              finished_at=_ts(fail.ts))
         else:
             start = history.starts[path]
-            step = StepState(path_tuple(path), start.label, "running" if held else "interrupted", start.attempt,
+            status = "running" if held else "needs_attention" if path in attention else "interrupted"
+            step = StepState(path_tuple(path), start.label, status, start.attempt,
                              error=fail.error if fail is not None else None, started_at=_ts(start.ts))
+        began = history.starts.get(path)
+        if began is not None and began.effect is not None:
+            step.effect = effect_of(history, began)
+            if status_needs(step, attention, path):
+                state.attention.append({"path": list(step.path), "label": step.label, **step.effect})
         park = history.park
         if park is not None and park.path == path and park.until is not None and step.status == "retrying":
             step.output = {"retry_at": park.until}

@@ -185,6 +185,27 @@ def _cancel(rec: dict[str, Any]) -> list[Segment]:
     return [(f"cancelled: the workflow cleans up{until}{undo}", "magenta")]
 
 
+def _start(rec: dict[str, Any]) -> list[Segment]:
+    """A step's start; an unsafe one's names its policy and the input it was sent."""
+    out = [(f"attempt {rec.get('a', 1)} started", "cyan")]
+    if rec.get("fx"):
+        out.append((f" (replay={'manual' if rec.get('fx') == 'manual' else 'manual, on_interrupt=raise'}, "
+                    f"input {short_json(rec.get('in'), 60)})", "bright_black"))
+    return out
+
+
+def _resolve(rec: dict[str, Any]) -> list[Segment]:
+    """An operator's decision about a cut-off unsafe step."""
+    decision = rec.get("d")
+    if decision == "value":
+        return [(f"resolved by an operator: attempt {rec.get('a', 1)} happened", "magenta"),
+                (f"  → {short_json(rec.get('v'))}", "")]
+    if decision == "rerun":
+        return [(f"resolved by an operator: attempt {rec.get('a', 1)} runs again", "magenta")]
+    error = _dict(rec.get("e"))
+    return [(f"resolved by an operator: failed  {error.get('message', '')}", "magenta")]
+
+
 def _end(rec: dict[str, Any]) -> list[Segment]:
     status = str(rec.get("status"))
     out = [(f"run {status}", COLOURS.get(status, "bold"))]
@@ -210,7 +231,8 @@ LINES: dict[str, Callable[[dict[str, Any]], list[Segment]]] = {
     "ok": _ok,
     "err": _failed,
     "fail": _failed,
-    "start": lambda rec: [(f"attempt {rec.get('a', 1)} started", "cyan")],
+    "start": _start,
+    "resolve": _resolve,
     "stash": lambda rec: [("stashed ", "yellow"), (short_json(rec.get("v"), 60), "")],
     "wake": lambda rec: [(f"sleeping until {when_text(rec.get('at'))}", "blue")],
     "wait": _wait,

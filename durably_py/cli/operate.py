@@ -432,3 +432,70 @@ def adopt(
                  as_json)
     _operate(target, opts, as_json, lambda engine, watcher, found: engine.adopt(
         run_id, where_given, wait=not no_wait, on_run=found))
+
+
+@shared("dir", "storage", "as_json", "output", "debug", "restate")
+def resolve(
+    run: RunArgument,
+    path: Annotated[str, typer.Option("--path", metavar="PATH", show_default=False,
+                                      help="The cut-off step (a path like 2 or 2.0.1, as inspect shows it).")],
+    value: Annotated[str | None, typer.Option("--value", metavar="JSON|@FILE", show_default=False,
+                                              help="The effect happened: its verified result (JSON, or @file.json); "
+                                                   "the workflow gets it as the step's result.")] = None,
+    rerun: Annotated[bool, typer.Option("--rerun", help="Run the step again (a new attempt, the same operation "
+                                                        "id).")] = False,
+    fail: Annotated[bool, typer.Option("--fail", help="Fail the step with EffectFailedError: the workflow's except "
+                                                      "runs, and its compensations if the run fails.")] = False,
+    message: Annotated[str | None, typer.Option("--message", metavar="TEXT", show_default=False,
+                                                help="With --fail: the error's message.")] = None,
+    for_worker: Annotated[bool, typer.Option("--for-worker", help="Record the decision and leave the run due for a "
+                                                                  "worker instead of continuing it here.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Resolve without asking.")] = False,
+    no_wait: NoWaitOption = False,
+    opts: Options = OPTIONS,
+) -> None:
+    """Decide about the cut-off unsafe step of a run that needs attention: --value JSON (it happened, with this
+    result), --rerun (run it again) or --fail; then the run continues here (--for-worker: a worker continues it).
+    Says what it will record and asks first (--yes: without asking)."""
+    from .._engine.effects import MISSING, decision
+
+    target = opts.local("durably resolve")
+    as_json = opts.json_output()
+    with opts.guard():
+        engine = target.engine
+        run_id = engine.resolve(run)
+        history = engine.operations.history(run_id)
+        where = parse_step(path)
+        if not (isinstance(where, tuple) and all(isinstance(i, int) for i in where)):
+            raise ValidationError(f"--path {path!r} is not a step path",
+                                  hint="Give a path like 2, 3.1.0 or (3, 1, 0); `durably inspect RUN` shows them.",
+                                  docs="docs/operations.md#effects-that-need-attention")
+        if message is not None and not fail:
+            raise ValidationError("--message goes with --fail", hint="--fail --message 'the provider has no record "
+                                  "of it'", docs="docs/operations.md#effects-that-need-attention")
+        given = parse_input(value, "--value") if value is not None else MISSING
+        failure: str | bool | None = (message or True) if fail else None
+        chosen = decision(history, where, value=given, rerun=rerun, fail=failure)
+    start = history.attention()[chosen.path]
+    what = {"value": f"record its result {json_text(given, 60)}", "rerun": "run it again",
+            "fail": f"fail it ({(chosen.error or {}).get('message', '')})"}[chosen.decision]
+    then = "a worker continues the run" if for_worker else "the run continues here"
+    plan = (f"resolve {run_id}: step {path_text(path_tuple(chosen.path))} {chosen.label!r} (operation id "
+            f"{run_id}/{chosen.path}, input {json_text(start.input, 60)}): {what}; then {then}")
+    if not yes:
+        _confirm(opts, plan, "Resolve?", {"run_id": run_id, "path": list(path_tuple(chosen.path)),
+                                          "decision": chosen.decision, "confirmed": False}, as_json)
+    if for_worker:
+        with opts.guard():
+            state = asyncio.run(engine.resolve_effect(run_id, where, value=given, rerun=rerun, fail=failure,
+                                                      here=False))
+        if as_json:
+            opts.print_json({"run_id": run_id, "path": list(path_tuple(chosen.path)), "decision": chosen.decision,
+                             "status": state.status, "resolved": True})
+        else:
+            err_console().print(Text(f"resolved {run_id} at {path_text(path_tuple(chosen.path))} "
+                                     f"({chosen.decision}); due for the next worker (`durably retry {run_id}` "
+                                     "continues it now)", "green"))
+        return
+    _operate(target, opts, as_json, lambda engine, watcher, found: engine.resolve_effect(
+        run_id, where, value=given, rerun=rerun, fail=failure, wait=not no_wait, on_run=found))

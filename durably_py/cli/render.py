@@ -243,6 +243,10 @@ def next_move(state: RunState) -> str | None:
         return f"durably retry {run_id} resumes it{after}"
     if state.status == "failed":
         return f"durably retry {run_id} resumes it at the failed step"
+    if state.status == "needs_attention" and state.attention:
+        where = ".".join(map(str, state.attention[0]["path"]))
+        return (f"check whether the effect happened, then durably resolve {run_id} --path {where} with --value JSON "
+                "(its result), --rerun or --fail")
     if state.status == "stale" and state.stale and state.stale.get("patch") is None and state.stale.get("called"):
         return (f"durably adopt {run_id} if {state.stale['called']!r} is {state.stale['recorded']!r} renamed; "
                 f"else restore the old code, or durably restart {run_id}")
@@ -271,6 +275,17 @@ def stale_text(stale: dict[str, Any]) -> str:
     if stale.get("called") is None:
         return f"at {path}: {stale.get('message')}"
     return f"at {path}: recorded as {stale.get('recorded')!r}, now called {stale.get('called')!r}"
+
+
+def attention_text(effect: dict[str, Any]) -> Text:
+    """A cut-off unsafe step that needs an operator's decision: its path and label, then its operation id, the
+    input it was sent and when it started, one per line."""
+    text = Text(f"{path_text(tuple(effect.get('path') or ()))} {effect.get('label')} was cut off (attempt "
+                f"{effect.get('attempt')}); did its effect happen?", "magenta")
+    text.append(f"\noperation id  {effect.get('operation_id')}")
+    text.append(f"\ninput         {json_text(effect.get('input'), 200)}")
+    text.append(f"\nstarted       {when_text(effect.get('started_at'))}")
+    return text
 
 
 def run_header(state: RunState) -> Text:
@@ -335,6 +350,8 @@ def run_header(state: RunState) -> Text:
                                        is not None else ""), "yellow")))
     if state.stale:
         rows.append(("stale", Text(stale_text(state.stale), "red")))
+    for effect in state.attention:
+        rows.append(("attention", attention_text(effect)))
     move = next_move(state)
     if move:
         rows.append(("next", Text(move, "bright_black")))

@@ -89,6 +89,10 @@ class RestateKernel:
         if opts.uses is not None:
             raise unsupported("uses= (resources and rate limits)",
                               "Restate has no shared rate limits or circuit breakers across runs")
+        if opts.on_interrupt == "attention":
+            raise unsupported("on_interrupt='attention' (a run that needs an operator's attention)",
+                              "Restate keeps no operator decisions about a cut-off step: there a cut-off "
+                              "replay='manual' step raises StepInterruptedError, as on_interrupt='raise' does")
         label = name or label_of(fn)
         return StepOp(self._pump, self, fn, args, label, self.scope().alloc(), opts.retry, opts.timeout, opts.schema,
                       opts.unsafe, opts.compensate, is_async_callable(fn))

@@ -36,7 +36,7 @@ from ..records import kind_of
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
 STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled", "pending",
-            "stale")
+            "stale", "needs_attention")
 MAX_LIMIT = 1000
 STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows
@@ -478,11 +478,29 @@ class Console:
                 return await self._start(lambda found: self.engine.retry(run, from_step=selector, on_run=found))
             if op == "restart":
                 return await self._start(lambda found: self.engine.restart(run, on_run=found))
+            if op == "resolve":
+                return await self._resolve(run, body)
         except DurablyError as exc:
             return _error(exc)
         return Json({"error": "NotFound", "message": f"no operation {op!r}", "hint":
-                     "Operations: signal, cancel, pause, resume, retry, restart.", "docs": "docs/ui.md#json-api"},
+                     "Operations: signal, cancel, pause, resume, retry, restart, resolve.", "docs": "docs/ui.md#json-api"},
                     status_code=404)
+
+    async def _resolve(self, run: str, body: dict[str, Any]) -> Response:
+        """`POST /api/runs/{run}/resolve` with {"path", and one of "value", "rerun": true, "fail": true or a
+        message}: record the decision about a cut-off unsafe step and continue the run in this process."""
+        from .._engine.effects import MISSING
+
+        value = body["value"] if "value" in body else MISSING
+        rerun = body.get("rerun", False)
+        fail = body.get("fail")
+        path = body.get("path")
+        if path is None:
+            raise ValidationError("resolve needs the path of the cut-off step",
+                                  hint='Send {"path": "1", "value": ...}, {"path": "1", "rerun": true} or '
+                                       '{"path": "1", "fail": true}.', docs="docs/ui.md#json-api")
+        return await self._start(lambda found: self.engine.resolve_effect(run, path, value=value, rerun=rerun,
+                                                                          fail=fail, on_run=found))
 
     async def _start(self, begin: Callable[[Callable[[str], None]], Awaitable[Any]]) -> Response:
         """Start a retry or restart in this server's process; answer once it runs (or failed to start)."""

@@ -4,7 +4,7 @@
 const TOKEN = (document.querySelector('meta[name="durably-token"]') || {}).content || "";
 const ENDED = new Set(["completed", "failed", "cancelled"]);
 const STATUSES = ["running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled",
-  "pending", "stale"];
+  "pending", "stale", "needs_attention"];
 const main = document.getElementById("main");
 const live = document.getElementById("live");
 
@@ -320,7 +320,54 @@ function runPage(runRef) {
       (run.signals || []).length ? h("div", { class: "signals", "data-signals": "" }, h("h2", { style: "margin-top: 10px" }, "Unread signals"),
         run.signals.map((sg) => h("div", { class: "advice", "data-signal": sg.name }, h("code", {}, sg.name), ` sent ${fmtTime(sg.at)}, unread: it waits in the run's inbox`,
           sg.payload === null || sg.payload === undefined ? null : h("div", { class: "muted" }, `payload ${JSON.stringify(sg.payload)}`)))) : null,
-      operations(run), view.opBanner);
+      attention(run), operations(run), view.opBanner);
+  }
+
+  // ---- effects that need attention -------------------------------------------------------------
+  function attention(run) {
+    const cut = run.status === "needs_attention" ? run.attention || [] : [];
+    if (!cut.length) return null;
+    return h("div", { class: "attention", "data-attention": "" }, h("h2", { style: "margin-top: 10px" }, "Needs attention"),
+      h("p", { class: "muted" }, "An unsafe step was cut off: nothing runs it again until you decide. Check whether its effect happened (the service knows it by its operation id), then record what you found."),
+      cut.map((eff) => {
+        const where = pathText(eff.path);
+        return h("div", { class: "banner bad", "data-effect": where },
+          h("div", {}, h("b", {}, `${where} ${eff.label}`), ` cut off in attempt ${eff.attempt}`),
+          h("dl", {}, h("dt", {}, "operation id"), h("dd", {}, h("code", { "data-operation-id": "" }, eff.operation_id)),
+            h("dt", {}, "input"), h("dd", {}, h("pre", { class: "json", "data-effect-input": "" }, json(eff.input))),
+            h("dt", {}, "started"), h("dd", {}, fmtTime(eff.started_at))),
+          h("div", { class: "ops" },
+            h("button", { type: "button", class: "primary", "data-op": "resolve-value", onclick: () => resolveValueDialog(run, eff) }, "Record result…"),
+            h("button", { type: "button", "data-op": "resolve-rerun",
+              onclick: () => confirmResolve(`Run ${where} ${eff.label} again?`, "Only if its effect did not happen (or repeating it is harmless): the step runs again as a new attempt, with the same operation id, in the console's process.", { path: where, rerun: true }, false) }, "Run again"),
+            h("button", { type: "button", class: "danger", "data-op": "resolve-fail",
+              onclick: () => confirmResolve(`Fail ${where} ${eff.label}?`, "The step fails with EffectFailedError: the workflow handles it like any failed step, and if the run fails its compensations run.", { path: where, fail: true }, true) }, "Fail")));
+      }));
+  }
+  function confirmResolve(title, text, body, danger) {
+    dialog(title, h("p", {}, text), "Resolve", danger, async () => { await send("resolve", body); });
+  }
+  function resolveValueDialog(run, eff) {
+    const where = pathText(eff.path);
+    const value = h("textarea", { name: "value", spellcheck: "false", placeholder: '{"id": "ch_123"}' }, "");
+    function validate() {
+      let msg = "";
+      const text = value.value.trim();
+      if (!text) msg = "Enter the step's result as JSON (null for none).";
+      else { try { JSON.parse(text); } catch (e) { msg = `not valid JSON: ${e.message}`; } }
+      d.problem.textContent = msg;
+      d.submit.disabled = !!msg;
+      return !msg;
+    }
+    const d = dialog(`Record the result of ${where} ${eff.label}`, h("div", { style: "display: flex; flex-direction: column; gap: 10px" },
+      h("p", {}, `Only once you verified that the effect happened (operation id ${eff.operation_id}): the workflow gets this value as the step's result and continues in the console's process; the step does not run again.`),
+      h("label", { class: "field" }, "Result (JSON)", value)), "Record result", false,
+      async () => {
+        if (!validate()) return false;
+        await send("resolve", { path: where, value: JSON.parse(value.value.trim()) });
+      });
+    value.addEventListener("input", validate);
+    validate();
   }
 
   // ---- operations ------------------------------------------------------------------------------
@@ -382,6 +429,7 @@ function runPage(runRef) {
     if (op === "resume") return r.resumed ? `resumed ${r.run_id} (${r.status})` : `${r.run_id} is still paused`;
     if (op === "retry") return `retrying ${r.run_id}: ${r.status}`;
     if (op === "restart") return `restarted as ${r.run_id}: ${r.status}`;
+    if (op === "resolve") return `resolved ${r.run_id}: ${r.status}`;
     return JSON.stringify(r);
   }
   function confirmOp(op, title, text, body, danger) {
