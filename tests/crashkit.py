@@ -128,7 +128,7 @@ def _child_workflows() -> dict[str, Callable[[Any], tuple[Any, Any]]]:
     async def mailer(ctx: Any, spec: dict[str, Any]) -> dict[str, Any]:
         await ctx.step(work, "prepare", 1, 0.0, name="prepare")
         try:
-            status: Any = await ctx.step(send, name="send", replay="unsafe")
+            status: Any = await ctx.step(send, name="send", replay="unsafe", on_interrupt="raise")
         except StepInterruptedError as exc:
             status = {"reconciled": True, "path": exc.path, "label": exc.label, "operation_id": exc.operation_id,
                       "run_id": ctx.run_id}

@@ -1,6 +1,6 @@
 """A store holding a record of every kind `records.py` defines, made the way users make them: real `durably`
 commands in subprocesses (runs, retries, a pause, a signal, a code change, a retry from a step, a stale run
-adopted, a cancel, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
+adopted, a run killed inside an unsafe step and resolved, a cancel, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from helpers import durably
 
 SCRIPT = textwrap.dedent('''
-    import os, time
+    import os, pathlib, time
     from durably_py import Retry, Task, attempt, workflow
 
     V = os.environ.get("FLOW_VERSION", "1")
@@ -97,6 +97,15 @@ SCRIPT = textwrap.dedent('''
             await ctx.wait_for("later", timeout=600)
             return first
 
+    def charge(n):
+        pathlib.Path("charging").write_text("")
+        time.sleep(600)
+        return n
+
+    @workflow
+    async def effect(ctx, n):
+        return await ctx.step(charge, n, replay="unsafe")
+
     @workflow
     async def stopped(ctx, n):
         return await ctx.wait_for("never", timeout=600)
@@ -149,6 +158,20 @@ def make_every_kind(project: Path) -> dict[str, str]:
     cli(project, "retry", renamed, code=1, version="2")  # stale: 'first' is now called 'second'
     cli(project, "adopt", renamed, "--yes", "--no-wait", code=3, version="2")
 
+    runner = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "kinds.py", "-w", "effect", "-i", "1"],
+                              cwd=project, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (project / "charging").exists():  # inside its unsafe step: killed there
+            assert time.monotonic() < deadline and runner.poll() is None
+            time.sleep(0.05)
+    finally:
+        runner.kill()
+        runner.wait(timeout=30)
+    effect = run_id_of(project, "effect")
+    cli(project, "resolve", effect, "--path", "0", "--value", '"charged by hand"', "--yes")  # a resolve record
+
     cli(project, "run", "kinds.py", "-w", "stopped", "-i", "1", "--no-wait", code=3)
     stopped = run_id_of(project, "stopped")
     cli(project, "cancel", stopped)
@@ -166,4 +189,4 @@ def make_every_kind(project: Path) -> dict[str, str]:
         worker.send_signal(signal.SIGTERM)
         worker.communicate(timeout=30)
     return {"everything": everything, "saga": saga, "renamed": renamed, "parent": parent,
-            "stopped": stopped}
+            "stopped": stopped, "effect": effect}

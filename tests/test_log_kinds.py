@@ -29,7 +29,8 @@ EXPECTED = {  # what the line of each kind says
     "ok": "(1,) once  ok",
     "err": "(1,) explode  attempt 1 failed: RuntimeError: no seats",
     "fail": "(0,) stashy  attempt 1 failed: ConnectionError: first try fails  retry at ",
-    "start": "(1,) once  attempt 1 started",
+    "start": "(1,) once  attempt 1 started (replay=manual, input [])",
+    "resolve": "(0,) charge  resolved by an operator: attempt 1 happened  → \"charged by hand\"",
     "stash": '(0,)  stashed {"done": 1}',
     "wake": "(5,) ctx.sleep  sleeping until ",
     "wait": "(6,) ctx.wait_for  waiting for signal 'go' (no deadline)",
@@ -95,5 +96,7 @@ def test_inspect_shows_what_each_kind_adds(store: tuple[Path, dict[str, str]]) -
     assert "(0,) book  compensated" in saga and "compensated" in saga and "RuntimeError: no seats" in saga
     parent = durably("inspect", runs["parent"], cwd=project, COLUMNS="250").stdout
     assert "completed" in parent and "(1,) ctx.join  ok" in parent
+    effect = durably("inspect", runs["effect"], cwd=project, COLUMNS="250").stdout
+    assert "completed" in effect and "(0,) charge  ok" in effect and "charged by hand" in effect
     renamed = durably("inspect", runs["renamed"], cwd=project, COLUMNS="250").stdout
     assert "(0,) first  ok" in renamed and "waiting for signal 'later'" in renamed

@@ -19,7 +19,8 @@ def test_an_interruption_during_the_backoff_after_a_failed_attempt_runs_the_next
     @workflow
     async def pay(ctx):
         try:
-            return await ctx.step(charge, replay="unsafe", retry=Retry(3, backoff="linear", base=60))
+            return await ctx.step(charge, replay="unsafe", on_interrupt="raise",
+                                  retry=Retry(3, backoff="linear", base=60))
         except StepInterruptedError:
             return "interrupted"
 
@@ -52,7 +53,7 @@ def test_an_interruption_inside_the_attempt_is_reported_once() -> None:
     @workflow
     async def pay(ctx):
         try:
-            return await ctx.step(charge, replay="unsafe")
+            return await ctx.step(charge, replay="unsafe", on_interrupt="raise")
         except StepInterruptedError as exc:
             return f"reconcile {exc.operation_id}"
 

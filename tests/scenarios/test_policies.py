@@ -329,7 +329,7 @@ def test_charges_inside_a_step_are_real_spend_each_execution(engine: TestEngine)
 
 # ---- unsafe replay, operation ids ------------------------------------------------------------------
 
-def test_unsafe_step_interrupted_by_a_crash_is_not_run_again(engine: TestEngine) -> None:
+def test_unsafe_step_interrupted_by_a_crash_needs_attention(engine: TestEngine) -> None:
     sent: list[str] = []
 
     def send_wire(amount: int) -> str:
@@ -340,6 +340,33 @@ def test_unsafe_step_interrupted_by_a_crash_is_not_run_again(engine: TestEngine)
     async def transfer(ctx, amount):
         await ctx.step(send_wire, amount, name="prepare")
         return await ctx.step(send_wire, amount, name="send", replay="unsafe")
+
+    crashed = engine.sync.run(transfer, 500, crash_in_step="send")
+    assert crashed.status == "crashed"
+    assert crashed.step("send").status == "needs_attention"
+
+    resumed = engine.sync.resume(crashed.run_id)
+    assert resumed.status == "needs_attention"
+    assert resumed.step("send").status == "needs_attention"
+    assert sent == [f"{crashed.run_id}/0", f"{crashed.run_id}/1"]
+
+    asyncio.run(engine.engine.resolve_effect(crashed.run_id, (1,), value="sent 500 (verified)", here=False))
+    done = engine.sync.resume(crashed.run_id)
+    assert done.status == "completed" and done.result == "sent 500 (verified)"
+    assert sent == [f"{crashed.run_id}/0", f"{crashed.run_id}/1"]  # not sent again
+
+
+def test_unsafe_step_that_raises_on_interrupt_is_not_run_again(engine: TestEngine) -> None:
+    sent: list[str] = []
+
+    def send_wire(amount: int) -> str:
+        sent.append(attempt().operation_id)
+        return f"sent {amount}"
+
+    @workflow
+    async def transfer(ctx, amount):
+        await ctx.step(send_wire, amount, name="prepare")
+        return await ctx.step(send_wire, amount, name="send", replay="unsafe", on_interrupt="raise")
 
     crashed = engine.sync.run(transfer, 500, crash_in_step="send")
     assert crashed.status == "crashed"
