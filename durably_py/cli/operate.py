@@ -1,5 +1,5 @@
-"""The commands that act on runs: `signal`, `cancel`, `pause`, `resume`, `retry`, `restart` and `adopt`, on one
-run or (cancel, resume, retry) on every run a filter selects."""
+"""The commands that act on runs: `signal`, `cancel`, `pause`, `resume`, `retry`, `restart`, `adopt` and `resolve`,
+on one run or (cancel, resume, retry) on every run a filter selects."""
 
 from __future__ import annotations
 
