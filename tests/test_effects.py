@@ -348,6 +348,14 @@ def test_resolve_effect_refusals(engine: Engine) -> None:
         asyncio.run(engine.resolve_effect(run_id, (1,), value=None))
 
 
+def test_cancel_ends_a_run_that_needs_attention(engine: Engine) -> None:
+    run_id = cut_in_process(engine, order_flow, "F")
+    assert asyncio.run(engine.cancel(run_id, timeout=5)).status == "cancelled"
+    assert ran == []  # no compensation unless asked, and the step did not run
+    with pytest.raises(ValidationError, match="is cancelled, not needs_attention"):
+        asyncio.run(engine.resolve_effect(run_id, (1,), rerun=True))
+
+
 def test_on_interrupt_raise_keeps_the_old_behaviour(engine: Engine) -> None:
     run_id = cut_in_process(engine, catching_flow, "E")
     assert asyncio.run(engine.inspect(run_id)).status == "interrupted"
