@@ -97,6 +97,35 @@ class RestateEnv:
         binary = server_binary()
         assert binary is not None
         self.dir = Path(tempfile.mkdtemp(prefix="durably-restate-"))
+        self.server_log = self.dir / "server.log"
+        for tries_left in reversed(range(3)):  # a port free_port() saw free may be taken before the server binds it
+            self.proc = self.start_server(binary, always_replay)
+            deadline, up = time.monotonic() + 60, False
+            while not up and self.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    http("GET", f"{self.admin}/health", timeout=2)
+                    http("GET", f"{self.ingress}/restate/health", timeout=2)
+                    up = True
+                except (OSError, urllib.error.URLError):
+                    time.sleep(0.05)
+            if up:
+                break
+            said = self.server_log.read_text()[-2000:]
+            if not tries_left or "Address in use" not in said:
+                raise RuntimeError(f"restate-server did not start: {said}")
+            self.proc.kill()
+            self.proc.wait()
+            shutil.rmtree(self.dir / "data", ignore_errors=True)
+        self.service = Service(imports, free_port(), self.admin, self.dir / "service.log")
+        if imports:
+            try:
+                self.service.start()
+            except BaseException:
+                self.close()
+                raise
+
+    def start_server(self, binary: str, always_replay: bool) -> subprocess.Popen[bytes]:
+        """restate-server on three ports free_port() found free, its output in `server_log`."""
         self.ingress_port, self.admin_port, self.node_port = free_port(), free_port(), free_port()
         self.ingress = f"http://127.0.0.1:{self.ingress_port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
@@ -111,28 +140,9 @@ class RestateEnv:
                "RESTATE_WORKER__INVOKER__INACTIVITY_TIMEOUT": "0s" if always_replay else "2s",
                "RESTATE_WORKER__INVOKER__RETRY_POLICY__INITIAL_INTERVAL": "50ms",
                "RESTATE_DEFAULT_RETRY_POLICY__INITIAL_INTERVAL": "50ms"}
-        self.server_log = self.dir / "server.log"
         with open(self.server_log, "wb") as out:
-            self.proc = subprocess.Popen([binary, "--no-logo", "--listen-mode", "tcp", "--base-dir",
-                                          str(self.dir / "data"), "--node-name", "test"],
-                                         env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                http("GET", f"{self.admin}/health", timeout=2)
-                http("GET", f"{self.ingress}/restate/health", timeout=2)
-                break
-            except (OSError, urllib.error.URLError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"restate-server did not start: {self.server_log.read_text()[-2000:]}") from None
-                time.sleep(0.05)
-        self.service = Service(imports, free_port(), self.admin, self.dir / "service.log")
-        if imports:
-            try:
-                self.service.start()
-            except BaseException:
-                self.close()
-                raise
+            return subprocess.Popen([binary, "--no-logo", "--listen-mode", "tcp", "--base-dir", str(self.dir / "data"),
+                                     "--node-name", "test"], env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def sql(self, query: str) -> list[dict[str, Any]]:
         return http("POST", f"{self.admin}/query", {"query": query})["rows"]

@@ -364,7 +364,7 @@ print(asyncio.run(create_engine(SqliteStorage(os.path.join(state, "runs.db")), c
 """
 
 
-@pytest.mark.parametrize("seed", [1, 5, 7])
+@pytest.mark.parametrize("seed", [1, pytest.param(5, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)])
 def test_a_parent_joining_out_of_spawn_order_killed_at_random_resumes_with_each_child_once(tmp_path, seed) -> None:
     """A real parent process joins one child ahead of its turn, then all of them backwards, three at a time
     ahead of the one it records; SIGKILL at a random moment and a resume: every child is created once, its

@@ -47,11 +47,13 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with a parallel run with retries, a task graph with its child runs, a failed run, and a run of
     parallel branches of several steps each."""
     state = tmp_path_factory.mktemp("browser") / ".durably"
-    for workflow, input, extra in (("checkout", 129.9, ("--key", "order-7731")), ("pipeline", None, ()),
-                                   ("fanout", 9, ("--key", "crawl-2026-05")),
-                                   ("approval", 75, ("--key", "expense-11", "--no-wait")),
-                                   ("nested", 2, ("--key", "legs-2"))):
-        run_flow(state, workflow, input, *extra).wait(timeout=60)
+    started = [run_flow(state, workflow, input, *extra)  # side by side: they share nothing but the store
+               for workflow, input, extra in (("checkout", 129.9, ("--key", "order-7731")), ("pipeline", None, ()),
+                                              ("fanout", 9, ("--key", "crawl-2026-05")),
+                                              ("approval", 75, ("--key", "expense-11", "--no-wait")),
+                                              ("nested", 2, ("--key", "legs-2")))]
+    for proc in started:
+        proc.communicate(timeout=60)
     return state
 
 

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -50,8 +51,8 @@ JOB = textwrap.dedent('''
         return [n, got]
 
     if __name__ == "__main__":
-        engine = create_engine(os.environ.get("DURABLY_STORAGE") or os.environ["DURABLY_DIR"], lease=15.0,
-                               heartbeat=0.5)
+        engine = create_engine(os.environ.get("DURABLY_STORAGE") or os.environ["DURABLY_DIR"],
+                               lease=float(os.environ.get("LEASE", "15")), heartbeat=0.5)
         print(asyncio.run(engine.run(job, float(sys.argv[1]))))
 ''')
 
@@ -89,12 +90,19 @@ def kill_inside_the_slow_step(project: Path, seconds: str, **env: str) -> str:
 
 
 def check_dead_lease(project: Path, **env: str) -> None:
+    """A process killed in its slow step holds a 5 s lease: while it lasts `list` and `inspect` (asked at once, side
+    by side) show its owner unresponsive, and a rerun says whose lease it waits for and how long, then continues
+    the run."""
+    env = {"LEASE": "5", **env}
     run_id = kill_inside_the_slow_step(project, "0.5", **env)
-    listed = durably("list", cwd=project, COLUMNS="200", **env).stdout
+    commands = [(("list",), {"COLUMNS": "200"}), (("inspect", run_id, "--json"), {}),
+                (("inspect", run_id), {"COLUMNS": "250"})]
+    with ThreadPoolExecutor(len(commands)) as pool:
+        asked = [pool.submit(durably, *args, cwd=project, **env, **extra) for args, extra in commands]
+        listed, state, shown = (future.result().stdout for future in asked)
     assert re.search(rf"{run_id}\s+job\s+running \(owner unresponsive since \d\d:\d\d:\d\d\)", listed), listed
-    owner = status_of(project, run_id, **env)["owner"]
+    owner = json.loads(state)["owner"]
     assert owner["alive"] is False and owner["expires"] > time.time() and owner["since"]
-    shown = durably("inspect", run_id, cwd=project, COLUMNS="250", **env).stdout
     assert re.search(r"owner\s+pid \d+ on \S+  not responding since .*; its lease lapses in \d", shown), shown
     with Terminal("run", "job.py", "--", "0.5", cwd=project, columns=200, **env) as term:
         assert term.wait(60) == 0, term.raw[-2000:]
@@ -118,30 +126,30 @@ def test_a_rerun_waiting_for_a_dead_process_lease_says_so_on_postgres(project: P
 
 def test_a_second_process_says_whose_run_it_joined_and_shows_its_progress(project: Path) -> None:
     env = {"DURABLY_DIR": str(project / ".durably")}
-    first = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "4"], cwd=project,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "4", **env},
+    first = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "2"], cwd=project,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "2", **env},
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         wait_until(lambda: bool(first_run(project)) and any(
             s["label"] == "warm-up" for s in status_of(project, first_run(project))["steps"]), 30)
         run_id = first_run(project)
-        with Terminal("run", "job.py", "--", "4", cwd=project, columns=200, **env) as term:
+        with Terminal("run", "job.py", "--", "2", cwd=project, columns=200, **env) as term:
             assert term.wait_for(f"joined {run_id} (running in pid {first.pid} on ", 20), term.text
             assert term.wait_for(f"{run_id}  joined (running in pid {first.pid} on ", 20), term.text
             assert term.wait_for(" · 1 done · 1 running  crunch ", 20), term.text  # its log tells the progress
             assert term.wait(60) == 0
             text = term.text
-        assert "4.05" in text and f"{run_id}  completed" in text
+        assert "2.05" in text and f"{run_id}  completed" in text
     finally:
         first.kill()
         first.wait()
-    piped = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "2"], cwd=project,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "8", **env},
+    piped = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "job.py", "--", "1"], cwd=project,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LINGER": "3", **env},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len(durably("list", "-q", cwd=project).stdout.split()) == 2 and any(
             s["label"] == "warm-up" for s in status_of(project, first_run(project))["steps"]), 30)
-        second = durably("run", "job.py", "--", "2", cwd=project, **env)  # no terminal: the same line, once
+        second = durably("run", "job.py", "--", "1", cwd=project, **env)  # no terminal: the same line, once
         assert second.returncode == 0, second.stderr
         assert second.stderr.count(f"joined {first_run(project)} (running in pid {piped.pid} on ") == 1
     finally:
@@ -150,9 +158,9 @@ def test_a_second_process_says_whose_run_it_joined_and_shows_its_progress(projec
 
 
 def test_a_running_step_shows_its_time_and_a_slow_one_its_advisory_while_it_runs(project: Path) -> None:
-    env = {"DURABLY_DIR": str(project / ".durably"), "SLOW_AFTER": "2"}  # 6 s to look while the step runs
-    with Terminal("run", "job.py", "--", "8", cwd=project, columns=120, **env) as term:
-        assert term.wait_for("crunch 2.", 20), term.text  # the step in flight, with how long it has run
+    env = {"DURABLY_DIR": str(project / ".durably"), "SLOW_AFTER": "1"}  # 4 s to look while the step runs
+    with Terminal("run", "job.py", "--", "5", cwd=project, columns=120, **env) as term:
+        assert term.wait_for("crunch 1.", 20), term.text  # the step in flight, with how long it has run
         run_id = first_run(project)
         wait_until(lambda: any(a["code"] == "SLOW_STEP_NO_TIMEOUT" for a in status_of(project, run_id)["advisories"]),
                    20)
@@ -214,7 +222,7 @@ def test_logs_follow_keeps_following_while_a_process_waits_in_a_park(project: Pa
         follow = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "logs", run_id, "--follow"], cwd=project,
                                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2)
+        time.sleep(1)
         assert follow.poll() is None  # the run waits, held by a process: the tail goes on
         assert durably("signal", run_id, "approval", "7", cwd=project).returncode == 0
         out, err = follow.communicate(timeout=30)

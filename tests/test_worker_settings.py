@@ -162,10 +162,10 @@ def test_the_lease_the_store_holds_and_its_renewals_are_the_workers_settings(set
     assert len(renewals) >= 3 and all(0.5 < gap < 1.4 for gap in gaps)
 
 
-def test_an_eight_second_step_under_a_three_second_lease_runs_once_on_two_workers(setup: Setup) -> None:
-    run_id = setup.enqueue("settings_hold", {"key": "long", "seconds": 8})
+def test_a_five_second_step_under_a_two_second_lease_runs_once_on_two_workers(setup: Setup) -> None:
+    run_id = setup.enqueue("settings_hold", {"key": "long", "seconds": 5})  # two and a half leases
     for _ in range(2):
-        setup.worker("--lease", "3", "--poll", "0.1", "-q")
+        setup.worker("--lease", "2", "--poll", "0.1", "-q")
     wait_until(lambda: asyncio.run(setup.engine.inspect(run_id)).status == "completed", 40)
     starts = [m for m in setup.marks() if m[:2] == ["start", "long"]]
     assert len(starts) == 1, starts
