@@ -69,6 +69,8 @@ def fresh_calls() -> None:
     CALLS.clear()
     MODEL["answer"] = "approve"
     BROKEN["deny"] = False
+    RETRIED.clear()
+    FLAKY["broken"] = True
 
 
 def _engine(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Engine:
@@ -179,6 +181,49 @@ def test_a_failed_run_forked_before_its_failure_completes_with_fixed_code(tmp_pa
     assert go(lambda: engine.inspect(third)).forked_from["edited"] is True
 
 
+RETRIED: Counter[str] = Counter()
+FLAKY = {"broken": True}
+
+
+def flaky() -> str:
+    RETRIED["flaky"] += 1
+    if FLAKY["broken"]:
+        raise ValueError("flaky")
+    return "fine"
+
+
+def last() -> str:
+    RETRIED["last"] += 1
+    if FLAKY["broken"]:
+        raise RuntimeError("last is broken")
+    return "done"
+
+
+@workflow(name="fork_retried")
+async def retried(ctx: Any) -> list[str]:
+    try:
+        first = await ctx.step(flaky, name="flaky")
+    except ValueError:
+        first = "caught"
+    middle = await ctx.step(fetch, 1, name="fetch")
+    return [first, str(middle["id"]), await ctx.step(last, name="last")]
+
+
+def test_a_run_retried_from_a_step_after_it_failed_forks_as_it_replays(tmp_path: Path) -> None:
+    engine = Engine(storage_of("file", tmp_path))
+    started: list[str] = []
+    with pytest.raises(RuntimeError, match="last is broken"):
+        go(lambda: engine.run(retried, on_run=started.append))
+    original = started[0]
+    FLAKY["broken"] = False
+    assert go(lambda: engine.retry(original, from_step="last")) == ["fine", "1", "done"]
+    assert RETRIED == {"flaky": 2, "last": 2}
+    fork_id, value = _fork(engine, original, from_step="last")
+    assert value == ["fine", "1", "done"] and RETRIED == {"flaky": 2, "last": 2} and CALLS["fetch"] == 1
+    kinds = [r["t"] for r in _records(engine, fork_id)]
+    assert "end" not in kinds[:-1] and kinds.index("reopen") < kinds.index("reset")  # the failed end reopened it
+
+
 PARALLEL_CALLS: Counter[str] = Counter()
 
 
@@ -264,6 +309,12 @@ def test_test_engine_forks_and_counts_the_forks_executions() -> None:
         assert fork.result["outcome"] == "denied 5"
         assert fork.step("fetch").executions == 0 and fork.step("model").executions == 0
         assert fork.step("deny").executions == 1 and fork.step("notify").executions == 1
+        assert test.sync.inspect(first.run_id).forks == [fork.run_id]
+        # a fork of the fork: its lineage names the fork, whose own lineage names the first run
+        again = test.sync.fork(fork.run_id, from_step="deny", set_output="denied twice")
+        assert again.result["told"] == "told: denied twice" and again.step("deny").executions == 0
+        assert test.sync.inspect(again.run_id).forked_from["run"] == fork.run_id
+        assert test.sync.inspect(fork.run_id).forks == [again.run_id]
         assert test.sync.inspect(first.run_id).forks == [fork.run_id]
 
 

@@ -8,7 +8,8 @@ answer and watch the other branch run.
 
 What is copied is what replay needs: step outcomes (with their failed attempts), sleeps and waits that
 finished, `ctx.now`/`random`/`uuid` values, patches, adoptions, loop snapshots, task graphs, charges, notes,
-advisories, code and budget changes, and the reopen and reset records that say which outcomes still stand.
+advisories, code and budget changes, and the reopen and reset records that say which outcomes still stand (a reset of a run that had failed reopened it
+because of its end record, which is not copied: the fork gets a reopen record in its place).
 Claims, parks, pauses, resumes, stale marks and ends are not: they are about the original's processes, not
 its history. Nor are the records of work still unfinished when P completed (a step running in a parallel
 branch, a sleep or wait not over): the fork runs it again.
@@ -183,7 +184,15 @@ def plan(typed: builtins.list[log_format.Record], where: str, from_step: Any, se
         last = log_format.Ok(path=path, label=chosen.label, value=wire, attempt=chosen.attempt, ms=chosen.ms,
                              ts=time.time())
     kept: builtins.list[log_format.Record] = []
+    failed = False  # an end record left out said the run had failed, and nothing reopened it since
     for rec in prefix[1:-1]:
+        if isinstance(rec, log_format.End):
+            failed = rec.status == "failed"
+        elif isinstance(rec, log_format.Reopen):
+            failed = False
+        elif isinstance(rec, log_format.Reset) and failed:
+            kept.append(log_format.Reopen(ts=rec.ts))  # a reset of a failed run reopened it: said outright here
+            failed = False
         if isinstance(rec, _NOT_COPIED):
             continue
         if isinstance(rec, _IN_FLIGHT) and rec.path not in settled.done:

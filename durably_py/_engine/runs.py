@@ -226,13 +226,13 @@ class Runs:
         """The runs forked from `run_id`, oldest first: found in the catalog by their key prefix (`FORK_KEYS`,
         an indexed filter on every adapter, no log read), each confirmed by its header's `forked_from`."""
         found = self.storage.list_runs(key_prefix=FORK_KEYS.format(run=run_id))
-        out = []
+        out: builtins.list[tuple[str, int, str]] = []
         for info in found:
             header = info.header if isinstance(info.header, dict) else {}
             lineage = header.get("forked_from")
             if isinstance(lineage, dict) and lineage.get("run") == run_id:
-                out.append((_fork_number(header.get("key")), info.run_id))
-        return [fork for _, fork in sorted(out)]
+                out.append((str(header.get("created_at") or ""), _fork_number(header.get("key")), info.run_id))
+        return [fork for *_, fork in sorted(out)]
 
     def holder(self, run_id: str, history: History | None = None) -> dict[str, Any]:
         """Who holds a run's lease: `owner` (`host:pid:token`), `expires` (epoch seconds the lease lapses unless
