@@ -300,6 +300,32 @@ def test_bad_input_is_refused_with_a_hint_and_creates_nothing(tmp_path: Path) ->
     assert go(lambda: engine.inspect(original)).forks == []
 
 
+@workflow(name="fork_kid")
+async def kid(ctx: Any) -> str:
+    return str(await ctx.wait_for("kid-go"))
+
+
+@workflow(name="fork_mom")
+async def mom(ctx: Any) -> str:
+    await ctx.spawn(kid)
+    await ctx.step(fetch, 2, name="fetch")
+    return str(await ctx.wait_for("mom-go"))
+
+
+def test_a_step_after_a_child_that_has_not_ended_is_not_forked(tmp_path: Path) -> None:
+    engine = Engine(storage_of("sqlite", tmp_path))
+    started: list[str] = []
+    with pytest.raises(Exception, match="waiting"):
+        go(lambda: engine.run(mom, on_run=started.append, wait=False))
+    count = go(lambda: engine.count())
+    with pytest.raises(ValidationError, match="have not ended") as caught:
+        go(lambda: engine.fork(started[0], from_step="fetch"))
+    check_error(caught.value)
+    assert go(lambda: engine.count()) == count
+    with pytest.raises(ValidationError, match="cannot be set"):
+        go(lambda: engine.fork(started[0], from_step=(0,), set_output={"run_id": "other"}))
+
+
 def test_test_engine_forks_and_counts_the_forks_executions() -> None:
     with TestEngine() as test:
         first = test.sync.run(review, 5)

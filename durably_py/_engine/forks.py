@@ -155,6 +155,10 @@ def plan(typed: builtins.list[log_format.Record], where: str, from_step: Any, se
     prefix = typed[: cut + 1]
     settled = History(prefix, f"run {run_id}")
     step = ".".join(map(str, path_tuple(path)))
+    if set_output is not UNSET and chosen.label == "ctx.spawn":
+        raise ValidationError(f"step {step} of run {run_id} spawned a child run; its output names that run and "
+                              "cannot be set", hint="Fork from it without set_output, or set the output of its join "
+                              "(ctx.join).", docs=DOCS, run_id=run_id)
     if settled.cancel is not None:
         raise ValidationError(
             f"step {step} of run {run_id} completed after the run was cancelled, during its clean-up; a fork does "
@@ -171,10 +175,6 @@ def plan(typed: builtins.list[log_format.Record], where: str, from_step: Any, se
     edited = set_output is not UNSET
     last = chosen
     if edited:
-        if chosen.label == "ctx.spawn":
-            raise ValidationError(f"step {step} of run {run_id} spawned a child run; its output names that run "
-                                  "and cannot be set", hint="Fork from it without set_output, or set the output "
-                                  "of its join (ctx.join).", docs=DOCS, run_id=run_id)
         try:
             wire = dump_value(set_output, "set_output")
         except DurablyError as exc:
