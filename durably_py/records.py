@@ -117,6 +117,7 @@ class Header(_Base, tag="run", omit_defaults=False):
     scheduled_at: str | None = None  # the tick (ISO 8601) a run a schedule started serves
     queue: str | None = None  # the named queue it was enqueued on (None: "default")
     partition: str | None = None  # and its partition there, if any
+    forked_from: dict[str, Any] | None = None  # a fork's lineage: {"run", "path", "label", "edited"}
     ts: float | None = None
 
 

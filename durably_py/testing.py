@@ -37,6 +37,7 @@ from ._authoring.workflow import Workflow, as_workflow
 from ._clock import FakeClock
 from ._codec import encode, load_error, load_value
 from ._engine.engine import Engine
+from ._engine.forks import UNSET
 from ._events import StepEvent
 from ._replay.kernel import Crash, Observer, Parked, RunKernel, Selector, observing, selects
 from ._state.advisories import Advisory, AdvisoryTracker
@@ -414,6 +415,20 @@ class TestEngine:
 
         return await self._drive(workflow, start, advisories)
 
+    async def fork(self, run_id: str, *, from_step: Selector, set_output: Any = UNSET,
+                   on_step: StepListener | None = None) -> TestRunResult:
+        """Fork a run of this engine's storage from a completed step (`Engine.fork`: its history up to that step
+        copied, its output replaced by `set_output` when given) and run the fork until it ends or parks; report
+        how it ended, with each step's executions counted for the fork alone."""
+        workflow = self._workflows.get(run_id) or self.engine.workflow_for(run_id)
+        advisories = self._advisories.get(run_id)
+
+        async def start(found: Callable[[str], None]) -> Any:
+            return await self.engine.fork(run_id, from_step=from_step, set_output=set_output,
+                                          on_step=self._listener(on_step), on_run=found, wait=False)
+
+        return await self._drive(workflow, start, advisories)
+
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Send signal `name` to a run; the next `resume` hands `payload` to its `ctx.wait_for(name)`."""
         await self.engine.signal(run_id, name, payload)
@@ -640,6 +655,11 @@ class SyncTestEngine:
         """`TestEngine.resume` from synchronous code."""
         return _block(self._engine.resume(run_id, on_step=on_step, crash_after=crash_after,
                                           crash_in_step=crash_in_step))
+
+    def fork(self, run_id: str, *, from_step: Selector, set_output: Any = UNSET,
+             on_step: StepListener | None = None) -> TestRunResult:
+        """`TestEngine.fork` from synchronous code."""
+        return _block(self._engine.fork(run_id, from_step=from_step, set_output=set_output, on_step=on_step))
 
     def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """`TestEngine.signal` from synchronous code."""

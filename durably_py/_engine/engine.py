@@ -38,6 +38,7 @@ from ..storage.url import open_storage, parse_storage_url
 from . import effects, versioning
 from .children import ChildRuns, joined
 from .code import CodeSource
+from .forks import UNSET, Forks
 from .heartbeat import Heartbeat
 from .hooks import RunHook, add_run_hook, remove_run_hook, run_hooks, set_run_hook
 from .identity import Identities
@@ -132,6 +133,7 @@ class Engine:
         self.operations = Operations(self.storage, self.runs, self.clock, run=self.run, code_for=self.code_for,
                                      retries=self.retries, concurrency=lambda: self.concurrency,
                                      cleanup=lambda: self.cleanup)
+        self.forks = Forks(self.operations)
 
     @property
     def lease_ttl(self) -> float:
@@ -636,6 +638,23 @@ class Engine:
                       on_run: Callable[[str], Any] | None = None) -> Any:
         """Start a run (by id or key) over as a new run with the same workflow, input and key; return its value."""
         return await self.operations.restart(run, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def fork(self, run: str, *, from_step: Selector, set_output: Any = UNSET,
+                   on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                   on_run: Callable[[str], Any] | None = None) -> Any:
+        """Start a new run from a recorded step of run `run` (by id or key): time-travel for debugging.
+
+        The fork gets the original's workflow, input and budget and a copy of its history up to the record that
+        completed `from_step` (a path ``(2,)``, ``(3, 1, 0)`` or ``"3.1.0"``, a label, or ``(label, nth)``, as
+        `retry(from_step=)` takes them); with `set_output` that step's recorded output is replaced (a failed
+        step then counts as completed with it). It then runs here on the current code, like `retry`: what was
+        copied replays, the rest runs live; returns its value or raises its error (`on_run` gets the fork's id
+        first; `wait=False`: `RunParkedError` if it parks). The original is only read. The fork is bound to
+        the key ``fork:ORIGINAL:N``, never the original's, and `inspect` of each shows the lineage
+        (`RunState.forked_from`, `RunState.forks`). Bad input (an unknown run, a step it never completed, an
+        output that is not JSON) is a `ValidationError` and writes nothing. See docs/operations.md#forks."""
+        return await self.forks.fork(run, from_step=from_step, set_output=set_output, on_step=on_step, wait=wait,
+                                     on_run=on_run)
 
     async def cancel_many(self, *, status: str | Iterable[str] | None = None, workflow: str | None = None,
                           timeout: float = 30.0, dry_run: bool = False) -> BulkResult:

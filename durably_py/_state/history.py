@@ -501,6 +501,8 @@ class RunState:
     queued: dict[str, Any] | None = None  # a pending run's place in the queue: due (epoch seconds), priority, queue, partition
     owner: dict[str, Any] | None = None  # who holds a running run's lease (see `Runs.holder`)
     attention: list[dict[str, Any]] = field(default_factory=list)  # the cut-off steps an operator must resolve
+    forked_from: dict[str, Any] | None = None  # a fork's lineage: {"run", "path" (a list), "label", "edited"}
+    forks: list[str] = field(default_factory=list)  # the runs forked from this one (`inspect` only), oldest first
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -524,6 +526,14 @@ def _created(header: Header) -> datetime:
 
 def _ts(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, UTC) if value is not None else None
+
+
+def lineage(forked_from: dict[str, Any]) -> dict[str, Any]:
+    """A fork's header field `forked_from` as `RunState.forked_from` gives it: the step path as a list, like
+    `StepState.path` in JSON."""
+    path = forked_from.get("path")
+    return {"run": forked_from.get("run"), "path": list(path_tuple(path)) if isinstance(path, str) else path,
+            "label": forked_from.get("label"), "edited": bool(forked_from.get("edited"))}
 
 
 def run_status(history: History, held: bool) -> str:
@@ -582,6 +592,8 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         script=header.script, parent=header.parent, budget=history.budget, spent=history.spent(),
         warnings=warnings or [], patches={change: rec.value for change, rec in history.patches.items()},
     )
+    if header.forked_from is not None:
+        state.forked_from = lineage(header.forked_from)
     if history.end:
         state.result = load_value(history.end.result)
         state.error = history.end.error

@@ -1,5 +1,5 @@
-"""The commands that act on runs: `signal`, `cancel`, `pause`, `resume`, `retry`, `restart`, `adopt` and `resolve`,
-on one run or (cancel, resume, retry) on every run a filter selects."""
+"""The commands that act on runs: `signal`, `cancel`, `pause`, `resume`, `retry`, `fork`, `restart`, `adopt` and
+`resolve`, on one run or (cancel, resume, retry) on every run a filter selects."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .._run_command import (
     settle,
 )
 from .._state.history import RunState, path_tuple
+from .._state.history import lineage as lineage_of
 from ..errors import DurablyError, ValidationError
 from .options import OPTIONS, Options, RunArgument, complete_run, complete_status, complete_workflow, shared
 from .render import err_console, filters_text, json_text, path_text
@@ -81,8 +82,10 @@ def _step_spec(path: tuple[int, ...]) -> str:
 
 
 def _operate(target: LocalTarget, opts: Options, as_json: bool,
-             start: Callable[[Engine, Watcher, Callable[[str], Any]], Coroutine[Any, Any, Any]]) -> None:
-    """Run an operation that executes a run (retry, restart) under the live view; print its result and summary."""
+             start: Callable[[Engine, Watcher, Callable[[str], Any]], Coroutine[Any, Any, Any]],
+             extra: Callable[[str], dict[str, Any]] | None = None) -> None:
+    """Run an operation that executes a run (retry, restart, fork) under the live view; print its result and
+    summary (`extra(run_id)`: more fields for the JSON object, once the run was found)."""
     with opts.guard():
         engine = target.engine
     watcher = Watcher(engine)
@@ -113,7 +116,10 @@ def _operate(target: LocalTarget, opts: Options, as_json: bool,
     settle(watcher, engine)
     if as_json:
         if seen or code != EXIT_USAGE:
-            opts.print_json(outcome(watcher, seen[0] if seen else None, code, result, error))
+            data = outcome(watcher, seen[0] if seen else None, code, result, error)
+            if extra is not None and seen:
+                data.update(extra(seen[0]))
+            opts.print_json(data)
         raise typer.Exit(code)
     if code == EXIT_OK:
         opts.print_json(result)
@@ -383,6 +389,47 @@ def retry(
                                   run_id=state.run_id) from None
 
     _operate(target, opts, as_json, start)
+
+
+@shared("dir", "storage", "as_json", "output", "debug", "restate")
+def fork(
+    run: RunArgument,
+    from_step: Annotated[str, typer.Option("--from-step", metavar="PATH|LABEL[#N]", show_default=False,
+                                           help="The completed step to fork from (a path like 2, 2.0.1 or "
+                                                "(2, 0, 1) as inspect prints it, a label, or label#N).")],
+    set_output: Annotated[str | None, typer.Option("--set-output", metavar="JSON|@FILE", show_default=False,
+                                                   help="Record this output for that step in the fork instead "
+                                                        "of the original's (JSON, or @file.json).")] = None,
+    no_wait: NoWaitOption = False,
+    opts: Options = OPTIONS,
+) -> None:
+    """Start a new run from a completed step of RUN: its history up to that step is copied (the step's output
+    replaced with --set-output), then it runs on the current code; print the new run's id and its result.
+    RUN is untouched; `durably inspect` of either shows the lineage."""
+    target = opts.local("durably fork")
+    as_json = opts.json_output()
+    try:
+        selector = parse_step(from_step)
+        edit: dict[str, Any] = {} if set_output is None else {"set_output": parse_input(set_output, "--set-output")}
+    except ValidationError as exc:
+        report_durably_error(exc, opts.debug)
+        raise typer.Exit(EXIT_USAGE) from None
+
+    def lineage(fork_id: str) -> dict[str, Any]:
+        forked = target.engine.runs.read(fork_id)[0].header.forked_from
+        return {"forked_from": lineage_of(forked) if forked is not None else None}
+
+    async def start(engine: Engine, watcher: Watcher, found: Callable[[str], Any]) -> Any:
+        def forked(fork_id: str) -> None:
+            origin = lineage(fork_id)["forked_from"] or {"run": run, "path": [], "label": "?", "edited": False}
+            err_console().print(Text(f"forked {origin['run']} at step {_step_spec(tuple(origin['path']))} "
+                                     f"({origin['label']}{', output set' if origin['edited'] else ''}) as "
+                                     f"{fork_id}", "cyan"))
+            found(fork_id)
+
+        return await engine.fork(run, from_step=selector, wait=not no_wait, on_run=forked, **edit)
+
+    _operate(target, opts, as_json, start, extra=lineage)
 
 
 @shared("dir", "storage", "as_json", "output", "debug", "restate")

@@ -304,6 +304,13 @@ def run_header(state: RunState) -> Text:
         rows.append(("parent", state.parent))
     if state.children:
         rows.append(("children", "\n".join(state.children)))
+    if state.forked_from:
+        origin = state.forked_from
+        step = ".".join(map(str, origin.get("path") or []))
+        rows.append(("forked from", f"{origin.get('run')} at step {step} ({origin.get('label')}"
+                                    f"{', output set' if origin.get('edited') else ''})"))
+    if state.forks:
+        rows.append(("forks", "\n".join(state.forks)))
     spent = {k: v for k, v in state.spent.items() if v}
     if state.budget:
         rows.append(("budget", ", ".join(f"{money(k, state.spent.get(k, 0.0))} of {money(k, limit)}"
