@@ -207,7 +207,7 @@ def _rate_limit_holds(kind: str, tmp_path: Path, request: pytest.FixtureRequest,
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_three_workers_never_start_more_than_the_rate_limit_allows_even_across_a_sigkill(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    _rate_limit_holds(kind, tmp_path, request, runs=8, per=1.5)
+    _rate_limit_holds(kind, tmp_path, request, runs=6, per=1.2)
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     fleet = Fleet(tmp_path, _url(kind, tmp_path, request))
     try:
-        ids = [fleet.enqueue("fleet_tenant", {"tenant": "alice", "i": i, "seconds": 1.0}) for i in range(6)]
+        ids = [fleet.enqueue("fleet_tenant", {"tenant": "alice", "i": i, "seconds": 0.6}) for i in range(6)]
         victim = fleet.worker("-c", "4")
         fleet.worker("-c", "4")
         # the runs beyond the limit park, holding no slot, and say what they wait for
