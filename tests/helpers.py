@@ -231,3 +231,27 @@ class PgServer:
         if self.data.exists():
             self.crash()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def storage_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """A fresh store of `kind` ("file", "sqlite" or "postgres") for real worker processes to share: a state dir,
+    a SQLite file, or a schema of the test session's PostgreSQL server (`postgres_dsn`), dropped afterwards."""
+    if kind == "file":
+        return str(tmp_path / "state")
+    if kind == "sqlite":
+        (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+        return f"sqlite:{tmp_path / 'state' / 'runs.db'}"
+    import uuid
+
+    import psycopg
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    parts = dict(p.split("=", 1) for p in dsn.split())
+    schema = f"test_{uuid.uuid4().hex[:16]}"
+
+    def drop() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+    request.addfinalizer(drop)
+    return f"postgresql://{parts['user']}@/{parts['dbname']}?host={parts['host']}&schema={schema}"

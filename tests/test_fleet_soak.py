@@ -19,14 +19,13 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from helpers import wait_until
+from helpers import storage_url, wait_until
 
 from durably_py import create_engine
 from durably_py._authoring.workflow import REGISTRY, load_script
@@ -276,25 +275,6 @@ class Soak:
         return times
 
 
-def _storage_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    if kind == "file":
-        return str(tmp_path / "state")
-    if kind == "sqlite":
-        return f"sqlite:{tmp_path / 'state' / 'runs.db'}"
-    import psycopg
-
-    dsn = request.getfixturevalue("postgres_dsn")
-    parts = dict(p.split("=", 1) for p in dsn.split())
-    schema = f"test_{uuid.uuid4().hex[:16]}"
-
-    def drop() -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-
-    request.addfinalizer(drop)
-    return f"postgresql://{parts['user']}@/{parts['dbname']}?host={parts['host']}&schema={schema}"
-
-
 def _drive(soak: Soak, deadline: float, *, kill: bool = True, chores: Any = None) -> None:
     """Keep three workers up, SIGKILL one every 1.5-3.5 s, answer waiting askers, until every run ended."""
     soak.start(3)
@@ -330,7 +310,7 @@ def _check_exactly_once(soak: Soak) -> None:
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
 def test_two_workers_draining_runs_claim_no_run_after_its_end(kind: str, tmp_path: Path,
                                                               request: pytest.FixtureRequest, capsys: Any) -> None:
-    soak = Soak(tmp_path, kind, _storage_url(kind, tmp_path, request), lease=3, poll=0.02)
+    soak = Soak(tmp_path, kind, storage_url(kind, tmp_path, request), lease=3, poll=0.02)
     for n in range(200):
         soak.enqueue("junk", n)
     soak.start(2)
@@ -350,7 +330,7 @@ def test_two_workers_draining_runs_claim_no_run_after_its_end(kind: str, tmp_pat
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_a_killed_fleet_runs_every_run_once_with_no_step_on_two_live_workers(
         kind: str, lease: float, tmp_path: Path, request: pytest.FixtureRequest, capsys: Any) -> None:
-    soak = Soak(tmp_path, kind, _storage_url(kind, tmp_path, request), lease=lease)
+    soak = Soak(tmp_path, kind, storage_url(kind, tmp_path, request), lease=lease)
     for n in range(150):
         soak.enqueue(KINDS[n % len(KINDS)], n)
     began = time.monotonic()
@@ -382,7 +362,7 @@ def test_a_killed_fleet_runs_every_run_once_with_no_step_on_two_live_workers(
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_retry_and_prune_race_a_live_fleet_without_losing_or_doubling_a_run(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest, capsys: Any) -> None:
-    soak = Soak(tmp_path, kind, _storage_url(kind, tmp_path, request), lease=3)
+    soak = Soak(tmp_path, kind, storage_url(kind, tmp_path, request), lease=3)
     for n in range(30):
         soak.enqueue(KINDS[n % len(KINDS)], n)
     failing = [soak.enqueue("failing", n) for n in range(6)]

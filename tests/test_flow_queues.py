@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
-from test_flow_fleet import Fleet, _url
+from helpers import storage_url, wait_until
+from test_flow_fleet import Fleet
 
 QUEUE_JOBS = '''
 import os, time
@@ -80,7 +80,7 @@ def _peak(spans: list[tuple[float, float]]) -> int:
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_a_queues_concurrency_holds_across_workers_and_a_sigkill(kind: str, tmp_path: Path,
                                                                  request: pytest.FixtureRequest) -> None:
-    fleet = QueueFleet(tmp_path, _url(kind, tmp_path, request))
+    fleet = QueueFleet(tmp_path, storage_url(kind, tmp_path, request))
     try:
         workers = [fleet.worker("-c", "4") for _ in range(3)]
         ids = [fleet.enqueue("batch_job", {"name": f"b{i}", "seconds": 0.6}) for i in range(10)]
@@ -104,7 +104,7 @@ def test_a_queues_concurrency_holds_across_workers_and_a_sigkill(kind: str, tmp_
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_another_tenants_first_run_starts_within_a_poll_behind_a_hundred_of_one_tenant(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    fleet = QueueFleet(tmp_path, _url(kind, tmp_path, request))
+    fleet = QueueFleet(tmp_path, storage_url(kind, tmp_path, request))
     try:
         wf = fleet.workflows["tenant_job"]
         asyncio.run(fleet.engine.enqueue_many([(wf, {"name": f"a{i}", "seconds": 0.5}) for i in range(100)],
@@ -130,7 +130,7 @@ def test_another_tenants_first_run_starts_within_a_poll_behind_a_hundred_of_one_
 
 def test_per_worker_and_queue_flags_take_effect_and_durably_queues_shows_it(
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    fleet = QueueFleet(tmp_path, _url("sqlite", tmp_path, request))
+    fleet = QueueFleet(tmp_path, storage_url("sqlite", tmp_path, request))
     try:
         solo = [fleet.enqueue("solo_job", {"name": f"s{i}", "seconds": 0.4}) for i in range(4)]
         plain = fleet.enqueue("plain_job", {"name": "p0", "seconds": 0.1})
@@ -166,7 +166,7 @@ def test_per_worker_and_queue_flags_take_effect_and_durably_queues_shows_it(
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 def test_a_burst_of_fifty_debounced_enqueues_runs_once_on_a_worker_with_the_last_input(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    fleet = QueueFleet(tmp_path, _url(kind, tmp_path, request))
+    fleet = QueueFleet(tmp_path, storage_url(kind, tmp_path, request))
     try:
         fleet.worker("-c", "4")
         wf = fleet.workflows["plain_job"]

@@ -30,13 +30,7 @@ import msgspec
 
 from ..errors import CorruptLogError
 from .base import LimitStep, storage_full
-from .filelocks import write_all
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
+from .filelocks import flocked, write_all
 
 COMPACT_AT = 16 * 1024  # bytes of versions a document file keeps before it is rewritten to its current one
 
@@ -78,19 +72,8 @@ class FileLimits:
             if not self._ready:
                 os.makedirs(self.dir, exist_ok=True)
                 self._ready = True
-            path = os.path.join(self.dir, f".{stripe}.lock")
-            if fcntl is None:  # pragma: no cover - Windows
-                import filelock
-
-                with filelock.FileLock(path, thread_local=False, is_singleton=False):
-                    yield
-                return
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            with flocked(os.path.join(self.dir, f".{stripe}.lock")):
                 yield
-            finally:
-                os.close(fd)  # closing the descriptor releases the flock
 
     def limit(self, key: str, step: LimitStep) -> Any:
         """Run `step` on the key's document under its stripe's lock, `now` from `time.time()`; write what it

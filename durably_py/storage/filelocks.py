@@ -17,6 +17,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,24 @@ CLAIM_TRIES = 3
 OWNER_BLOCK = 4096  # the claimant JSON in a lock file is padded to this many bytes (one block, one write)
 REGISTRY: dict[str, Held] = {}  # resolved lock path -> the lease this process holds on it
 REGISTRY_LOCK = threading.Lock()
+
+
+@contextmanager
+def flocked(path: str) -> Iterator[None]:
+    """Hold an exclusive, blocking OS lock on the file at `path` (created if missing) against every other
+    process while the block runs; the OS drops it if this process dies (filelock where there is no flock)."""
+    if fcntl is None:  # pragma: no cover - Windows
+        import filelock
+
+        with filelock.FileLock(path, thread_local=False, is_singleton=False):
+            yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 class OsLock:

@@ -28,12 +28,8 @@ from .base import (
     queue_allows,
 )
 from .catalog import queue_fields
+from .filelocks import flocked
 from .wakeup import LocalWakeups
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
 _ENTRY = msgspec.json.Decoder()
@@ -82,7 +78,7 @@ class FileQueue:
             names = os.listdir(self.runs_dir)
         except FileNotFoundError:
             names = []
-        with self._flock():
+        with flocked(str(self.dir / ".lock")):
             for name in names:
                 run_id = name[:-6]
                 if not name.endswith(".jsonl") or name.startswith(".") or not is_run_id(run_id):
@@ -97,24 +93,8 @@ class FileQueue:
     def lock(self) -> Iterator[None]:
         """Serialise changes to queue entries among threads and processes (a blocking flock)."""
         self._ensure()
-        with self._flock():
+        with flocked(str(self.dir / ".lock")):
             yield
-
-    @contextmanager
-    def _flock(self) -> Iterator[None]:
-        path = str(self.dir / ".lock")
-        if fcntl is None:  # pragma: no cover - Windows
-            import filelock
-
-            with filelock.FileLock(path, thread_local=False, is_singleton=False):
-                yield
-            return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
 
     def write(self, entry: QueueEntry) -> None:
         """Atomically replace a run's queue entry (call with the queue lock held); its queue ("q") and
