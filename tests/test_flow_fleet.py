@@ -174,7 +174,8 @@ def _rate_limit_holds(kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         ends = [m for m in fleet.marks() if m[0] == "end"]
         recorded = [fleet.inspect(r).steps[0] for r in ids]
         print(f"\n{kind}: {len(ids)} runs, {len(starts)} starts ({len(starts) - len(ends)} cut by the SIGKILL), "
-              f"most starts in any {per:g}s window: {most} (limit 2), span {max(starts) - min(starts):.1f}s")
+              f"most starts in any {per - 0.2:g}s window of the ledger: {most} (limit 2 per {per:g}s), span "
+              f"{max(starts) - min(starts):.1f}s")
         assert most <= 2, sorted(starts)
         assert all(s.status == "ok" for s in recorded)
         assert len(ends) == runs and len(starts) > runs  # each call completed once; the SIGKILL cut one
