@@ -151,6 +151,17 @@ def _in_flight(marks: list[tuple[str, str, int, float]]) -> int | None:
     return next((pid for what, key, pid, _ in marks if what == "start" and (key, pid) not in ended), None)
 
 
+def _kill_one_in_flight(fleet: Fleet, workers: list[subprocess.Popen[str]]) -> float:
+    """SIGKILL the worker that is in the middle of a call (it holds that call's permit); when it was killed."""
+    found: list[int] = []
+    wait_until(lambda: found.append(_in_flight(fleet.marks()) or 0) or found[-1] != 0, 60)
+    victim = next(w for w in workers if w.pid == found[-1])
+    killed = time.time()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    return killed
+
+
 def _most_in_any_window(times: list[float], per: float) -> int:
     """The most of `times` that fall in any half-open window of `per` seconds."""
     times = sorted(times)
@@ -163,10 +174,7 @@ def _rate_limit_holds(kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         workers = [fleet.worker("-c", "4") for _ in range(3)]
         ids = [fleet.enqueue("fleet_rated", {"i": i, "seconds": 0.4}) for i in range(runs)]
         # SIGKILL a worker in the middle of a rated call: its start stays in the window, its run runs again
-        wait_until(lambda: _in_flight(fleet.marks()) is not None, 60)
-        victim = next(w for w in workers if w.pid == _in_flight(fleet.marks()))
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
+        _kill_one_in_flight(fleet, workers)
         fleet.worker("-c", "4")  # its replacement
         fleet.wait_done(ids, runs * per / 2 + 30)
         starts = [m[3] for m in fleet.marks() if m[0] == "start"]
@@ -203,8 +211,7 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
     fleet = Fleet(tmp_path, storage_url(kind, tmp_path, request))
     try:
         ids = [fleet.enqueue("fleet_tenant", {"tenant": "alice", "i": i, "seconds": 0.6}) for i in range(6)]
-        victim = fleet.worker("-c", "4")
-        fleet.worker("-c", "4")
+        workers = [fleet.worker("-c", "4"), fleet.worker("-c", "4")]
         # the runs beyond the limit park, holding no slot, and say what they wait for
         wait_until(lambda: any(fleet.inspect(r).status == "waiting" for r in ids), 30)
         waiting = next(fleet.inspect(r) for r in ids if fleet.inspect(r).status == "waiting")
@@ -222,11 +229,8 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
 
         wait_until(cli_says_so, 30, every=0.05)
         assert "waiting for tenant:alice concurrency 2/2" in shown[-1], shown[-1]
-        # SIGKILL the victim while it holds a permit
-        wait_until(lambda: any(m[0] == "start" and m[2] == victim.pid for m in fleet.marks()), 30)
-        killed = time.time()
-        victim.send_signal(signal.SIGKILL)
-        victim.wait()
+        # SIGKILL a worker in the middle of a call: it holds a permit
+        killed = _kill_one_in_flight(fleet, workers)
         fleet.wait_done(ids, 60)
         marks = fleet.marks()
         intervals: dict[str, list[float]] = {}

@@ -187,3 +187,26 @@ def test_a_burst_of_fifty_debounced_enqueues_runs_once_on_a_worker_with_the_last
                    for s, later in zip(superseded, ids[1:], strict=True))
     finally:
         fleet.stop()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_a_killed_worker_holding_every_place_of_a_full_queue_is_taken_over(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    fleet = QueueFleet(tmp_path, storage_url(kind, tmp_path, request))
+    try:
+        ids = [fleet.enqueue("batch_job", {"name": f"b{i}", "seconds": 0.8}) for i in range(5)]
+        victim = fleet.worker("-c", "4")
+        # the victim holds all three places of the queue (concurrency 3) when it dies
+        wait_until(lambda: sum(1 for _, end in fleet.spans().values() if end is None) == 3, 30)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        killed = time.time()
+        fleet.worker("-c", "4")
+        fleet.wait_done(ids, 60)
+        spans = [(a, b if b is not None else killed) for a, b in fleet.spans().values()]
+        print(f"\n{kind}: a worker holding the 3 places of a full queue SIGKILLed: all 5 runs completed "
+              f"{time.time() - killed:.2f}s later (lease 3s), most at once {_peak(spans)}")
+        assert _peak(spans) <= 3
+        assert sum(1 for m in fleet.marks() if m[0] == "end") == 5
+    finally:
+        fleet.stop()

@@ -12,7 +12,8 @@ while holding one gives it back to nobody and loses nothing: the run is still op
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from .._authoring.queues import DEFAULT_QUEUE, QUEUES, Queue, find_queue
@@ -53,6 +54,7 @@ class Admission:
         self.storage = storage
         self.served = served
         self.running: dict[str, str] = {}  # run id -> queue, of the runs this worker runs now
+        self.holding: set[str] = set()  # runs that hold a place in a full queue or partition (`full`)
 
     def advertised(self) -> dict[str, dict[str, Any]]:
         """The limits of the declared queues this worker serves (what `durably queues` shows of a fleet)."""
@@ -66,6 +68,7 @@ class Admission:
                   >= queue.per_worker}
         limited = {name: queue for name, queue in QUEUES.items() if queue.limited
                    and (self.served is None or name in self.served)}
+        self.holding = set()
         if not limited:
             return frozenset(closed)
         for key, doc in self.storage.limits("queue:").items():
@@ -76,7 +79,24 @@ class Admission:
             limit = next((lim for lim in limits_of(queue, partition or None) if lim.key == key), None)
             if limit is not None and self._at_limit(limit, doc):
                 closed.add(name if not partition else f"{name}/{partition}")
+                self.holding.update(p[0] for p in doc.get("permits", ()) if p[1] < 0)
         return frozenset(closed)
+
+    def orphans(self, skip: Collection[str], workflows: frozenset[str] | None) -> list[str]:
+        """The runs holding a place in a full queue or partition (as `full` last found them) that are due and
+        held by no process: their worker died, or they woke from a park. The queue being full must not keep
+        them out, since they hold its places; a worker claims them by id (of `workflows` only, when given)."""
+        storage = self.storage
+        now = time.time()
+        found = []
+        for run_id in sorted(self.holding.difference(skip)):
+            entry = storage.entry(run_id)
+            if entry is None or entry.at is None or entry.at > now or storage.held(run_id):
+                continue
+            info = storage.info(run_id) if workflows is not None else None
+            if info is None or info.header.get("workflow") in workflows:  # type: ignore[operator]
+                found.append(run_id)
+        return found
 
     def _at_limit(self, limit: Limit, doc: dict[str, Any]) -> bool:
         """Whether `limit` lets no run start now: a quick look at its stored state, made exact in the store

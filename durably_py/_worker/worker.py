@@ -278,9 +278,12 @@ class Worker:
                 if free > 0:
                     admission = self.admission
                     try:
-                        leases = engine.storage.claim_due(engine.owner, engine.lease_ttl, free, skip=self.skipped(),
-                                                          workflows=engine.code.claims(), queues=admission.served,
-                                                          full=admission.full())
+                        full = admission.full()
+                        leases = self._claim_orphans(free)
+                        if len(leases) < free:
+                            leases += engine.storage.claim_due(engine.owner, engine.lease_ttl, free - len(leases),
+                                                               skip=self.skipped(), workflows=engine.code.claims(),
+                                                               queues=admission.served, full=full)
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
                         leases = []
@@ -311,6 +314,16 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
                 self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _claim_orphans(self, free: int) -> list[Any]:
+        """Claim up to `free` runs that hold places in full queues and are due with no process (`Admission.orphans`)."""
+        engine = self.engine
+        leases = []
+        for run_id in self.admission.orphans(self.skipped(), engine.code.claims())[:free]:
+            lease = engine.storage.claim(run_id, engine.owner, engine.lease_ttl)
+            if lease is not None:
+                leases.append(lease)
+        return leases
 
     def _left(self, lease: Any) -> None:
         """A run this worker ran stopped: its queue permits go back if it ended."""
