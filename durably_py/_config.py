@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._authoring.resources import Breaker, RateLimit, Resource
 from .errors import ValidationError
 
 STATE_DIR = ".durably"
@@ -89,6 +90,7 @@ class Settings:
     import_recorded: bool = False
     code_root: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    resources: dict[str, Resource] = field(default_factory=dict)  # `[resources.NAME]` of the config files
     project: Path | None = None
     user_file: Path | None = None
 
@@ -101,6 +103,14 @@ class Settings:
         return {"dir": self.dir, "storage": self.storage, "color": self.color, "restate": self.restate,
                 "restate_admin": self.restate_admin, **{name: getattr(self, name) for name in ENGINE_KEYS},
                 "sources": dict(self.sources),
+                "resources": {name: {"concurrency": r.concurrency,
+                                     "rate_limit": None if r.rate_limit is None else
+                                     {"max": r.rate_limit.max, "per": r.rate_limit.per,
+                                      "window": r.rate_limit.window},
+                                     "breaker": None if r.breaker is None else
+                                     {"failure_rate": r.breaker.failure_rate, "window": r.breaker.window,
+                                      "cooldown": r.breaker.cooldown, "min_calls": r.breaker.min_calls}}
+                              for name, r in self.resources.items()},
                 "project": str(self.project) if self.project else None,
                 "user_config": str(self.user_file) if self.user_file else None}
 
@@ -137,7 +147,11 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ValidationError(f"config file {path} is not valid TOML: {exc}",
                               hint='Write one key per line, e.g. dir = ".durably".',
                               docs="docs/cli.md#configuration") from None
+    if "resources" in data:
+        data["resources"] = config_resources(data["resources"], f"config file {path}")
     for name, value in data.items():
+        if name == "resources":
+            continue
         if name not in KEYS:
             raise ValidationError(f"config file {path} has unknown key {name!r}",
                                   hint=f"The keys are {', '.join(KEYS)}.", docs="docs/cli.md#configuration")
@@ -151,6 +165,47 @@ def read_config(path: Path) -> dict[str, Any]:
         if name.startswith("restate") and isinstance(value, str):
             check_url(value, f"config file {path}: {name}")
     return data
+
+
+RESOURCE_HINT = ('e.g. [resources.openai] concurrency = 8, rate_limit = { max = 60, per = "1m" }, '
+                 "breaker = { failure_rate = 0.5, window = 30, cooldown = 10 }")
+
+
+def config_resources(table: Any, what: str) -> dict[str, Resource]:
+    """The resources a config file's `[resources.NAME]` tables declare (the same as `durably_py.resource(NAME,
+    ...)`): `concurrency`, `rate_limit = {max, per[, window]}`, `breaker = {failure_rate, window, cooldown[,
+    min_calls]}`; durations as seconds or text ("1m"). Anything else is a `ValidationError` naming `what`."""
+    if not isinstance(table, dict):
+        raise ValidationError(f"{what}: resources must be tables [resources.NAME], got {table!r}",
+                              hint=RESOURCE_HINT, docs="docs/policies.md#resources")
+    found: dict[str, Resource] = {}
+    for name, spec in table.items():
+        where = f"{what}: resources.{name}"
+        if not isinstance(spec, dict) or set(spec) - {"concurrency", "rate_limit", "breaker"}:
+            raise ValidationError(f"{where} takes concurrency, rate_limit and breaker, got {spec!r}",
+                                  hint=RESOURCE_HINT, docs="docs/policies.md#resources")
+        try:
+            rate, breaker = spec.get("rate_limit"), spec.get("breaker")
+            found[name] = Resource(
+                name, concurrency=spec.get("concurrency"),
+                rate_limit=None if rate is None else RateLimit(
+                    rate.get("max"), _seconds(rate.get("per")), rate.get("window", "sliding")),
+                breaker=None if breaker is None else Breaker(
+                    breaker.get("failure_rate"), _seconds(breaker.get("window")), _seconds(breaker.get("cooldown")),
+                    breaker.get("min_calls", 5)))
+        except ValidationError as exc:
+            raise ValidationError(f"{where}: {exc.message}", hint=RESOURCE_HINT,
+                                  docs="docs/policies.md#resources") from None
+        except (AttributeError, TypeError):
+            raise ValidationError(f"{where}: rate_limit and breaker are tables, got {spec!r}", hint=RESOURCE_HINT,
+                                  docs="docs/policies.md#resources") from None
+    return found
+
+
+def _seconds(value: Any) -> Any:
+    """A duration from a config value: seconds as a number, or text such as "1m" (anything else is passed on,
+    for the resource's own check to refuse)."""
+    return parse_duration(value) if isinstance(value, str) else value
 
 
 def parse_duration(text: str) -> float:
@@ -274,6 +329,8 @@ def resolve(dir: str | None = None, storage: str | None = None, *, restate: str 
                 setattr(settings, name, str((root / os.path.expanduser(value)).resolve()) if name == "code_root"
                         else value)
                 settings.sources[name] = names[name]
+    for _, values, _ in reversed(layers):  # the user's file, then the project's: a name declared in both is the project's
+        settings.resources.update(values.get("resources", {}))
     if "dir" not in settings.sources and "storage" not in settings.sources:
         settings.dir = str(project if project is not None else base / STATE_DIR)
         settings.sources["dir"] = "nearest .durably/" if project is not None else "default"

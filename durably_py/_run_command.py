@@ -81,6 +81,7 @@ def open_engine(settings: config.Settings) -> Engine:
     engine = engine_for(settings.dir, settings.storage)
     engine.configure(lease=settings.lease, heartbeat=settings.heartbeat, concurrency=settings.concurrency,
                      retention=settings.retention)
+    engine.gates.resources.update(settings.resources)  # the config's resources (an operator's) win over the code's
     return engine
 
 

@@ -6,6 +6,7 @@ test_flow_fleet.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -152,3 +153,52 @@ def test_a_restarted_process_keeps_the_window_of_the_one_before(tmp_path: Path) 
         assert done.returncode == 0, done.stderr
         stamps.append(float(done.stdout.split()[-1]))
     assert stamps[1] - stamps[0] >= 1.95  # the second process waited out the first one's window
+
+
+CONFIGURED = '''
+import os, time
+from durably_py import workflow
+
+
+def hold(i):
+    with open(os.environ["CFG_LEDGER"], "a") as f:
+        f.write(f"{time.time()} start\\n")
+    time.sleep(0.2)
+    with open(os.environ["CFG_LEDGER"], "a") as f:
+        f.write(f"{time.time()} end\\n")
+    return i
+
+
+@workflow
+async def configured(ctx):
+    results = await ctx.parallel([ctx.step(hold, i, uses="cfg-api") for i in range(3)])
+    return [r.value for r in results]
+'''
+
+
+def test_a_resource_declared_in_the_config_file_takes_effect_through_the_cli(tmp_path: Path) -> None:
+    (tmp_path / ".durably").mkdir()
+    (tmp_path / ".durably" / "config.toml").write_text(
+        '[resources.cfg-api]\nconcurrency = 1\nrate_limit = { max = 10, per = "1m" }\n')
+    script = tmp_path / "configured.py"
+    script.write_text(CONFIGURED)
+    ledger = tmp_path / "ledger.txt"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}, "CFG_LEDGER": str(ledger),
+           "XDG_CONFIG_HOME": str(tmp_path / "user")}
+    done = subprocess.run([sys.executable, "-m", "durably_py.cli", "run", str(script), "-w", "configured", "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    events = sorted(line.split() for line in ledger.read_text().splitlines())
+    running = peak = 0
+    for _, what in events:
+        running += 1 if what == "start" else -1
+        peak = max(peak, running)
+    assert peak == 1 and len(events) == 6  # the config's concurrency 1 held the three steps to one at a time
+    shown = subprocess.run([sys.executable, "-m", "durably_py.cli", "config", "--json"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert json.loads(shown.stdout)["resources"]["cfg-api"]["rate_limit"] == {"max": 10, "per": 60.0,
+                                                                              "window": "sliding"}
+    (tmp_path / ".durably" / "config.toml").write_text('[resources.cfg-api]\nconcurency = 1\n')
+    bad = subprocess.run([sys.executable, "-m", "durably_py.cli", "run", str(script), "-w", "configured"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "resources.cfg-api" in bad.stderr
