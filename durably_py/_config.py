@@ -9,7 +9,9 @@ finds `.git`), then the user's `config.toml` under `platformdirs.user_config_dir
 them the state dir is that nearest `.durably/`, else `./.durably`. The file keys are the flags' names: `dir`,
 `storage`, `color`, `restate`, `restate_admin`, and the engine's `lease`, `heartbeat`, `poll`, `concurrency`,
 `retention`, `import_recorded`, `code_root` (`ENGINE_KEYS`): every command that opens an engine applies them
-(`durably run`, `retry`, `worker`, `ui`, ...), `durably worker` also its poll interval and retention.
+(`durably run`, `retry`, `worker`, `ui`, ...), `durably worker` also its poll interval and retention. The files
+may also declare resources (`[resources.NAME]`, `config_resources`), the project's over the user's, which every
+command that opens an engine applies over the code's declarations.
 
 The Restate admin URL belongs with its ingress URL: an admin URL from a lower source than the ingress URL's
 (say the project file's, under a `--restate` flag) is not paired with it; the admin is then the ingress host
