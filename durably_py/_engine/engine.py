@@ -24,8 +24,7 @@ from .._clock import Clock
 from .._codec import dump_error, load_value, to_iso
 from .._events import StepEvent
 from .._replay.kernel import CONTROL_EVERY, DEFAULT_CLEANUP, Parked, RunKernel, Selector, Spawned
-from .._replay.limits import SIGNAL as LIMIT_SIGNAL
-from .._replay.limits import WAITERS_MAX
+from .._replay.limits import missed_wakeup
 from .._state.advisories import Advisory, AdvisoryTracker
 from .._state.history import History, RunState, SignalSent
 from .._state.timeline import Span
@@ -318,7 +317,7 @@ class Engine:
                 self.storage.join_wait(run_id, parked.children)
                 raise
             self.storage.schedule(run_id, parked.at, wait=parked.names)
-            self._permits_came(run_id, parked.names)
+            missed_wakeup(self.storage, run_id, parked.names)
             raise
         except StaleRunError as exc:
             try:
@@ -339,16 +338,6 @@ class Engine:
                 self.storage.release(lease)
             if parked_on and any(m.get("name") in parked_on for m in self.storage.inbox(run_id)):
                 self.storage.wake(run_id)  # a signal that arrived while it parked
-
-    def _permits_came(self, run_id: str, names: tuple[str, ...]) -> None:
-        """A run parked for a limit's permit (`_replay.limits`) that a give-back took off the limit's waiting list
-        before its park was queued missed its wake-up: wake it now."""
-        for name in names:
-            if name.startswith(LIMIT_SIGNAL):
-                doc = self.storage.limits(name[len(LIMIT_SIGNAL):]).get(name[len(LIMIT_SIGNAL):])
-                waiters = doc.get("waiters", []) if isinstance(doc, dict) else []
-                if run_id not in waiters and len(waiters) < WAITERS_MAX:
-                    self.storage.wake(run_id, name)
 
     def _parked_hint(self, run_id: str, status: str, path: str | None = None) -> str:
         """The next move for a parked run, naming the signals it waits for."""

@@ -32,6 +32,7 @@ from .._authoring.calls import RunHandle
 from .._authoring.queues import DEFAULT_QUEUE, QUEUES, check_queue_name
 from .._authoring.workflow import Workflow, as_workflow
 from .._codec import dump_error
+from .._replay.limits import permits, starts
 from .._state.history import History
 from ..errors import KeyConflictError, RunCancelledError, ValidationError
 from ..storage import Storage, validate_key
@@ -157,8 +158,8 @@ def queue_infos(storage: Storage) -> list[QueueInfo]:
         infos.setdefault(name, QueueInfo(name)).limits = declared.limits()
     for key, doc in storage.limits("queue:").items():
         name, _, partition = key[len("queue:"):].partition("/")
-        if name in infos and not partition and isinstance(doc, dict):
-            infos[name].in_use = {"runs": len(doc.get("permits", ())), "starts": len(doc.get("starts", ()))}
+        if name in infos and not partition:
+            infos[name].in_use = {"runs": len(permits(doc)), "starts": len(starts(doc))}
     return [infos[name] for name in sorted(infos)]
 
 

@@ -145,6 +145,28 @@ def give_back(doc: Any, now: float, live: Live, limit: Limit, holder: list[Any],
     return doc, waiters[:free]
 
 
+def permits(doc: Any) -> list[list[Any]]:
+    """The permits a stored limit document lists (`[run_id, epoch, path]` each; not checked for liveness)."""
+    return list(doc.get("permits", ())) if isinstance(doc, dict) else []
+
+
+def starts(doc: Any) -> list[float]:
+    """The rate-limit starts a stored limit document keeps (pruned to the window at its last change)."""
+    return list(doc.get("starts", ())) if isinstance(doc, dict) else []
+
+
+def missed_wakeup(storage: Storage, run_id: str, names: tuple[str, ...]) -> None:
+    """Wake a run just parked on limits' signals (`SIGNAL` + key, among `names`) whose wake-up it missed: a
+    permit given back took it off a limit's waiting list before its park was queued."""
+    for name in names:
+        if name.startswith(SIGNAL):
+            key = name[len(SIGNAL):]
+            doc = storage.limits(key).get(key)
+            waiters = doc.get("waiters", []) if isinstance(doc, dict) else []
+            if run_id not in waiters and len(waiters) < WAITERS_MAX:
+                storage.wake(run_id, name)
+
+
 class Releases:
     """Permits given back in this process, per storage and key: a run of this process waiting for one is woken
     at once (other processes' give-backs reach it through the store: its wake-up signal, or its next look)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._authoring.queues import DEFAULT_QUEUE, QUEUES, Queue, find_queue
 from .._authoring.resources import Limit
-from .._replay.limits import full, give_back, take
+from .._replay.limits import full, give_back, permits, starts, take
 
 RUN_HOLDER = "$run"  # the path of a run-level permit
 
@@ -79,7 +79,7 @@ class Admission:
             limit = next((lim for lim in limits_of(queue, partition or None) if lim.key == key), None)
             if limit is not None and self._at_limit(limit, doc):
                 closed.add(name if not partition else f"{name}/{partition}")
-                self.holding.update(p[0] for p in doc.get("permits", ()) if p[1] < 0)
+                self.holding.update(p[0] for p in permits(doc) if p[1] < 0)
         return frozenset(closed)
 
     def orphans(self, skip: Collection[str], workflows: frozenset[str] | None) -> list[str]:
@@ -102,8 +102,8 @@ class Admission:
         """Whether `limit` lets no run start now: a quick look at its stored state, made exact in the store
         (dropping the permits of runs that ended) before saying so."""
         cap = limit.concurrency
-        crowded = cap is not None and len(doc.get("permits", ())) >= cap
-        rated = limit.rate is not None and len(doc.get("starts", ())) >= limit.rate.max
+        crowded = cap is not None and len(permits(doc)) >= cap
+        rated = limit.rate is not None and len(starts(doc)) >= limit.rate.max
         if not crowded and not rated:
             return False
         return self.storage.limit(limit.key, functools.partial(full, limit=limit))
