@@ -210,7 +210,8 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     fleet = Fleet(tmp_path, storage_url(kind, tmp_path, request))
     try:
-        ids = [fleet.enqueue("fleet_tenant", {"tenant": "alice", "i": i, "seconds": 0.6}) for i in range(6)]
+        # each call takes long enough (1.2 s) for a parked run to stay parked while a `durably inspect` starts
+        ids = [fleet.enqueue("fleet_tenant", {"tenant": "alice", "i": i, "seconds": 1.2}) for i in range(6)]
         workers = [fleet.worker("-c", "4"), fleet.worker("-c", "4")]
         # the runs beyond the limit park, holding no slot, and say what they wait for
         wait_until(lambda: any(fleet.inspect(r).status == "waiting" for r in ids), 30)
@@ -221,7 +222,8 @@ def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_
         def cli_says_so() -> bool:  # a parked run is woken as permits come back: look until one is seen parked
             parked = [r for r in ids if fleet.inspect(r).status == "waiting"]
             if not parked:
-                return all(fleet.status(r) != "open" for r in ids)
+                assert not all(fleet.status(r) != "open" for r in ids), "every run ended before one was seen parked"
+                return False
             listed = subprocess.run([sys.executable, "-m", "durably_py.cli", "inspect", parked[0], "--storage",
                                      fleet.url], cwd=fleet.root, env=fleet.env, capture_output=True, text=True)
             shown.append(listed.stdout + listed.stderr)
