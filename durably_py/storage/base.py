@@ -24,6 +24,7 @@ wait whose time came, a woken wait, or an orphan whose process died or whose lea
 from __future__ import annotations
 
 import errno
+import hashlib
 import heapq
 import math
 import re
@@ -114,6 +115,25 @@ def validate_limit_prefix(prefix: object) -> str:
         raise ValidationError(f"a limit key prefix is a str, got {prefix!r}",
                               hint="limits('rate:') lists the rate limits; limits() lists every one.", docs=LIMITS_DOCS)
     return prefix
+
+
+SOURCES_DOCS = "docs/versioning.md#upgrades"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def validate_source(digest: object, text: object = None) -> str:
+    """Return `digest` if it is a sha256 in lower-case hex (and, given `text` bytes, the sha256 of `text`)."""
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise ValidationError(f"a source digest is a sha256 in lower-case hex (64 characters), got {digest!r}",
+                              hint="A run's header names its source's digest (`durably inspect RUN --json`).",
+                              docs=SOURCES_DOCS)
+    if text is not None:
+        if not isinstance(text, bytes | bytearray | memoryview):
+            raise ValidationError(f"a source is bytes, got {type(text).__name__}", docs=SOURCES_DOCS)
+        if hashlib.sha256(text).hexdigest() != digest:
+            raise ValidationError(f"the source given under {digest[:12]}... is not the text of that digest",
+                                  hint="Keep a source under hashlib.sha256(text).hexdigest().", docs=SOURCES_DOCS)
+    return digest
 
 
 def validate_limit_update(update: object) -> Callable[..., Any]:

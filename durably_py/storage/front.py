@@ -48,6 +48,7 @@ from .base import (
     validate_run_id,
     validate_signal,
     validate_signal_id,
+    validate_source,
     validate_ttl,
     validate_wait,
     validate_worker,
@@ -296,6 +297,16 @@ class StorageFront:
                 continue
         return docs
 
+    # ---- Sources -----------------------------------------------------------------------------------------
+    def keep_source(self, digest: str, text: bytes) -> None:
+        """Keep a source file's text under its sha256 (`Sources.keep_source`); a digest that is not the text's is a
+        `ValidationError` and nothing is written."""
+        self._do_keep_source(validate_source(digest, text), bytes(text))
+
+    def source(self, digest: str) -> bytes | None:
+        """The source text kept under `digest` (`Sources.source`)."""
+        return self._do_source(validate_source(digest))
+
     # ---- what each adapter implements, its arguments checked ---------------------------------------------
     def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
                    priority: int) -> None:
@@ -396,4 +407,12 @@ class StorageFront:
 
     def _do_limits(self, prefix: str) -> dict[str, bytes]:
         """The stored bytes of every limit document whose key starts with `prefix`."""
+        raise NotImplementedError
+
+    def _do_keep_source(self, digest: str, text: bytes) -> None:
+        """Store `text` under `digest` unless it is there; durable on return."""
+        raise NotImplementedError
+
+    def _do_source(self, digest: str) -> bytes | None:
+        """The text stored under `digest`, or None."""
         raise NotImplementedError

@@ -1,5 +1,5 @@
 """The storage protocol, as the roles a service names (`RunLogs`, `Identities`, `Catalog`, `Inbox`, `DueQueue`,
-`Fleet`, `Limits`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
+`Fleet`, `Limits`, `Sources`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
 storage."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
-__all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs", "Storage"]
+__all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs", "Sources",
+           "Storage"]
 
 LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
 """What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
@@ -264,5 +265,18 @@ class Limits(Protocol):
 
 
 @runtime_checkable
-class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Protocol):
+class Sources(Protocol):
+    """The source files runs started with, each kept once under its sha256 (a run's header names its own), so
+    `durably diff` can show what changed since a run started and a run can be resumed on the code it began with."""
+
+    def keep_source(self, digest: str, text: bytes) -> None:
+        """Keep `text` under `digest`, its sha256 in hex; nothing when it is kept already. Durable once it returns.
+        A `digest` that is not the sha256 of `text` is a `ValidationError`, and nothing is written."""
+
+    def source(self, digest: str) -> bytes | None:
+        """The text kept under `digest` (None: none is)."""
+
+
+@runtime_checkable
+class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Sources, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""
