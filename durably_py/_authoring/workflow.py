@@ -78,7 +78,7 @@ class Workflow:
         self.name = name or fn.__qualname__
         self.takes_input = len(params) == 2
         self.fingerprint = _fingerprint(fn)
-        source_of(fn)  # the file as imported, before anyone edits it
+        self._source = source_of(fn)  # the file as imported, before anyone edits it
         self.input_schema = compile_schema(input, f"input schema of workflow {self.name!r}")
         self.output_schema = compile_schema(output, f"output schema of workflow {self.name!r}")
         self.queue = check_queue_name(queue) if queue is not None else None  # where `enqueue` puts its runs
@@ -91,7 +91,7 @@ class Workflow:
     @property
     def source(self) -> tuple[str, bytes] | None:
         """The digest and bytes of the file defining the workflow, as this process imported it (`source_of`)."""
-        return source_of(self.fn)
+        return self._source
 
     def __call__(self, ctx: Any, input: Any = None) -> Awaitable[Any]:
         return self.fn(ctx, input) if self.takes_input else self.fn(ctx)
