@@ -118,7 +118,7 @@ class Header(_Base, tag="run", omit_defaults=False):
     queue: str | None = None  # the named queue it was enqueued on (None: "default")
     partition: str | None = None  # and its partition there, if any
     forked_from: dict[str, Any] | None = None  # a fork's lineage: {"run", "path", "label", "edited"}
-    source: str | None = None  # sha256 of the source file defining the workflow (kept in the store: `Sources`)
+    source: str | None = None  # sha256 of the source file defining the workflow (kept in the store: `Blobs`)
     ts: float | None = None
 
 

@@ -119,7 +119,7 @@ def test_a_diverging_edit_holds_the_run_stale_before_any_step_runs_and_it_resume
     assert sorted(_effects(tmp_path)) == ["a1", "a2", "b1", "b2"]
     header = _header(tmp_path, run_id)
     assert header["source"] == hashlib.sha256(PARALLEL_V1.encode()).hexdigest()
-    assert (tmp_path / "state" / "sources" / header["source"]).read_text() == PARALLEL_V1
+    assert (tmp_path / "state" / "blobs" / header["source"]).read_text() == PARALLEL_V1
 
     script.write_text(PARALLEL_V2)  # deploy: branch a gains a3, branch b renames b2
     assert _cli(tmp_path, "signal", run_id, "go").returncode == 0
@@ -195,16 +195,16 @@ def test_every_adapter_keeps_a_source_once_and_refuses_a_wrong_digest(kind: str,
     storage = storage_of(kind, tmp_path, request)
     text = b"print('v1')\n"
     digest = hashlib.sha256(text).hexdigest()
-    assert storage.source(digest) is None
-    storage.keep_source(digest, text)
-    storage.keep_source(digest, text)  # once
-    assert storage.source(digest) == text
+    assert storage.blob(digest) is None
+    storage.keep_blob(digest, text)
+    storage.keep_blob(digest, text)  # once
+    assert storage.blob(digest) == text
     for bad in ("abc", digest.upper(), 42):
         with pytest.raises(ValidationError):
-            storage.source(bad)
-    with pytest.raises(ValidationError, match="is not the text of that digest"):
-        storage.keep_source(hashlib.sha256(b"other").hexdigest(), text)
-    assert storage.source(hashlib.sha256(b"other").hexdigest()) is None
+            storage.blob(bad)
+    with pytest.raises(ValidationError, match="is not the data of that digest"):
+        storage.keep_blob(hashlib.sha256(b"other").hexdigest(), text)
+    assert storage.blob(hashlib.sha256(b"other").hexdigest()) is None
 
 
 def test_the_guard_holds_a_new_parallel_step_in_process_and_under_the_test_engine() -> None:

@@ -69,7 +69,7 @@ def keep_source(storage: Storage, workflow: Workflow) -> str | None:
     digest_, text = found
     kept = (id(storage), digest_)
     if kept not in _kept:
-        storage.keep_source(digest_, text)
+        storage.keep_blob(digest_, text)
         if len(_kept) < 4096:
             _kept.add(kept)
     return digest_

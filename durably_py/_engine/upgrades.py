@@ -1,7 +1,7 @@
 """The code a run started with, against the code there is now: `durably diff`, and resuming on recorded source.
 
 A new run's header names the sha256 of the source file defining its workflow (`Header.source`), and the store
-keeps that file once per digest (`Storage.keep_source`). So after an edit an operator can see what changed
+keeps that file once per digest (`Storage.keep_blob`). So after an edit an operator can see what changed
 since a run started (`source_diff`), and a run held `stale` by the change can be resumed on the code it began
 with (`recorded_workflow`: its recorded source imported in place of the current one) where that file is
 self-contained. See docs/versioning.md#upgrades.
@@ -56,7 +56,7 @@ def recorded_source(storage: Storage, header: records.Header) -> bytes:
             f"run {run_id} recorded no source file (it started before sources were kept, or its workflow was not "
             "defined in a file)", hint=f"`durably inspect {run_id}` shows its script; compare it by hand.",
             docs=DOCS, run_id=run_id)
-    text = storage.source(header.source)
+    text = storage.blob(header.source)
     if text is None:
         raise ValidationError(f"the source run {run_id} started with ({header.source[:12]}) is not in this store",
                               hint="It was removed from the store's sources; compare the run's script by hand.",

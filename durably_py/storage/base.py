@@ -117,22 +117,22 @@ def validate_limit_prefix(prefix: object) -> str:
     return prefix
 
 
-SOURCES_DOCS = "docs/versioning.md#upgrades"
+BLOBS_DOCS = "docs/storage.md#blobs"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def validate_source(digest: object, text: object = None) -> str:
-    """Return `digest` if it is a sha256 in lower-case hex (and, given `text` bytes, the sha256 of `text`)."""
+def validate_blob(digest: object, data: object = None) -> str:
+    """Return `digest` if it is a sha256 in lower-case hex (and, given `data`, the sha256 of those bytes)."""
     if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-        raise ValidationError(f"a source digest is a sha256 in lower-case hex (64 characters), got {digest!r}",
-                              hint="A run's header names its source's digest (`durably inspect RUN --json`).",
-                              docs=SOURCES_DOCS)
-    if text is not None:
-        if not isinstance(text, bytes | bytearray | memoryview):
-            raise ValidationError(f"a source is bytes, got {type(text).__name__}", docs=SOURCES_DOCS)
-        if hashlib.sha256(text).hexdigest() != digest:
-            raise ValidationError(f"the source given under {digest[:12]}... is not the text of that digest",
-                                  hint="Keep a source under hashlib.sha256(text).hexdigest().", docs=SOURCES_DOCS)
+        raise ValidationError(f"a blob's digest is a sha256 in lower-case hex (64 characters), got {digest!r}",
+                              hint="Records name their blobs by digest (a run's header names its source's: "
+                                   "`durably inspect RUN --json`).", docs=BLOBS_DOCS)
+    if data is not None:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValidationError(f"a blob is bytes, got {type(data).__name__}", docs=BLOBS_DOCS)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValidationError(f"the blob given under {digest[:12]}... is not the data of that digest",
+                                  hint="Keep a blob under hashlib.sha256(data).hexdigest().", docs=BLOBS_DOCS)
     return digest
 
 

@@ -24,8 +24,8 @@ Layout under ``dir``::
     joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
-    sources/<sha256>      a source file runs started with, kept once under its sha256 (`keep_source`): written
-                          as a hidden temp file, fsynced, renamed in
+    blobs/<sha256>        bytes kept once under their sha256 (`keep_blob`: the source files runs started with):
+                          written as a hidden temp file, fsynced, renamed in
     limits/<sha256>.json  a flow-control document (`limit`, `limits`): {"key": key, "doc": document}, replaced
                           by a rename under the flock of limits/.<first two hex digits>.lock (`filelimits.py`)
 
@@ -925,25 +925,25 @@ class FileStorage(StorageFront):
         """The documents whose key starts with `prefix` (`filelimits.FileLimits.documents`)."""
         return self._limit_docs.documents(prefix)
 
-    # ---- sources -------------------------------------------------------------------------------------
-    def _do_keep_source(self, digest: str, text: bytes) -> None:
-        """Write sources/<digest> once: a temp file, fsynced, renamed in, the folder fsynced."""
-        folder = self.dir / "sources"
+    # ---- blobs ---------------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        """Write blobs/<digest> once: a temp file, fsynced, renamed in, the folder fsynced."""
+        folder = self.dir / "blobs"
         path = folder / digest
         if path.exists():
             return
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         with open(tmp, "wb") as f:
-            f.write(text)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(folder)
 
-    def _do_source(self, digest: str) -> bytes | None:
+    def _do_blob(self, digest: str) -> bytes | None:
         try:
-            return (self.dir / "sources" / digest).read_bytes()
+            return (self.dir / "blobs" / digest).read_bytes()
         except FileNotFoundError:
             return None
 

@@ -32,6 +32,7 @@ from .base import (
     decode_limit_doc,
     encode_limit_doc,
     validate_at,
+    validate_blob,
     validate_header,
     validate_identity,
     validate_limit,
@@ -48,7 +49,6 @@ from .base import (
     validate_run_id,
     validate_signal,
     validate_signal_id,
-    validate_source,
     validate_ttl,
     validate_wait,
     validate_worker,
@@ -297,15 +297,15 @@ class StorageFront:
                 continue
         return docs
 
-    # ---- Sources -----------------------------------------------------------------------------------------
-    def keep_source(self, digest: str, text: bytes) -> None:
-        """Keep a source file's text under its sha256 (`Sources.keep_source`); a digest that is not the text's is a
-        `ValidationError` and nothing is written."""
-        self._do_keep_source(validate_source(digest, text), bytes(text))
+    # ---- Blobs -------------------------------------------------------------------------------------------
+    def keep_blob(self, digest: str, data: bytes) -> None:
+        """Keep `data` under its sha256 (`Blobs.keep_blob`); a digest that is not the data's is a `ValidationError`
+        and nothing is written."""
+        self._do_keep_blob(validate_blob(digest, data), bytes(data))
 
-    def source(self, digest: str) -> bytes | None:
-        """The source text kept under `digest` (`Sources.source`)."""
-        return self._do_source(validate_source(digest))
+    def blob(self, digest: str) -> bytes | None:
+        """The data kept under `digest` (`Blobs.blob`)."""
+        return self._do_blob(validate_blob(digest))
 
     # ---- what each adapter implements, its arguments checked ---------------------------------------------
     def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
@@ -409,10 +409,10 @@ class StorageFront:
         """The stored bytes of every limit document whose key starts with `prefix`."""
         raise NotImplementedError
 
-    def _do_keep_source(self, digest: str, text: bytes) -> None:
-        """Store `text` under `digest` unless it is there; durable on return."""
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        """Store `data` under `digest` unless it is there; durable on return."""
         raise NotImplementedError
 
-    def _do_source(self, digest: str) -> bytes | None:
-        """The text stored under `digest`, or None."""
+    def _do_blob(self, digest: str) -> bytes | None:
+        """The data stored under `digest`, or None."""
         raise NotImplementedError

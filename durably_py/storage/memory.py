@@ -87,7 +87,7 @@ class MemoryStorage(StorageFront):
         self._index: dict[str, str] = {}
         self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
         self._limits: dict[str, bytes] = {}  # limit key -> its document's JSON bytes
-        self._sources: dict[str, bytes] = {}  # sha256 -> a source file runs started with
+        self._blobs: dict[str, bytes] = {}  # sha256 -> bytes kept under it (`keep_blob`)
         self._lock = threading.Lock()
         self._order = itertools.count()
 
@@ -476,14 +476,14 @@ class MemoryStorage(StorageFront):
         with self._lock:
             return {key: data for key, data in self._limits.items() if key.startswith(prefix)}
 
-    # ---- sources --------------------------------------------------------------------------------
-    def _do_keep_source(self, digest: str, text: bytes) -> None:
+    # ---- blobs ----------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
         with self._lock:
-            self._sources.setdefault(digest, text)
+            self._blobs.setdefault(digest, data)
 
-    def _do_source(self, digest: str) -> bytes | None:
+    def _do_blob(self, digest: str) -> bytes | None:
         with self._lock:
-            return self._sources.get(digest)
+            return self._blobs.get(digest)
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

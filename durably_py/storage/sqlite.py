@@ -124,9 +124,9 @@ CREATE TABLE IF NOT EXISTS limits (
     key TEXT PRIMARY KEY,
     doc BLOB NOT NULL
 );
-CREATE TABLE IF NOT EXISTS sources (
+CREATE TABLE IF NOT EXISTS blobs (
     digest TEXT PRIMARY KEY,
-    text BLOB NOT NULL
+    data BLOB NOT NULL
 );
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
@@ -776,14 +776,14 @@ class SqliteStorage(StorageFront):
                                       (len(prefix), prefix)).fetchall()
         return {key: bytes(doc) for key, doc in rows}
 
-    # ---- sources --------------------------------------------------------------------------------
-    def _do_keep_source(self, digest: str, text: bytes) -> None:
+    # ---- blobs ----------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
         with self._lock, _transaction(self._db()) as db:
-            db.execute("INSERT OR IGNORE INTO sources (digest, text) VALUES (?, ?)", (digest, text))
+            db.execute("INSERT OR IGNORE INTO blobs (digest, data) VALUES (?, ?)", (digest, data))
 
-    def _do_source(self, digest: str) -> bytes | None:
+    def _do_blob(self, digest: str) -> bytes | None:
         with self._lock:
-            row = self._db().execute("SELECT text FROM sources WHERE digest = ?", (digest,)).fetchone()
+            row = self._db().execute("SELECT data FROM blobs WHERE digest = ?", (digest,)).fetchone()
         return None if row is None else bytes(row[0])
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
