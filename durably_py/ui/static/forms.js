@@ -94,12 +94,13 @@ function makeField(root, name, node, required, label) {
   const has = schema.default !== undefined;
   const attrs = { name, "data-field": name, "aria-label": label };
   let input, read;
-  if (kind === "bool" && !blank) {
+  if (kind === "bool" && !nullable) {  // a checkbox, starting at the default: always sent
     input = h("input", Object.assign({ type: "checkbox", checked: has ? schema.default === true : false }, attrs));
     read = () => ({ value: input.checked });
   } else if (kind === "bool" || kind === "enum") {
     const choices = kind === "bool" ? [true, false] : Array.isArray(schema.enum) ? schema.enum : [schema.const];
-    input = h("select", attrs, blank ? h("option", { value: "" }, nullable && required ? "null" : "—") : null,
+    const none = nullable || (!required && !has);  // an empty choice: null, or left out
+    input = h("select", attrs, none ? h("option", { value: "" }, nullable && required ? "null" : "—") : null,
       choices.map((c) => h("option", { value: JSON.stringify(c), selected: has && JSON.stringify(schema.default) === JSON.stringify(c) },
         typeof c === "string" ? c : JSON.stringify(c))));
     read = () => (input.value === "" ? empty() : { value: JSON.parse(input.value) });
@@ -127,7 +128,7 @@ function makeField(root, name, node, required, label) {
     };
   }
   const hint = [schema.description, constraints(schema), kind === "json" ? "JSON" : ""].filter(Boolean).join(" · ");
-  const el = h("label", { class: `field ${kind === "bool" && !blank ? "check" : ""} ${kind === "json" ? "wide" : ""}`, "data-field-box": name },
+  const el = h("label", { class: `field ${kind === "bool" && !nullable ? "check" : ""} ${kind === "json" ? "wide" : ""}`, "data-field-box": name },
     h("span", {}, label, required && !nullable ? h("b", { class: "req", title: "required" }, " *") : null), input,
     hint ? h("span", { class: "muted" }, hint) : null);
   return { name, el, input, read };
