@@ -36,7 +36,7 @@ class Problem:
     detail: str
 
     def text(self) -> str:
-        """`invalid value at $.amount: expected an integer >= 1, got 0`."""
+        """`invalid value at $.amount: expected a number >= 1, got 0`."""
         return f"invalid value at {self.path}: {self.detail}"
 
 
@@ -47,8 +47,7 @@ def check(schema: Any, value: Any) -> Problem | None:
     if found is None:
         return None
     where, detail = found
-    field = next((part for part in where if isinstance(part, str)), None) if where and isinstance(where[0], str) \
-        else None
+    field = where[0] if where and isinstance(where[0], str) else None
     return Problem(_render(where), field, detail)
 
 
