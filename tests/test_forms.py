@@ -107,6 +107,8 @@ def test_each_kind_of_spec_gives_its_json_schema() -> None:
     assert schemas[Model]["properties"]["seats"]["minimum"] == 1
     assert schemas[bool] == {"type": "boolean"} and schemas[Literal["yes", "no"]] == {"enum": ["no", "yes"]}
     assert compile_schema(lambda v: v, "schema").json_schema() is None  # type: ignore[union-attr]
+    huge = Literal.__getitem__(tuple(f"choice-{i}" for i in range(8000)))  # over JSON_SCHEMA_MAX: no form
+    assert compile_schema(huge, "schema").json_schema() is None  # type: ignore[union-attr]
     assert check(schemas[Model], {"seats": 0}).field == "seats"  # type: ignore[union-attr]
     assert check(schemas[Trip], {"city": "Oslo"}) is None
 
