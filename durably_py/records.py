@@ -285,11 +285,13 @@ class Wake(_Base, tag="wake"):
 
 
 class Wait(_Base, tag="wait", omit_defaults=False):
-    """A wait for signal `name`, until `deadline` (ISO 8601) if any."""
+    """A wait for signal `name`, until `deadline` (ISO 8601) if any; `schema` is the JSON Schema of its
+    `schema=` when it has one (the console's form), absent otherwise (and in logs written before it)."""
 
     path: str = msgspec.field(name="p")
     name: str
     deadline: str | None = None
+    schema: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # never written as null: absent when unknown
     ts: float | None = None
 
 

@@ -620,7 +620,8 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         elif path in history.waits:
             wait = history.waits[path]
             step = StepState(path_tuple(path), "ctx.wait_for", "waiting", 1,
-                             output={"signal": wait.name, "deadline": wait.deadline})
+                             output={"signal": wait.name, "deadline": wait.deadline,
+                                     **({"schema": wait.schema} if isinstance(wait.schema, dict) else {})})
         elif path in history.wakes:
             step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path].at})
         elif fail is not None and (path not in history.starts or history.starts[path].attempt <= fail.attempt):
