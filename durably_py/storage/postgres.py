@@ -67,6 +67,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
+from .partials import postgres_table
 
 if TYPE_CHECKING:
     import psycopg
@@ -261,6 +262,8 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
+        self._partials = f"{s}.partials"  # stream partials (`partials.postgres_table`), created on first use
+        self._partials_made: object = None
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
     def __repr__(self) -> str:
@@ -786,6 +789,9 @@ class PostgresStorage(StorageFront):
             freed += int(cur.fetchone()[0])  # type: ignore[index]
             for table in (self._records, self._signals, self._queue, self._identities, self._runs):
                 cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
+            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (self._partials,))
+            if cur.fetchone()[0]:  # type: ignore[index]
+                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s", (run_id,))
         return freed
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
@@ -1117,6 +1123,44 @@ class PostgresStorage(StorageFront):
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
+
+    # ---- stream partials ------------------------------------------------------------------------
+    @contextmanager
+    def _partials_cursor(self) -> Iterator[psycopg.Cursor[Any]]:
+        """A transaction over the partials table (created on first use) whose commit waits for no fsync."""
+        with self._cursor(transaction=True) as cur:
+            if self._partials_made is not self._conn:
+                if not self._exists(cur.connection, self._partials):
+                    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
+                    for statement in postgres_table(f'"{self.schema}"').split(";"):
+                        if statement.strip():
+                            cur.execute(statement)
+                self._partials_made = self._conn
+            cur.execute("SET LOCAL synchronous_commit = off")
+            yield cur
+
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        with self._partials_cursor() as cur:
+            cur.executemany(f"INSERT INTO {self._partials} (run_id, path, attempt, data) VALUES (%s, %s, %s, %s)",
+                            [(run_id, path, attempt, chunk) for chunk in chunks])
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        with self._partials_cursor() as cur:
+            cur.execute(f"SELECT data FROM {self._partials} WHERE run_id = %s AND path = %s ORDER BY seq OFFSET %s",
+                        (run_id, path, offset))
+            return [bytes(row[0]) for row in cur.fetchall()]
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        with self._partials_cursor() as cur:
+            if path is None:
+                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s", (run_id,))
+            else:
+                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s AND path = %s", (run_id, path))
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        with self._partials_cursor() as cur:
+            cur.execute(f"SELECT path, count(*) FROM {self._partials} WHERE run_id = %s GROUP BY path", (run_id,))
+            return {path: int(n) for path, n in cur.fetchall()}
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
