@@ -111,10 +111,10 @@ class FilePartials:
         data = b"".join(head + c + b"}\n" for c in chunks)
         file = folder / f"{path}.jsonl"
         try:
-            fd = os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(file, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except FileNotFoundError:
             folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(file, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn line from a killed writer: cut it first
