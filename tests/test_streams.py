@@ -18,7 +18,7 @@ import pytest
 from helpers import read_until, storage_of
 from modes import Effects, cli_process, effects_fixture, environ, flows_fixture, in_worker, wait_until
 
-from durably_py import Engine, FileStorage, Retry, SqliteStorage, attempt, run, workflow
+from durably_py import Engine, FileStorage, SqliteStorage, attempt, run, workflow
 from durably_py.errors import RunParkedError, SerializationError, ValidationError
 from durably_py.testing import TestEngine
 
@@ -357,5 +357,50 @@ def test_logs_follow_shows_chunks_live(tmp_path: Path) -> None:
                 follower.communicate()
         _, err = runner.communicate(timeout=60)
         assert runner.returncode == 0, err
+    finally:
+        del os.environ["STREAM_GATE"]
+
+
+def test_a_torn_partial_line_is_skipped_then_cut(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "state")
+    storage.create("r1", b'{"t":"run","v":1,"run_id":"r1","workflow":"wf","key":null,"created_at":"2024"}\n')
+    storage.append_partials("r1", "0", 1, [b'"a"'])
+    file = tmp_path / "state" / "runs" / "r1.partials" / "0.jsonl"
+    with open(file, "ab") as f:
+        f.write(b'{"attempt":1,"chunk":"b')  # a writer killed mid-line
+    assert storage.read_partials("r1", "0") == [b'"a"']
+    storage.append_partials("r1", "0", 2, [b'"c"'])
+    assert storage.read_partials("r1", "0") == [b'"a"', b'"c"']
+    assert file.read_bytes().count(b"\n") == 2
+
+
+def test_the_console_streams_a_step_as_server_sent_events(tmp_path: Path) -> None:
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from durably_py.ui import create_app
+
+    script = tmp_path / "followed.py"
+    script.write_text(FOLLOWED)
+    state = tmp_path / "state"
+    gate = tmp_path / "gate"
+    os.environ["STREAM_GATE"] = str(gate)
+    try:
+        runner = cli_process("run", str(script), "--workflow", "followed", "--input", "4", "--key", "sse",
+                             "--dir", str(state))
+        storage = FileStorage(state)
+        wait_until(lambda: (rid := storage.lookup("key:sse")) is not None
+                   and len(storage.read_partials(rid, "0")) == 4, 60, 0.02)
+        client = TestClient(create_app(Engine(storage)))
+        with client.stream("GET", "/api/runs/sse/stream/0", headers={"Last-Event-ID": "1"}) as stream:
+            lines = stream.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert runner.poll() is None  # live: the step is still running
+            gate.touch()
+            rest = list(lines)
+        assert got == ["id: 2", "event: chunk", 'data: "live-2;"', "", "id: 3", "event: chunk", 'data: "live-3;"', ""]
+        assert rest[:2] == ["event: end", "data: {}"]
+        assert client.get("/api/runs/sse/stream/x.y").status_code == 400
+        runner.communicate(timeout=60)
     finally:
         del os.environ["STREAM_GATE"]

@@ -10,7 +10,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -223,7 +223,7 @@ class Engine:
             return interleave(self.runs.follow(run, poll=poll), self.streams.chunks(run))
         return self.runs.follow(run, poll=poll)
 
-    def stream(self, run: str, path: Any, *, offset: int = 0, follow: bool = False) -> AsyncIterator[Any]:
+    def stream(self, run: str, path: Any, *, offset: int = 0, follow: bool = False) -> AsyncGenerator[Any, None]:
         """The chunks the streamed step at `path` (``3``, ``(2, 0)`` or ``"2.0"``) of run `run` (by id or key)
         emitted, from index `offset`, each once and in order; with `follow`, then each new chunk as it is
         written (within ~0.1 s), until the step completes or fails or the run ends. A completed step whose

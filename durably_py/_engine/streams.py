@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from .. import records as r
@@ -77,7 +77,7 @@ class StreamReader:
         self.read = read
 
     async def stream(self, run: str, path: Any, *, offset: int = 0, follow: bool = False,
-                     poll: float = 0.05) -> AsyncIterator[Any]:
+                     poll: float = 0.05) -> AsyncGenerator[Any, None]:
         """The chunks of the step at `path` of run `run` (by id or key) from index `offset`, each once, in order;
         with `follow`, then each chunk as it is written, until the step completes or fails for good or the run
         ends."""
