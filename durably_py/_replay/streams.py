@@ -117,18 +117,21 @@ class StepStream:
 
     def emit(self, chunk: Any, number: int) -> None:
         """Add one chunk (JSON plus datetime, as step values) to the stream; written within `FLUSH_SECONDS`."""
-        wire = dump_value(chunk, "chunk")
-        data = encode(wire)
+        data = encode(chunk if type(chunk) is str else dump_value(chunk, "chunk"))
+        now = time.monotonic()
         with self.lock:
-            self.start(number)
-            if self.batch and number != self.batch_attempt:
+            if number != self.number:
+                self.start(number)
+            batch = self.batch
+            if batch and number != self.batch_attempt:
                 self._flush()
+                batch = self.batch
             self.chunks.append(chunk)
-            if not self.batch:
-                self.first = time.monotonic()
+            if not batch:
+                self.first = now
                 self.batch_attempt = number
-            self.batch.append(data)
-            if len(self.batch) >= FLUSH_CHUNKS or time.monotonic() - self.first >= FLUSH_SECONDS:
+            batch.append(data)
+            if len(batch) >= FLUSH_CHUNKS or now - self.first >= FLUSH_SECONDS:
                 self._flush()
                 return
             arm = not self.armed

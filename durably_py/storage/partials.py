@@ -40,8 +40,11 @@ def validate_step_path(path: Any) -> str:
 
 
 def _check_chunks(chunks: Any) -> list[bytes]:
-    if not isinstance(chunks, list) or not all(
-            type(c) is bytes and c and b"\n" not in c and b"\r" not in c for c in chunks):
+    try:  # each chunk bytes, not empty, on one line: checked at C speed (a flush holds dozens)
+        joined = b"\x00".join(chunks) if isinstance(chunks, list) and all(chunks) else None
+    except TypeError:
+        joined = None
+    if joined is None or b"\n" in joined or b"\r" in joined:
         raise ValidationError("partial chunks must be a list of one-line JSON documents (bytes)",
                               hint="Emit chunks with attempt().emit(chunk); the step encodes them.", docs=DOCS)
     return chunks
