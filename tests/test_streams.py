@@ -126,6 +126,9 @@ def test_generator_and_emit_steps_in_run(flows: Any, effects: Effects, tmp_path:
     assert asyncio.run(read(2)) == [3]  # an emit step's partials are dropped: its result is its record
     counts = {label: effects.count(label) for label in ("tokens", "rows", "emitter", "sync_emitter")}
     assert counts == {"tokens": 2, "rows": 1, "emitter": 1, "sync_emitter": 1}
+    # a step run again streams anew: its kept partials are not taken for a cut-off attempt's
+    assert asyncio.run(engine.retry("all", from_step=(4,))) == EXPECTED
+    assert storage.partial_paths(run_id) == {"4": 2} and effects.count("tokens") == 3
 
 
 def test_replay_answers_from_the_log(flows: Any, effects: Effects) -> None:
