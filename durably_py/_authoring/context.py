@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
@@ -246,22 +246,32 @@ class WorkflowContext:
         return from_iso(tick) if tick is not None else None
 
     @overload
+    def step(self, fn: Callable[..., AsyncIterator[Any] | Iterator[Any]], /, *args: Any,
+             name: str | None = None, retry: Any = None, timeout: float | None = None,
+             compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
+             concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
+             replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False) -> Handle[Any]: ...
+
+    @overload
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
              retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any, replay: str = "safe", on_interrupt: str | None = None) -> Handle[Any]: ...
+             schema: Any, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[Any]: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.
