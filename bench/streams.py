@@ -104,7 +104,7 @@ def streamed(kind: str, wf: Any, n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunks", type=int, default=20_000)
+    parser.add_argument("--chunks", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     n = args.chunks
