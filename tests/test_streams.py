@@ -190,9 +190,9 @@ def test_bad_chunks_and_options(flows: Any, tmp_path: Path) -> None:
 # -- readers following a live stream ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "memory"])
-def test_followers_see_each_chunk_once_in_order_live(kind: str, tmp_path: Path) -> None:
-    storage = storage_of(kind, tmp_path)
+@pytest.mark.parametrize("kind", ["file", "sqlite", "memory", "postgres"])
+def test_followers_see_each_chunk_once_in_order_live(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    storage = storage_of(kind, tmp_path, request)
     engine = Engine(storage)
     seen: dict[int, list[Any]] = {0: [], 3: []}
     total = 12
