@@ -190,7 +190,7 @@ def test_bad_chunks_and_options(flows: Any, tmp_path: Path) -> None:
 # -- readers following a live stream ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "memory", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", "memory", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_followers_see_each_chunk_once_in_order_live(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     storage = storage_of(kind, tmp_path, request)
     engine = Engine(storage)
