@@ -88,6 +88,7 @@ class MemoryStorage(StorageFront):
         self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
         self._limits: dict[str, bytes] = {}  # limit key -> its document's JSON bytes
         self._partials: dict[tuple[str, str], list[bytes]] = {}  # (run, step path) -> its stream's chunks
+        self._blobs: dict[str, bytes] = {}  # sha256 -> bytes kept under it (`keep_blob`)
         self._lock = threading.Lock()
         self._order = itertools.count()
 
@@ -497,6 +498,15 @@ class MemoryStorage(StorageFront):
     def _do_partial_paths(self, run_id: str) -> dict[str, int]:
         with self._lock:
             return {path: len(chunks) for (run, path), chunks in self._partials.items() if run == run_id and chunks}
+
+    # ---- blobs ----------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        with self._lock:
+            self._blobs.setdefault(digest, data)
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        with self._lock:
+            return self._blobs.get(digest)
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

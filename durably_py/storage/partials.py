@@ -11,7 +11,7 @@ each adapter stores the chunks' JSON bytes as they are given, one per chunk, in 
 - files: ``runs/<run>.partials/<path>.jsonl``, one line ``{"attempt":N,"chunk":<json>}`` per chunk
   (`FilePartials`); a torn last line from a kill is ignored, and cut before the next append;
 - SQLite and PostgreSQL: a ``partials`` table (run, path, seq, attempt, data), created on first use
-  (`SQLITE_TABLE`, `postgres_table`);
+  (`SQLITE_TABLE`, `PostgresPartials`);
 - memory: a list per step.
 """
 
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
 from .base import validate_run_id
 
-__all__ = ["FilePartials", "PartialsFront", "SQLITE_TABLE", "postgres_table", "validate_step_path"]
+__all__ = ["FilePartials", "PartialsFront", "PostgresPartials", "SQLITE_TABLE", "validate_step_path"]
 
 DOCS = "docs/storage.md#stream-partials"
 _PATH = re.compile(r"\d{1,9}(\.\d{1,9}){0,63}")
@@ -195,15 +197,66 @@ CREATE INDEX IF NOT EXISTS partials_by_step ON partials (run_id, path, seq)
 """
 
 
-def postgres_table(schema: str) -> str:
-    """The PostgreSQL statements creating the partials table in `schema` (quoted), idempotent."""
-    return f"""
-CREATE TABLE IF NOT EXISTS {schema}.partials (
+_POSTGRES_TABLE = """
+CREATE TABLE IF NOT EXISTS {s}.partials (
     seq BIGSERIAL PRIMARY KEY,
     run_id TEXT NOT NULL,
     path TEXT NOT NULL,
     attempt INTEGER NOT NULL,
     data BYTEA NOT NULL
 );
-CREATE INDEX IF NOT EXISTS partials_by_step ON {schema}.partials (run_id, path, seq)
+CREATE INDEX IF NOT EXISTS partials_by_step ON {s}.partials (run_id, path, seq)
 """
+
+
+class PostgresPartials:
+    """Partials in PostgreSQL: the ``partials`` table of the adapter's schema, created on first use, written by
+    transactions whose commit waits for no fsync (``synchronous_commit = off``). `cursor(transaction=True)` is
+    the adapter's: a cursor in one transaction, under its lock."""
+
+    def __init__(self, schema: str, cursor: Callable[..., AbstractContextManager[Any]]) -> None:
+        self.schema = schema
+        self.table = f'"{schema}".partials'
+        self.cursor = cursor
+        self.made: object = None  # the connection the table is known to exist on
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Any]:
+        with self.cursor(transaction=True) as cur:
+            if self.made is not cur.connection:
+                if cur.execute("SELECT to_regclass(%s)", (self.table,)).fetchone()[0] is None:
+                    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
+                    for statement in _POSTGRES_TABLE.format(s=f'"{self.schema}"').split(";"):
+                        if statement.strip():
+                            cur.execute(statement)
+                self.made = cur.connection
+            cur.execute("SET LOCAL synchronous_commit = off")
+            yield cur
+
+    def append(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        with self._transaction() as cur:
+            cur.executemany(f"INSERT INTO {self.table} (run_id, path, attempt, data) VALUES (%s, %s, %s, %s)",
+                            [(run_id, path, attempt, chunk) for chunk in chunks])
+
+    def read(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        with self._transaction() as cur:
+            cur.execute(f"SELECT data FROM {self.table} WHERE run_id = %s AND path = %s ORDER BY seq OFFSET %s",
+                        (run_id, path, offset))
+            return [bytes(row[0]) for row in cur.fetchall()]
+
+    def drop(self, run_id: str, path: str | None) -> None:
+        with self._transaction() as cur:
+            if path is None:
+                cur.execute(f"DELETE FROM {self.table} WHERE run_id = %s", (run_id,))
+            else:
+                cur.execute(f"DELETE FROM {self.table} WHERE run_id = %s AND path = %s", (run_id, path))
+
+    def paths(self, run_id: str) -> dict[str, int]:
+        with self._transaction() as cur:
+            cur.execute(f"SELECT path, count(*) FROM {self.table} WHERE run_id = %s GROUP BY path", (run_id,))
+            return {path: int(n) for path, n in cur.fetchall()}
+
+    def delete(self, cur: Any, run_id: str) -> None:
+        """Inside the adapter's transaction deleting a run: its partials go too (if the table exists)."""
+        if cur.execute("SELECT to_regclass(%s)", (self.table,)).fetchone()[0] is not None:
+            cur.execute(f"DELETE FROM {self.table} WHERE run_id = %s", (run_id,))

@@ -67,7 +67,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
-from .partials import postgres_table
+from .partials import PostgresPartials
 
 if TYPE_CHECKING:
     import psycopg
@@ -131,6 +131,10 @@ CREATE TABLE IF NOT EXISTS {s}.workers (
 CREATE TABLE IF NOT EXISTS {s}.limits (
     key TEXT PRIMARY KEY,
     doc BYTEA NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.blobs (
+    digest TEXT PRIMARY KEY,
+    data BYTEA NOT NULL
 );
 CREATE INDEX IF NOT EXISTS queue_parts ON {s}.queue (queue_name, partition_name, priority, due, created, run_id)
     WHERE partition_name IS NOT NULL;
@@ -262,8 +266,8 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
-        self._partials = f"{s}.partials"  # stream partials (`partials.postgres_table`), created on first use
-        self._partials_made: object = None
+        self._partials = PostgresPartials(self.schema, self._cursor)
+        self._blobs = f"{s}.blobs"
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
     def __repr__(self) -> str:
@@ -789,9 +793,7 @@ class PostgresStorage(StorageFront):
             freed += int(cur.fetchone()[0])  # type: ignore[index]
             for table in (self._records, self._signals, self._queue, self._identities, self._runs):
                 cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
-            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (self._partials,))
-            if cur.fetchone()[0]:  # type: ignore[index]
-                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s", (run_id,))
+            self._partials.delete(cur, run_id)
         return freed
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
@@ -1110,6 +1112,15 @@ class PostgresStorage(StorageFront):
         rows = self._fetch(f"SELECT key, doc FROM {self._limits} WHERE left(key, %s) = %s", (len(prefix), prefix))
         return {key: bytes(doc) for key, doc in rows}
 
+    # ---- blobs --------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        self._write(f"INSERT INTO {self._blobs} (digest, data) VALUES (%s, %s) ON CONFLICT (digest) DO NOTHING",
+                    (digest, data))
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        rows = self._fetch(f"SELECT data FROM {self._blobs} WHERE digest = %s", (digest,))
+        return bytes(rows[0][0]) if rows else None
+
     # ---- signals ------------------------------------------------------------------------------
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
@@ -1124,43 +1135,18 @@ class PostgresStorage(StorageFront):
         if isinstance(name, str) and name:
             self.wake(run_id, name)
 
-    # ---- stream partials ------------------------------------------------------------------------
-    @contextmanager
-    def _partials_cursor(self) -> Iterator[psycopg.Cursor[Any]]:
-        """A transaction over the partials table (created on first use) whose commit waits for no fsync."""
-        with self._cursor(transaction=True) as cur:
-            if self._partials_made is not self._conn:
-                if not self._exists(cur.connection, self._partials):
-                    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
-                    for statement in postgres_table(f'"{self.schema}"').split(";"):
-                        if statement.strip():
-                            cur.execute(statement)
-                self._partials_made = self._conn
-            cur.execute("SET LOCAL synchronous_commit = off")
-            yield cur
-
+    # ---- stream partials (`partials.PostgresPartials`) -------------------------------------------
     def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
-        with self._partials_cursor() as cur:
-            cur.executemany(f"INSERT INTO {self._partials} (run_id, path, attempt, data) VALUES (%s, %s, %s, %s)",
-                            [(run_id, path, attempt, chunk) for chunk in chunks])
+        self._partials.append(run_id, path, attempt, chunks)
 
     def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
-        with self._partials_cursor() as cur:
-            cur.execute(f"SELECT data FROM {self._partials} WHERE run_id = %s AND path = %s ORDER BY seq OFFSET %s",
-                        (run_id, path, offset))
-            return [bytes(row[0]) for row in cur.fetchall()]
+        return self._partials.read(run_id, path, offset)
 
     def _do_drop_partials(self, run_id: str, path: str | None) -> None:
-        with self._partials_cursor() as cur:
-            if path is None:
-                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s", (run_id,))
-            else:
-                cur.execute(f"DELETE FROM {self._partials} WHERE run_id = %s AND path = %s", (run_id, path))
+        self._partials.drop(run_id, path)
 
     def _do_partial_paths(self, run_id: str) -> dict[str, int]:
-        with self._partials_cursor() as cur:
-            cur.execute(f"SELECT path, count(*) FROM {self._partials} WHERE run_id = %s GROUP BY path", (run_id,))
-            return {path: int(n) for path, n in cur.fetchall()}
+        return self._partials.paths(run_id)
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""

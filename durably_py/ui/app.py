@@ -32,6 +32,7 @@ from .._view.live import is_step
 from .._view.logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
 from ..records import kind_of
+from . import forms
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
@@ -515,11 +516,22 @@ class Console:
                 return await self._start(lambda found: self.engine.restart(run, on_run=found))
             if op == "resolve":
                 return await self._resolve(run, body)
+            if op == "submit":
+                return await self._submit(run, body)
         except DurablyError as exc:
             return _error(exc)
         return Json({"error": "NotFound", "message": f"no operation {op!r}", "hint":
-                     "Operations: signal, cancel, pause, resume, retry, restart, resolve.", "docs": "docs/ui.md#json-api"},
-                    status_code=404)
+                     "Operations: signal, submit, cancel, pause, resume, retry, restart, resolve.",
+                     "docs": "docs/ui.md#json-api"}, status_code=404)
+
+    async def _submit(self, run: str, body: dict[str, Any]) -> Response:
+        """`POST /api/runs/{run}/submit` with {"name", "value"}: an approval form's value, checked against the
+        open wait's recorded JSON Schema before it is sent as the signal (forms.py); a refusal names the field."""
+        try:
+            return Json(await forms.submit(self.engine, self.read, run, body))
+        except DurablyError as exc:
+            extra = {key: exc.details[key] for key in ("field", "path") if key in exc.details}
+            return Json({**error_body(exc), **extra}, status_code=_error(exc).status_code)
 
     async def _resolve(self, run: str, body: dict[str, Any]) -> Response:
         """`POST /api/runs/{run}/resolve` with {"path", and one of "value", "rerun": true, "fail": true or a
