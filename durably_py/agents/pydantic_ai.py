@@ -178,7 +178,7 @@ class _Broker:
 
     async def serve(self, work: Awaitable[Any]) -> Any:
         """Run `work` in a task of its own, serving its calls from this (the workflow's) task, until it ends."""
-        task = asyncio.ensure_future(work)
+        task = asyncio.ensure_future(work)  # a task of the run: a park or a crash tears it down with the rest
         try:
             while True:
                 getter = asyncio.ensure_future(self._requests.get())
@@ -190,8 +190,6 @@ class _Broker:
         finally:
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
 
     @staticmethod
     def _start(make: Callable[[], Any], reply: asyncio.Future[Any]) -> None:
@@ -400,8 +398,10 @@ def _refuse_restate(ctx: WorkflowContext) -> None:
     try:
         ctx.budget.spent("tokens")
     except errors.NotSupportedError as exc:
+        mode = exc.details.get("mode")
+        where = "Restate mode" if mode == "restate" else f"mode {mode!r}"
         raise errors.NotSupportedError(
-            f"DurableAgent (Pydantic AI) is not supported in {exc.details.get('mode', 'this')} mode: "
-            "it charges every model request to the run's budget, which this mode does not keep",
+            f"DurableAgent (Pydantic AI) is not supported in {where}: it charges every model request to the "
+            "run's budget and relays streamed output through the run's steps, which this mode does not keep",
             hint="Run this workflow on FileStorage, SQLite or PostgreSQL to use DurableAgent.", docs=_DOCS,
-            feature="durably_py.agents.pydantic_ai", mode=exc.details.get("mode")) from exc
+            feature="durably_py.agents.pydantic_ai", mode=mode) from exc
