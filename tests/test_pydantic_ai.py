@@ -289,6 +289,49 @@ def test_streamed_requests_are_steps_and_replay_their_events(effects: Effects) -
         assert "PartStartEvent" in seen
 
 
+def test_an_approval_that_never_comes_denies_the_call_after_its_timeout(flows: tuple[Path, ModuleType],
+                                                                       effects: Effects) -> None:
+    _, mod = flows
+    durable = DurableAgent(mod.payer, name="payer", approval_timeout=3600)
+
+    @workflow(name="pai_timeout")
+    async def timed(ctx: Any) -> str:
+        return (await durable.run(ctx, "dan")).output
+
+    with TestEngine() as engine:
+        parked = engine.sync.run(timed)
+        assert parked.status == "waiting"
+        engine.clock.advance(3601)
+        done = engine.sync.resume(parked.run_id)
+        assert done.result == "paid: No one approved the tool call in time."
+    assert effects.count("pay") == 0
+
+
+def test_streamed_text_goes_to_the_steps_stream_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.test import TestModel
+
+    from durably_py import AttemptContext
+
+    emitted: list[tuple[str, Any]] = []
+    monkeypatch.setattr(AttemptContext, "emit", lambda self, chunk: emitted.append((self.label, chunk)),
+                        raising=False)
+    durable = DurableAgent(Agent(TestModel(custom_output_text="one two three"), name="talker"))
+
+    async def handler(ctx: Any, events: Any) -> None:
+        async for _ in events:
+            pass
+
+    @workflow(name="pai_emit")
+    async def talk(ctx: Any) -> str:
+        return (await durable.run(ctx, "go", event_stream_handler=handler)).output
+
+    with TestEngine() as engine:
+        assert engine.sync.run(talk).result == "one two three"
+    assert "".join(chunk for _, chunk in emitted) == "one two three"
+    assert {label for label, _ in emitted} == {"talker: model request"}
+
+
 def test_restate_mode_is_refused_clearly() -> None:
     from durably_py.agents import pydantic_ai as integration
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -178,7 +179,10 @@ class _Broker:
 
     async def serve(self, work: Awaitable[Any]) -> Any:
         """Run `work` in a task of its own, serving its calls from this (the workflow's) task, until it ends."""
-        task = asyncio.ensure_future(work)  # a task of the run: a park or a crash tears it down with the rest
+        # Outside the run's tasks (a fresh context): when the run parks or stops, the kernel closes its tasks'
+        # coroutines from outside, which Pydantic AI's task groups cannot survive cleanly; this task is cancelled
+        # instead, in its own turn, as anyio expects. Its calls into ctx go through this (the workflow's) task.
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(_awaited(work), context=contextvars.Context())
         try:
             while True:
                 getter = asyncio.ensure_future(self._requests.get())
@@ -213,6 +217,10 @@ class _Broker:
                 reply.set_result(done.result())
 
         value.add_done_callback(relay)
+
+
+async def _awaited(work: Awaitable[Any]) -> Any:
+    return await work
 
 
 class _StepModel(WrapperModel):
@@ -274,6 +282,7 @@ class _Durability(AbstractCapability[Any]):
     name: str
     price: Price | None
     approval_signal: str
+    approval_timeout: float | None
     model_options: dict[str, Any]
     tool_options: dict[str, Any]
     broker: _Broker
@@ -309,7 +318,10 @@ class _Durability(AbstractCapability[Any]):
             while True:
                 try:
                     approvals[call.tool_call_id] = await self.broker.call(
-                        functools.partial(self.ctx.wait_for, signal, _decision))
+                        functools.partial(self.ctx.wait_for, signal, _decision, timeout=self.approval_timeout))
+                    break
+                except errors.WaitTimeoutError:
+                    approvals[call.tool_call_id] = ToolDenied("No one approved the tool call in time.")
                     break
                 except errors.ValidationError as exc:
                     # the malformed signal is consumed and changes nothing: wait for the next one
@@ -331,14 +343,16 @@ class DurableAgent(Generic[DepsT, OutputT]):
     ```
 
     `price` charges each request's cost as `usd` (a `TokenPrice`, or a function of the `ModelResponse`);
-    `approval_signal` names the signal a call that needs approval waits for (`{tool_call_id}`, `{tool_name}`);
+    `approval_signal` names the signal a call that needs approval waits for (`{tool_call_id}`, `{tool_name}`), at
+    most `approval_timeout` seconds (durably: a parked run counts them too) before the call is denied;
     `model_retry`/`tool_retry` (a `Retry`) and `model_timeout`/`tool_timeout` (seconds) are the steps' policies.
     Tool calls of one model response run one after another, so every resume allocates the same step paths.
     """
 
     def __init__(self, agent: Agent[DepsT, OutputT], *, name: str | None = None, price: Price | None = None,
-                 approval_signal: str = APPROVAL_SIGNAL, model_retry: Any = None, tool_retry: Any = None,
-                 model_timeout: float | None = None, tool_timeout: float | None = None) -> None:
+                 approval_signal: str = APPROVAL_SIGNAL, approval_timeout: float | None = None,
+                 model_retry: Any = None, tool_retry: Any = None, model_timeout: float | None = None,
+                 tool_timeout: float | None = None) -> None:
         if not isinstance(agent, Agent):
             raise errors.ArgumentError(f"DurableAgent wraps a pydantic_ai.Agent, not {type(agent).__name__}",
                                        hint="Pass the Agent itself: DurableAgent(agent).", docs=_DOCS)
@@ -359,6 +373,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.name = label
         self.price = price
         self.approval_signal = approval_signal
+        self.approval_timeout = approval_timeout
         self._model_options = _options(model_retry, model_timeout)
         self._tool_options = _options(tool_retry, tool_timeout)
 
@@ -377,7 +392,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         _refuse_restate(ctx)
         broker = _Broker()
         durability = _Durability(ctx=ctx, name=self.name, price=self.price, approval_signal=self.approval_signal,
-                                 model_options=self._model_options, tool_options=self._tool_options, broker=broker)
+                                 approval_timeout=self.approval_timeout, model_options=self._model_options, tool_options=self._tool_options, broker=broker)
         with Agent.parallel_tool_call_execution_mode("sequential"):
             run = self.agent.run(user_prompt, capabilities=[durability, *(capabilities or ())], **kwargs)
             result: AgentRunResult[Any] = await broker.serve(run)
