@@ -40,7 +40,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import FunctionModel
 
-from durably_py import workflow
+from durably_py import attempt, workflow
 from durably_py.agents.pydantic_ai import DurableAgent, TokenPrice
 
 
@@ -64,7 +64,7 @@ planner = Agent(FunctionModel(plan), name="planner")
 
 @planner.tool_plain
 def tool_a(x: int) -> int:
-    mark("tool_a", x)
+    mark("tool_a", x, attempt().operation_id)
     return x * 10
 
 
@@ -144,6 +144,8 @@ def test_each_model_request_and_tool_call_is_a_step(flows: tuple[Path, ModuleTyp
     print(f"spent: {state.spent}")
     # run again with the same input: a completed run starts fresh; a replay of it (TestEngine) runs nothing twice
     assert effects.labels().count("request") == 3 and effects.count("tool_a") == 1 and effects.count("tool_b") == 1
+    # a tool runs inside its step: attempt() is the step's
+    assert [line[3] for line in effects.lines() if line[0] == "tool_a"] == [f"{state.run_id}/2"]
 
 
 def test_under_test_engine_with_shadow_replay_and_a_crash(flows: tuple[Path, ModuleType], effects: Effects) -> None:
@@ -186,6 +188,13 @@ def test_killed_between_tool_calls_resumes_without_repeating(flows: tuple[Path, 
     assert effects.count("tool_b") == 1
     assert effects.count("tool_b_started") == 2  # the call cut off mid-way is the only one that ran again
     assert [line[2] for line in effects.lines() if line[0] == "request"] == ["0", "1", "2"]
+    # each request charged once, the two replayed ones included
+    runs = asyncio.run(create_engine(state_dir).list())
+    state = state_of(state_dir, runs[0].run_id)
+    usages = [s.output["usage"] for s in state.steps if s.label == "planner: model request"]
+    assert len(usages) == 3
+    assert state.spent["tokens"] == sum(u["input_tokens"] + u["output_tokens"] for u in usages)
+    print(f"spent after the resume: {state.spent}")
 
 
 def signal_cli(state_dir: Path, run: str, name: str, payload: str) -> None:
