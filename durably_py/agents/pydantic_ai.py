@@ -107,7 +107,7 @@ async def _record_tool_call(call: Any) -> dict[str, Any]:
         return {"raise": "approval_required", "metadata": pydantic_core.to_jsonable_python(exc.metadata)}
     except CallDeferred as exc:
         return {"raise": "call_deferred", "metadata": pydantic_core.to_jsonable_python(exc.metadata),
-                "call_kind": exc.kind}
+                "call_kind": getattr(exc, "kind", "external")}
     except ModelRetry as exc:
         return {"raise": "model_retry", "message": exc.message}
     except ToolFailed as exc:
@@ -127,7 +127,8 @@ def _replay_tool_call(data: dict[str, Any]) -> Any:
     if kind == "approval_required":
         raise ApprovalRequired(metadata=data.get("metadata"))
     if kind == "call_deferred":
-        raise CallDeferred(metadata=data.get("metadata"), kind=data.get("call_kind", "external"))
+        kind = data.get("call_kind", "external")
+        raise CallDeferred(metadata=data.get("metadata"), **({} if kind == "external" else {"kind": kind}))
     if kind == "model_retry":
         raise ModelRetry(data["message"])
     if kind == "tool_failed":
