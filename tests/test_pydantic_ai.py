@@ -6,7 +6,9 @@ effects file, so a repeated model request shows there as a repeated line, like a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -52,6 +54,7 @@ def plan(messages, info):
     """Tool A, then tool B, then the answer: one step of the plan per request."""
     done = returns(messages)
     mark("request", len(done))
+    time.sleep(float(os.environ.get("PAI_DELAY", "0")))
     if not done:
         return ModelResponse(parts=[ToolCallPart("tool_a", {"x": 2}, tool_call_id="call-a")])
     if len(done) == 1:
@@ -65,12 +68,14 @@ planner = Agent(FunctionModel(plan), name="planner")
 @planner.tool_plain
 def tool_a(x: int) -> int:
     mark("tool_a", x, attempt().operation_id)
+    time.sleep(float(os.environ.get("PAI_DELAY", "0")))
     return x * 10
 
 
 @planner.tool_plain
 def tool_b(y: str) -> dict:
     mark("tool_b_started")
+    time.sleep(float(os.environ.get("PAI_DELAY", "0")))
     gate = os.environ.get("PAI_GATE")
     while gate and os.path.exists(gate):
         time.sleep(0.02)
@@ -195,6 +200,59 @@ def test_killed_between_tool_calls_resumes_without_repeating(flows: tuple[Path, 
     assert len(usages) == 3
     assert state.spent["tokens"] == sum(u["input_tokens"] + u["output_tokens"] for u in usages)
     print(f"spent after the resume: {state.spent}")
+
+
+@pytest.mark.slow
+def test_killed_at_random_points_never_repeats_a_recorded_call(flows: tuple[Path, ModuleType], effects: Effects,
+                                                               tmp_path: Path) -> None:
+    """SIGKILLed at random moments until it completes: after each kill, no model request or tool call whose step
+    was recorded ran again (each request is marked with how many tool returns it saw, so they are told apart)."""
+    import random
+
+    script, _ = flows
+    state_dir = tmp_path / "state"
+    args = ["run", str(script), "--workflow", "plan_flow", "--input", '"r"', "--dir", str(state_dir)]
+    os.environ["PAI_DELAY"] = "0.15"
+    rng = random.Random(23)
+    kills: list[tuple[int, list[str]]] = []  # (ledger length, labels of the steps recorded) at each kill
+    result = None
+    try:
+        for _ in range(12):
+            seen = len(effects.lines())
+            proc = cli_process(*args)
+            # a kill lands while the agent works: after a random number of new ledger lines, at a random moment
+            target = seen + rng.randint(1, 2)
+            wait_until(lambda target=target, proc=proc: len(effects.lines()) >= target or proc.poll() is not None,
+                       60, 0.01)
+            time.sleep(rng.uniform(0, 0.2))
+            if proc.poll() is None:
+                kill(proc)
+            else:
+                assert proc.communicate()[0] and proc.returncode == 0
+            runs = asyncio.run(create_engine(state_dir).list())
+            state = state_of(state_dir, runs[0].run_id) if runs else None
+            if state is not None and state.status == "completed":
+                result = state.result
+                break
+            kills.append((len(effects.lines()), [s.label for s in state.steps if s.status == "ok"] if state else []))
+        else:
+            again = cli(*args)
+            assert again.returncode == 0, again.stderr
+            result = json.loads(again.stdout)
+    finally:
+        del os.environ["PAI_DELAY"]
+    assert result == ANSWER
+    lines = effects.lines()
+    print(f"{len(kills)} kills; ledger {[line[0] + (line[2] if line[0] == 'request' else '') for line in lines]}")
+    for at, recorded in kills:
+        requests_done = recorded.count("planner: model request")
+        later = lines[at:]
+        assert not [line for line in later if line[0] == "request" and int(line[2]) < requests_done], (at, recorded)
+        if "planner: tool tool_a" in recorded:
+            assert not [line for line in later if line[0] == "tool_a"]
+        if "planner: tool tool_b" in recorded:
+            assert not [line for line in later if line[0] == "tool_b"]
+    assert effects.count("tool_b") >= 1 and effects.count("tool_a") >= 1
 
 
 def signal_cli(state_dir: Path, run: str, name: str, payload: str) -> None:
