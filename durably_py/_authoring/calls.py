@@ -161,7 +161,7 @@ class StepOptions:
     """Validated options of one `ctx.step` call."""
 
     __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe",
-                 "on_interrupt")
+                 "on_interrupt", "transactional")
 
     def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
                  concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None) -> None:
@@ -206,6 +206,7 @@ class StepOptions:
         self.schema = compile_schema(schema, f"schema of step {label!r}")
         self.unsafe = replay in ("manual", "unsafe")
         self.on_interrupt = on_interrupt  # None: the mode's default ("attention" here; Restate raises)
+        self.transactional = False  # `ctx.transaction`: the attempt runs in the storage's transaction
 
 
 REPLAY_POLICIES = ("safe", "idempotent", "manual", "unsafe")

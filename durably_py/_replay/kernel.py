@@ -60,6 +60,7 @@ from .stale import stale_hint
 from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
 from .tasks import current_task, get_ident, make_task, running_task
+from .transactions import TransactionSteps
 from .turns import Turns, current_turns, discard, install_factory
 from .values import Values
 
@@ -185,6 +186,7 @@ class RunKernel:
         self.replaying = self.values.replaying
         self.annotate = self.values.annotate
         self.charge = self.values.charge
+        self.transaction = TransactionSteps(self.log, self, self.replay_next, self.execute).call
         self._observer: Observer | None = None
         make = observing.get()
         self.observer = make(self) if make is not None else None

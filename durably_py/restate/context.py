@@ -27,6 +27,7 @@ from .._authoring.context import Kernel, WorkflowContext
 from .._authoring.paths import Scope, current_scope
 from .._authoring.policies import check_timeout
 from .._authoring.schema import compile_schema
+from .._authoring.transactions import not_transactional
 from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
@@ -214,6 +215,9 @@ class RestateKernel:
 
     def annotate(self, values: dict[str, Any]) -> NoReturn:
         raise unsupported("ctx.annotate", "run annotations are not stored on Restate")
+
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> NoReturn:
+        raise not_transactional(None, "Restate mode")
 
     def stash(self, path: str, value: Any) -> NoReturn:
         raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",
