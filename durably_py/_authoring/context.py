@@ -249,7 +249,7 @@ class WorkflowContext:
     def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
                     compensate: Callable[[Any], Any] | None = None, schema: Any = None,
                     concurrency_key: str | None = None, concurrency_limit: int | None = None,
-                    uses: str | None = None) -> Handle[Any]:
+                    uses: str | None = None, **unknown: Any) -> Handle[Any]:
         """A step whose `fn(conn, *args)` writes through `conn`, a connection to the run's own SQLite or PostgreSQL
         database, inside the transaction that records the step's result: the writes and the record commit
         together or not at all, so a killed process never leaves one without the other. An exception (or a retry
@@ -257,7 +257,7 @@ class WorkflowContext:
         raises `NotSupportedError`. See docs/policies.md#transactional-steps."""
         return self._kernel.transaction(fn, *args, name=name, retry=retry, compensate=compensate, schema=schema,
                                         concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
-                                        uses=uses)
+                                        uses=uses, **unknown)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Handle[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

@@ -51,11 +51,11 @@ class TransactionSteps:
     def call(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """`ctx.transaction(fn, *args, **options)`: the step's handle, its path allocated now."""
         label, opts = transaction_options(fn, **options)
+        path, scope, replayed = self.replay_next(label, opts)
+        if replayed is not None:  # a recorded outcome replays on any storage (a shadow replay's memory copy too)
+            return replayed
         if not isinstance(self.log.storage, Transactions):
             raise not_transactional(self.log.storage)
-        path, scope, replayed = self.replay_next(label, opts)
-        if replayed is not None:
-            return replayed
         scope.pending += 1
         return handle(self.operator, scope.loop, self.execute, (scope, path, label, fn, args, opts), path, label)
 

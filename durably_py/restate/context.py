@@ -27,7 +27,7 @@ from .._authoring.context import Kernel, WorkflowContext
 from .._authoring.paths import Scope, current_scope
 from .._authoring.policies import check_timeout
 from .._authoring.schema import compile_schema
-from .._authoring.transactions import not_transactional
+from .._authoring.transactions import ALTERNATIVE
 from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
@@ -217,7 +217,8 @@ class RestateKernel:
         raise unsupported("ctx.annotate", "run annotations are not stored on Restate")
 
     def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> NoReturn:
-        raise not_transactional(None, "Restate mode")
+        raise unsupported("ctx.transaction", "a Restate journal is not in the application's database, so a write "
+                          "and the step's record cannot commit together", hint=ALTERNATIVE)
 
     def stash(self, path: str, value: Any) -> NoReturn:
         raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",
