@@ -311,11 +311,27 @@ def test_testengine_over_sqlite_storage_runs_transactions(tmp_path: Path) -> Non
 
     @workflow(name="tx_testengine")
     async def tested(ctx: Any) -> Any:
-        return await ctx.transaction(write)
+        return [await ctx.transaction(write), await ctx.transaction(write, concurrency_key="ledger",
+                                                                    concurrency_limit=1)]
 
-    outcome = asyncio.run(TestEngine(storage=storage).run(tested))
-    assert outcome.status == "completed", outcome.error
-    assert sqlite3.connect(tmp_path / "test.db").execute("SELECT op FROM ledger").fetchall() == [(outcome.result,)]
+    async def main() -> tuple[Any, Any]:
+        engine = TestEngine(storage=storage)
+        crashed = await engine.run(tested, crash_in_step=(1,))  # after its function returned: committed already
+        return crashed, await engine.resume(crashed.run_id)
+
+    crashed, outcome = asyncio.run(main())
+    assert crashed.status == "crashed" and outcome.status == "completed", outcome.error
+    assert outcome.executions == {"write": 2}  # the second step was not run again by the resume
+    rows = sqlite3.connect(tmp_path / "test.db").execute("SELECT op FROM ledger ORDER BY op").fetchall()
+    assert rows == [(outcome.result[0],), (outcome.result[1],)]
+
+
+def test_restate_mode_names_the_alternative() -> None:
+    from durably_py.restate.context import RestateKernel
+
+    with pytest.raises(NotSupportedError, match="is not supported in Restate mode") as caught:
+        RestateKernel.transaction(None, lambda conn: 1)  # type: ignore[arg-type]
+    assert "durably_py.once(conn)" in caught.value.hint and "attempt().operation_id" in caught.value.hint
 
 
 # ---- real processes, SIGKILLed and resumed ---------------------------------------------------------------------
