@@ -144,6 +144,27 @@ def test_sync_and_async_functions_commit_with_their_records_and_replay_from_the_
     assert ran == ["sync", "async"]
 
 
+def test_transactions_gathered_with_plain_steps_each_commit_once(db: Db) -> None:
+    def slow(n: int) -> int:
+        time.sleep(0.02 * (n % 3))
+        return n
+
+    @workflow(name=f"tx_gather_{db.kind}")
+    async def gathered(ctx: Any) -> Any:
+        calls = []
+        for n in range(6):
+            calls.append(ctx.transaction(functools.partial(book, db), n, name=f"book {n}"))
+            calls.append(ctx.step(slow, n))
+        return await asyncio.gather(*calls)
+
+    engine = Engine(db.storage)
+    result = asyncio.run(engine.run(gathered, key="gathered"))
+    run_id = result[0]["op"].split("/")[0]
+    assert [r["amount"] for r in result[::2]] == list(range(6)) and result[1::2] == list(range(6))
+    assert sorted(db.rows()) == sorted((r["op"], r["amount"]) for r in result[::2])
+    assert len(oks(db.storage, run_id)) == 12
+
+
 def test_an_exception_rolls_the_transaction_back_and_a_retry_runs_it_again(db: Db) -> None:
     tries: list[int] = []
 
