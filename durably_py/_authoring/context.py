@@ -246,6 +246,24 @@ class WorkflowContext:
         through the class.)"""
         return self._kernel.step(fn, *args, **options)
 
+    @overload
+    def transaction(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
+                    retry: Any = None, compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: Any,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[Any]: ...
+
     def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
                     compensate: Callable[[Any], Any] | None = None, schema: Any = None,
                     concurrency_key: str | None = None, concurrency_limit: int | None = None,

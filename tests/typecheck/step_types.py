@@ -35,3 +35,20 @@ async def knows_itself(ctx: WorkflowContext) -> None:
     assert_type(ctx.scheduled_at, datetime | None)
     assert_type(ctx.engine, EngineAPI)
     await ctx.step(count, "x", retry=Retry(None, backoff="constant", give_up_on=NonRetryableError, deadline=60))
+
+
+def reserve(conn: Any, sku: str) -> int:
+    return len(sku)
+
+
+async def reserve_async(conn: Any, sku: str) -> list[int]:
+    return [len(sku)]
+
+
+@workflow
+async def transactional(ctx: WorkflowContext, sku: str) -> int:
+    left = await ctx.transaction(reserve, sku, name="reserve")
+    assert_type(left, int)
+    many = await ctx.transaction(reserve_async, sku, retry=None)
+    assert_type(many, list[int])
+    return left + len(many)
