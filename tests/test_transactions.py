@@ -165,6 +165,37 @@ def test_transactions_gathered_with_plain_steps_each_commit_once(db: Db) -> None
     assert len(oks(db.storage, run_id)) == 12
 
 
+def test_on_postgres_the_run_goes_on_while_a_transaction_runs_and_on_sqlite_it_waits(db: Db) -> None:
+    """A PostgreSQL transaction locks only its rows: its function runs on a worker thread and the run's other
+    steps go on meanwhile, its commit waiting for the step's turn. SQLite's holds the database's one write lock:
+    the attempt runs whole at its turn, and the run's other steps wait for its commit."""
+    seen: dict[str, float] = {}
+
+    def long(conn: Any) -> dict[str, Any]:
+        seen["began"] = time.monotonic()
+        out = book(db, conn, 1)
+        time.sleep(0.8)
+        seen["ended"] = time.monotonic()
+        return out
+
+    async def tick() -> float:
+        await asyncio.sleep(0.05)
+        seen["ticked"] = time.monotonic()
+        return seen["ticked"]
+
+    @workflow(name=f"tx_beside_{db.kind}")
+    async def beside(ctx: Any) -> Any:
+        booked, _ = await asyncio.gather(ctx.transaction(long), ctx.step(tick))
+        return booked
+
+    asyncio.run(Engine(db.storage).run(beside, key="beside"))
+    if db.kind == "postgres":
+        assert seen["began"] < seen["ticked"] < seen["ended"], seen
+    else:
+        assert seen["ticked"] > seen["ended"] or seen["ticked"] < seen["began"], seen
+    assert len(db.rows()) == 1
+
+
 def test_an_exception_rolls_the_transaction_back_and_a_retry_runs_it_again(db: Db) -> None:
     tries: list[int] = []
 

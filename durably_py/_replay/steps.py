@@ -396,9 +396,9 @@ class Steps:
             self.running[att] = h.driver = current_task()
             started = time.perf_counter()
             try:
-                if opts.transactional:  # the whole attempt at its turn, committed with its record (`transactions`)
-                    await control.live_turn()
-                    value = transactions.attempt(self.log, path, label, fn, args, opts, number, started)
+                if opts.transactional:  # committed with its record at its turn (`transactions`)
+                    value = await transactions.attempt(self.log, control.live_turn, self.executor, path, label, fn,
+                                                       args, opts, number, started)
                 elif opts.timeout is None and is_async:
                     value = fn(*args)
                     if type(value) is CoroutineType or inspect.isawaitable(value):

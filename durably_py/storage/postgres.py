@@ -432,6 +432,8 @@ class PostgresStorage(StorageFront):
             while self._idle:
                 self._idle.pop().close()
 
+    exclusive = False  # `roles.Transactions`: a transaction locks only the rows it writes
+
     def transaction(self) -> PostgresTransaction:
         """A transaction on a connection of its own to this database, for an application's tables (any schema of
         the same database) and a run's records together (`roles.Transactions`)."""

@@ -296,6 +296,10 @@ class Transactions(Protocol):
     PostgreSQL adapters, whose application tables may live in the same database. Not part of `Storage`: an
     adapter without it (files, memory) cannot make an application's write and a record atomic."""
 
+    exclusive: bool
+    """True when an open transaction holds the whole database's write lock (SQLite): every other writer, the
+    adapter's own appends included, waits for its end. False when it locks only the rows it writes (PostgreSQL)."""
+
     def transaction(self) -> AppTransaction:
         """Open a transaction on a connection of its own to the store's database (not the one the adapter's other
         calls use), ready for the application's statements; the caller commits or rolls back and closes it."""

@@ -180,6 +180,8 @@ class SqliteStorage(StorageFront):
             while self._idle:
                 self._idle.pop().close()
 
+    exclusive = True  # `roles.Transactions`: a transaction holds the database's one write lock
+
     def transaction(self) -> SqliteTransaction:
         """A write transaction (``BEGIN IMMEDIATE``) on a connection of its own to this database file, for an
         application's tables in the same file and a run's records together (`roles.Transactions`)."""
