@@ -81,8 +81,8 @@ async def attempt(log: RunLog, live_turn: Callable[[], Awaitable[None]], executo
         future = executor.submit(contextvars.copy_context().run, prepare, storage, fn, args, opts, awaited)
         try:
             tx, wire = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the function still runs: its transaction is closed once it returns
-            future.add_done_callback(close_when_done)
+        except BaseException:  # cut off (cancelled, torn down): the function may still run; its transaction is
+            future.add_done_callback(close_when_done)  # closed once it returns
             raise
     try:
         if not storage.exclusive:
