@@ -478,8 +478,13 @@ def soak(shop: Shop, kills: int, seed: int, steps: int = 40) -> dict[str, int]:
     shop.keys.append(key)
     while figures["kills"] < kills:
         done = shop.done(key)
-        point = ("moment", "inside", "after")[figures["kills"] % 3] if done < steps else "moment"
-        at = rng.randrange(done, steps) if done < steps else steps
+        if done >= steps:  # every step of this order committed: the next order
+            figures["runs"] += 1
+            key = f"order-{seed}-{figures['runs']}"
+            shop.keys.append(key)
+            done = 0
+        point = ("moment", "inside", "after")[figures["kills"] % 3]
+        at = rng.randrange(done, steps)
         env = {"inside": {"TX_SLEEP_AT": str(at)}, "after": {"TX_PAUSE_AFTER": str(at)}, "moment": {}}[point]
         needle = {"inside": f"inside {at}".encode(), "after": f"committed {at}".encode(), "moment": None}[point]
         proc = shop.start(str(SHOP), key, str(steps), **env)
