@@ -438,10 +438,11 @@ class Shop:
 
         tx_shop.DB = self.db
         left, ops = tx_shop.state()
-        committed = self.committed()
+        committed = collections.Counter(self.committed())
         counts = collections.Counter(ops)
-        doubles = sum(n - 1 for n in counts.values() if n > 1) + sum(1 for op in ops if op not in committed)
-        lost = sum(1 for op in committed if op not in counts)
+        doubles = sum(n - 1 for n in counts.values() if n > 1) + sum(n - 1 for n in committed.values() if n > 1) \
+            + sum(1 for op in counts if op not in committed)  # a row twice, a record twice, a row with no record
+        lost = sum(1 for op in committed if op not in counts)  # a record with no row
         assert left == tx_shop.STOCK - len(ops), (left, len(ops))  # every order took exactly one widget
         return len(ops), doubles, lost
 
