@@ -513,12 +513,7 @@ def soak(shop: Shop, kills: int, seed: int, steps: int = 40) -> dict[str, int]:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def shop(request: pytest.FixtureRequest, tmp_path: Path) -> Shop:
-    url = storage_url(request.param, tmp_path, request)
-    if request.param == "sqlite":
-        return Shop(url, url, tmp_path)
-    dsn = request.getfixturevalue("postgres_dsn")
-    schema = url.rsplit("schema=", 1)[1]
-    return Shop(url, f"postgresql:{schema}_app:{dsn}", tmp_path)
+    return make_shop(request.param, tmp_path, request)
 
 
 def report(shop: Shop, figures: dict[str, int]) -> None:
@@ -541,11 +536,18 @@ def test_a_hundred_seeded_kills(shop: Shop) -> None:
     assert figures["kills"] == 100 and figures["double"] == figures["lost"] == 0
 
 
-def test_a_worker_killed_inside_a_transaction_leaves_the_next_worker_to_run_it_once(tmp_path: Path,
-                                                                                    request: pytest.FixtureRequest
-                                                                                    ) -> None:
-    url = storage_url("sqlite", tmp_path, request)
-    shop = Shop(url, url, tmp_path)
+def make_shop(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Shop:
+    url = storage_url(kind, tmp_path, request)
+    if kind == "sqlite":
+        return Shop(url, url, tmp_path)
+    dsn = request.getfixturevalue("postgres_dsn")
+    return Shop(url, f"postgresql:{url.rsplit('schema=', 1)[1]}_app:{dsn}", tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def test_a_worker_killed_inside_a_transaction_leaves_the_next_worker_to_run_it_once(
+        kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    shop = make_shop(kind, tmp_path, request)
     cli = [sys.executable, "-m", "durably_py.cli"]
     enqueued = subprocess.run([*cli, "enqueue", str(SHOP), "-w", "orders", "-i", "4", "--key", "by-worker"],
                               env=shop.env, cwd=SHOP.parent, capture_output=True, text=True, timeout=60)
