@@ -34,11 +34,11 @@ from durably_py import (
     Retry,
     ValidationError,
     attempt,
+    create_engine,
     records,
     workflow,
 )
 from durably_py.storage import FileStorage, Lease, MemoryStorage, SqliteStorage
-from durably_py.storage.url import open_storage
 from durably_py.testing import TestEngine
 
 SHOP = Path(__file__).resolve().parent / "tx_shop.py"
@@ -397,7 +397,7 @@ class Shop:
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "DURABLY_STORAGE": url, "TX_DB": db}
         subprocess.run([sys.executable, "-c", "import tx_shop; tx_shop.setup()"], env=self.env, check=True,
                        cwd=SHOP.parent, timeout=60)
-        self.storage = open_storage(url)
+        self.storage = create_engine(url).storage
         self.keys: list[str] = []
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[bytes]:
