@@ -254,7 +254,8 @@ async def features(ctx) -> list:
              "graph": lambda: ctx.graph({}),
              "annotate": lambda: ctx.annotate(note=1),
              "emit": lambda: ctx.step(emitting),
-             "generator": lambda: ctx.step(generating)}
+             "generator": lambda: ctx.step(generating),
+             "transaction": lambda: ctx.transaction(add, 1, 1)}
     out = []
     for name, call in tries.items():
         try:

@@ -161,7 +161,7 @@ class StepOptions:
     """Validated options of one `ctx.step` call."""
 
     __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe",
-                 "on_interrupt", "keep_partials")
+                 "on_interrupt", "keep_partials", "transactional")
 
     def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
                  concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None,
@@ -212,6 +212,7 @@ class StepOptions:
                                   hint="keep_partials=True keeps a streamed step's chunks after it completes.",
                                   docs="docs/authoring.md#streamed-steps")
         self.keep_partials = keep_partials  # a streamed step's partials stay in the store after it completes
+        self.transactional = False  # `ctx.transaction`: the attempt runs in the storage's transaction
 
 
 REPLAY_POLICIES = ("safe", "idempotent", "manual", "unsafe")

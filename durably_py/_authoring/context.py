@@ -63,6 +63,7 @@ class Kernel(Protocol):
     def cancels_losers(self) -> bool: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
     def now(self) -> Any: ...
     def random(self) -> float: ...
     def uuid(self) -> str: ...
@@ -281,6 +282,37 @@ class WorkflowContext:
         (Each context binds the kernel's `step` over this method in `__init__`; this body serves a call
         through the class.)"""
         return self._kernel.step(fn, *args, **options)
+
+    @overload
+    def transaction(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
+                    retry: Any = None, compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: Any,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[Any]: ...
+
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: Any = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None, **unknown: Any) -> Handle[Any]:
+        """A step whose `fn(conn, *args)` writes through `conn`, a connection to the run's own SQLite or PostgreSQL
+        database, inside the transaction that records the step's result: the writes and the record commit
+        together or not at all, so a killed process never leaves one without the other. An exception (or a retry
+        under `retry=`) rolls the transaction back; a recorded result replays like any step's. Other storage
+        raises `NotSupportedError`. See docs/policies.md#transactional-steps."""
+        return self._kernel.transaction(fn, *args, name=name, retry=retry, compensate=compensate, schema=schema,
+                                        concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
+                                        uses=uses, **unknown)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Handle[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

@@ -61,6 +61,7 @@ from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
 from .streams import StepStream, Streams
 from .tasks import current_task, get_ident, make_task, running_task
+from .transactions import TransactionSteps
 from .turns import Turns, current_turns, discard, install_factory
 from .upgrade import UpgradeGuard, code_changed
 from .values import Values
@@ -191,6 +192,7 @@ class RunKernel:
         self.replaying = self.values.replaying
         self.annotate = self.values.annotate
         self.charge = self.values.charge
+        self.transaction = TransactionSteps(self.log, self, self.replay_next, self.execute).call
         self._observer: Observer | None = None
         make = observing.get()
         self.observer = make(self) if make is not None else None

@@ -43,6 +43,7 @@ from ..errors import (
     StepInterruptedError,
     StepTimeoutError,
 )
+from . import transactions
 from .control import Control
 from .limits import Limiter
 from .log import DEFAULT_SYNC_SECONDS, RunLog
@@ -264,13 +265,15 @@ class Steps:
             scope.pending -= 1
 
     def _recorded(self, h: Handle, path: str, label: str, wire: Any, value: Any, number: int, ms: float,
-                  opts: StepOptions) -> bool:
-        """A step's attempt `number` returned `value` (`wire` its recorded form), and its turn came: record it,
-        fsync when the checkpoint policy says so, keep its compensation, tell listeners and advisories, and
-        deliver it. True when the loop is due a look-in (steps that never suspend would otherwise keep it from
-        delivering a cancellation such as Ctrl-C): the caller then yields once."""
+                  opts: StepOptions, committed: bool = False) -> bool:
+        """A step's attempt `number` returned `value` (`wire` its recorded form), and its turn came: record it
+        (unless its transaction `committed` the record already), fsync when the checkpoint policy says so, keep its
+        compensation, tell listeners and advisories, and deliver it. True when the loop is due a look-in (steps
+        that never suspend would otherwise keep it from delivering a cancellation such as Ctrl-C): the caller
+        then yields once."""
         log = self.log
-        log.write(records.Ok(path=path, label=label, value=wire, attempt=number, ms=ms, ts=time.time()))
+        if not committed:
+            log.write(records.Ok(path=path, label=label, value=wire, attempt=number, ms=ms, ts=time.time()))
         if self.streams.open:
             self.streams.finished(path, opts.keep_partials)
         now = time.monotonic()
@@ -401,7 +404,10 @@ class Steps:
             self.running[att] = h.driver = current_task()
             started = time.perf_counter()
             try:
-                if opts.timeout is None and is_async:
+                if opts.transactional:  # committed with its record at its turn (`transactions`)
+                    value = await transactions.attempt(self.log, control.live_turn, self.executor, path, label, fn,
+                                                       args, opts, number, started)
+                elif opts.timeout is None and is_async:
                     value = fn(*args)
                     if type(value) is CoroutineType or inspect.isawaitable(value):
                         value = await value
@@ -438,10 +444,12 @@ class Steps:
                 outcome = True
                 if self.hooks is not None:
                     self.hooks.step_ran(path, label, False)
-                wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
-                value = load_value(wire)
-                if opts.schema is not None:
-                    value = opts.schema.convert(value, "output")
+                wire = None
+                if not opts.transactional:
+                    wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
+                    value = load_value(wire)
+                    if opts.schema is not None:
+                        value = opts.schema.convert(value, "output")
             except asyncio.CancelledError:
                 self.step_cut(h, att)
             except (Crash, GeneratorExit):
@@ -467,8 +475,9 @@ class Steps:
                 await self._failed(path, label, opts, number, ms, error, att)
                 number += 1
                 continue
-            await control.live_turn()
-            if self._recorded(h, path, label, wire, value, number, ms, opts):
+            if not opts.transactional:
+                await control.live_turn()
+            if self._recorded(h, path, label, wire, value, number, ms, opts, opts.transactional):
                 await asyncio.sleep(0)
             return value
 

@@ -27,6 +27,7 @@ from .._authoring.context import Kernel, WorkflowContext
 from .._authoring.paths import Scope, current_scope
 from .._authoring.policies import check_timeout
 from .._authoring.schema import compile_schema
+from .._authoring.transactions import ALTERNATIVE
 from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
@@ -221,6 +222,10 @@ class RestateKernel:
 
     def stream(self, path: str) -> NoReturn:
         raise unsupported("attempt().emit() and attempt().partials (streamed steps)", NO_PARTIALS)
+
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> NoReturn:
+        raise unsupported("ctx.transaction", "a Restate journal is not in the application's database, so a write "
+                          "and the step's record cannot commit together", hint=ALTERNATIVE)
 
     def stash(self, path: str, value: Any) -> NoReturn:
         raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",

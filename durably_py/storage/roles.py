@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
-__all__ = ["Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "Partials",
-           "RunLogs", "Storage"]
+__all__ = ["AppTransaction", "Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits",
+           "Partials", "RunLogs", "Storage", "Transactions"]
 
 LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
 """What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
@@ -303,3 +303,39 @@ class Partials(Protocol):
 @runtime_checkable
 class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Blobs, Partials, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""
+
+
+class AppTransaction(Protocol):
+    """One open database transaction of the store's database that an application writes in (`connection`) and
+    that a run's records then join (`commit`): both are committed together or neither is."""
+
+    @property
+    def connection(self) -> Any:
+        """The DB-API connection the transaction is open on (`sqlite3.Connection`, psycopg `Connection`)."""
+
+    def commit(self, lease: Lease, data: bytes) -> None:
+        """Append the complete record lines `data` to the lease's run inside the transaction, fenced by the lease
+        as `RunLogs.append` is, then commit the whole transaction. `LeaseLostError` (everything rolled back) if
+        `lease` is no longer current; `ValidationError` (rolled back) if the application ended the transaction
+        itself."""
+
+    def rollback(self) -> None:
+        """Undo everything written in the transaction (a no-op once it ended)."""
+
+    def close(self) -> None:
+        """Give the connection back (rolled back first if still open); the transaction is over."""
+
+
+@runtime_checkable
+class Transactions(Protocol):
+    """Application writes and run records in one database transaction (`ctx.transaction`): the SQLite and
+    PostgreSQL adapters, whose application tables may live in the same database. Not part of `Storage`: an
+    adapter without it (files, memory) cannot make an application's write and a record atomic."""
+
+    exclusive: bool
+    """True when an open transaction holds the whole database's write lock (SQLite): every other writer, the
+    adapter's own appends included, waits for its end. False when it locks only the rows it writes (PostgreSQL)."""
+
+    def transaction(self) -> AppTransaction:
+        """Open a transaction on a connection of its own to the store's database (not the one the adapter's other
+        calls use), ready for the application's statements; the caller commits or rolls back and closes it."""

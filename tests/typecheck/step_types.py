@@ -58,3 +58,20 @@ async def streams(ctx: WorkflowContext) -> None:
     assert_type(joined, Any)  # a str when every chunk is one, else the list of chunks
     assert_type(await ctx.step(rows, 2), Any)
     assert_type(await ctx.step(emitting, "x", keep_partials=False), str)
+
+
+def reserve(conn: Any, sku: str) -> int:
+    return len(sku)
+
+
+async def reserve_async(conn: Any, sku: str) -> list[int]:
+    return [len(sku)]
+
+
+@workflow
+async def transactional(ctx: WorkflowContext, sku: str) -> int:
+    left = await ctx.transaction(reserve, sku, name="reserve")
+    assert_type(left, int)
+    many = await ctx.transaction(reserve_async, sku, retry=None)
+    assert_type(many, list[int])
+    return left + len(many)
