@@ -23,6 +23,7 @@ from .._run_command import (
 )
 from .._state.history import RunState, SignalSent
 from .._view.live import RunTally, Watcher, is_step, parked_detail
+from ..client import MISSING as NO_VALUE
 from ..client import PARKED, Client, outcome_of
 from ..errors import DurablyError, NotSupportedError, RunParkedError
 from .target import EffectPlan, LocalTarget
@@ -56,9 +57,30 @@ def workflow_error(state: RunState) -> BaseException:
     return cls(kind, str(error.get("message", "")), error.get("traceback"))
 
 
-def _count(state: RunState, status: str) -> int:
-    """The steps of a run with this status, counted as the live view counts steps (no ctx calls)."""
-    return sum(s.status == status and is_step(s.label) for s in state.steps)
+def _given(value: Any) -> Any:
+    """A `--value` as the client takes it: the engine's "no value given" as the client's."""
+    from .._engine.effects import MISSING
+
+    return NO_VALUE if value is MISSING else value
+
+
+def _tally(before: RunState, after: RunState) -> tuple[int, int, int]:
+    """The steps an operation ran, replayed and saw fail, as the live view counts a local one: a step done before
+    (or whose effect an operator recorded a value for) replayed, any other step done now ran (no ctx calls)."""
+    done = {s.path for s in before.steps if s.status == "ok"} if before.run_id == after.run_id else set()
+    ran = replayed = failed = 0
+    for step in after.steps:
+        if not is_step(step.label):
+            continue
+        if step.status == "failed":
+            failed += 1
+        elif step.status == "ok":
+            decided = ((step.effect or {}).get("resolved") or {}).get("decision") == "value"
+            if step.path in done or decided:
+                replayed += 1
+            else:
+                ran += 1
+    return ran, replayed, failed
 
 
 class RemoteTarget:
@@ -130,11 +152,11 @@ class RemoteTarget:
 
     def effect_plan(self, run: str, path: tuple[int, ...], *, value: Any, rerun: bool,
                     fail: str | bool | None) -> EffectPlan:
-        return EffectPlan(**self.client.plan_resolve(run, path, value=value, rerun=rerun, fail=fail))
+        return EffectPlan(**self.client.plan_resolve(run, path, value=_given(value), rerun=rerun, fail=fail))
 
     def resolve_for_worker(self, run_id: str, path: tuple[int, ...], *, value: Any, rerun: bool,
                            fail: str | bool | None) -> RunState:
-        answer = self.client.start_resolve(run_id, path, value=value, rerun=rerun, fail=fail, here=False)
+        answer = self.client.start_resolve(run_id, path, value=_given(value), rerun=rerun, fail=fail, here=False)
         return self.client.inspect(answer["run_id"])
 
     def continue_run(self, command: str, op: str, run: str, body: dict[str, Any], *, wait: bool, as_json: bool,
@@ -155,9 +177,7 @@ class RemoteTarget:
             tally = watcher.runs[run_id] = RunTally(run_id)
             state = self.client.settled(run_id, wait=wait, after=before.attempt)
             tally.status, tally.detail = state.status, parked_detail(state)
-            tally.replayed = min(_count(before, "ok"), _count(state, "ok"))
-            tally.failed = _count(state, "failed")
-            tally.ran = _count(state, "ok") - tally.replayed
+            tally.ran, tally.replayed, tally.failed = _tally(before, state)
             if state.status == "failed":
                 error = workflow_error(state)
                 code = EXIT_FAILED
