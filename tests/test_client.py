@@ -259,7 +259,8 @@ OPERATIONS: list[tuple[tuple[str, ...], int, tuple[str, ...]]] = [  # command, e
     (("resolve", "pays-local", "--path", "0", "--value", '{"charged": "by hand"}', "--yes", "--json"), 0,
      ("elapsed",)),
 ]
-REFUSED: list[tuple[tuple[str, ...], int, tuple[str, ...]]] = [  # operations refused, nothing changed
+MORE_OPERATIONS: list[tuple[tuple[str, ...], int, tuple[str, ...]]] = [  # mostly refused, nothing changed
+    (("retry", "fails-local", "--from-step", "add#1", "--json"), 0, ("elapsed",)),  # runs `add` again
     (("signal", "ok", "go"), 2, ()),  # an ended run
     (("cancel", "cancel-local"), 0, ()),  # already cancelled
     (("resume", "paused-local"), 2, ()),  # not paused any more
@@ -297,10 +298,10 @@ def test_operations_print_the_same_remotely(project: Project) -> None:
 
 
 @pytest.mark.slow
-def test_refused_operations_print_the_same_remotely(project: Project) -> None:
+def test_more_operations_print_the_same_remotely(project: Project) -> None:
     if not (project.dir / "fixed").exists():  # run alone (pytest -m slow): operate first
         operate(project)
-    compare_operations(project, REFUSED)
+    compare_operations(project, MORE_OPERATIONS)
 
 
 def test_remote_refusals_are_clear_errors(project: Project) -> None:

@@ -397,7 +397,8 @@ def retry(
                                   run_id=state.run_id) from None
 
     with opts.guard():
-        code = target.continue_run("durably retry", "retry", run, {"from_step": from_step}, wait=not no_wait,
+        given = list(selector) if isinstance(selector, tuple) else selector  # the API's form: [2, 0, 1], ["fetch", 2]
+        code = target.continue_run("durably retry", "retry", run, {"from_step": given}, wait=not no_wait,
                                    as_json=as_json, jsonl=opts.jsonl, debug=opts.debug,
                                    here=lambda local: _operate(local, opts, as_json, start))
     raise typer.Exit(code)

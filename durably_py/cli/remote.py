@@ -29,6 +29,7 @@ from ..errors import DurablyError, NotSupportedError, RunParkedError
 from .target import EffectPlan, LocalTarget
 
 DOCS = "docs/cli.md#remote-control"
+DUE = ("pending", "interrupted")  # the statuses `unserved_notes` counts
 
 
 def refused(command: str, why: str = "it needs the store itself") -> NotSupportedError:
@@ -66,8 +67,9 @@ def _given(value: Any) -> Any:
 
 def _tally(before: RunState, after: RunState) -> tuple[int, int, int]:
     """The steps an operation ran, replayed and saw fail, as the live view counts a local one: a step done before
-    (or whose effect an operator recorded a value for) replayed, any other step done now ran (no ctx calls)."""
-    done = {s.path for s in before.steps if s.status == "ok"} if before.run_id == after.run_id else set()
+    and not again (or whose effect an operator recorded a value for) replayed, any other step done now ran (no
+    ctx calls)."""
+    done = {s.path: s.finished_at for s in before.steps if s.status == "ok"} if before.run_id == after.run_id else {}
     ran = replayed = failed = 0
     for step in after.steps:
         if not is_step(step.label):
@@ -76,7 +78,7 @@ def _tally(before: RunState, after: RunState) -> tuple[int, int, int]:
             failed += 1
         elif step.status == "ok":
             decided = ((step.effect or {}).get("resolved") or {}).get("decision") == "value"
-            if step.path in done or decided:
+            if decided or (step.path in done and done[step.path] == step.finished_at):
                 replayed += 1
             else:
                 ran += 1
@@ -109,20 +111,19 @@ class RemoteTarget:
                                  "until": until, "without_patch": without_patch}
         if limit is None or limit > 1000:
             found = self.client.list(**query, offset=offset, limit=limit)
-            page = self.client.list_page(**query, offset=offset, limit=1)  # the notes and where, once
-            notes, self.kept = page.notes, page.where
             more = 0
             if counted and limit is not None and len(found) == limit:
                 more = self.client.count(**query) - offset - len(found)
-            if found:
-                notes = self.client.notes([s.run_id for s in found]) if len(found) <= 200 else notes
+            self.listed = None
         else:
             listing = self.client.list_page(**query, offset=offset, limit=limit, count=counted)
-            found, notes, self.kept = listing.runs, listing.notes, listing.where
+            found, self.kept = listing.runs, listing.where
             more = 0
             if counted and listing.count is not None and len(found) == limit:
                 more = listing.count - offset - len(found)
-        self.listed = ([s.run_id for s in found], notes)
+            self.listed = ([s.run_id for s in found], listing.notes)
+        if not found and not self.kept:
+            self.kept = self.client.list_page(limit=1).where
         return found, more
 
     def inspect(self, run: str) -> RunState:
@@ -134,8 +135,9 @@ class RemoteTarget:
     def notes(self, states: list[RunState]) -> list[str]:
         ids = [s.run_id for s in states]
         if self.listed is not None and self.listed[0] == ids:
-            return self.listed[1]
-        return self.client.notes(ids) if ids else []
+            return self.listed[1]  # the console's notes about the page it listed
+        due = [s.run_id for s in states if s.status in DUE]  # only these can be due runs no worker serves
+        return self.client.notes(due) if due else []
 
     def signal(self, run: str, name: str, payload: Any, *, strict: bool) -> tuple[str, SignalSent | None]:
         sent = self.client.signal(run, name, payload, strict=strict)
