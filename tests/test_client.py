@@ -314,6 +314,7 @@ def test_remote_refusals_are_clear_errors(project: Project) -> None:
         "unreachable": (lambda: durably("list", "--remote", closed, cwd=project.dir, unset=("DURABLY_*",))),
         "not a URL": (lambda: durably("list", "--remote", "ftp:nowhere", cwd=project.dir, unset=("DURABLY_*",))),
         "pause": (lambda: cli(project, "pause", "ok", remote=True)),
+        "two places": (lambda: cli(project, "list", "--dir", ".durably", remote=True)),
         "by filter": (lambda: cli(project, "cancel", "--status", "waiting", "--yes", remote=True)),
         "token from the environment": (lambda: durably("inspect", "ok", "--json", cwd=project.dir, unset=(
             "DURABLY_*",), DURABLY_REMOTE=project.url, DURABLY_UI_TOKEN=TOKEN)),
@@ -327,6 +328,7 @@ def test_remote_refusals_are_clear_errors(project: Project) -> None:
     assert done["unreachable"].returncode == 1 and "RemoteError: cannot reach the console" in done["unreachable"].stderr
     assert "hint:" in done["unreachable"].stderr
     assert done["not a URL"].returncode == 2 and "is not a console URL" in done["not a URL"].stderr
+    assert done["two places"].returncode == 2 and "--remote and --dir/--storage" in done["two places"].stderr
     for what in ("pause", "by filter"):
         assert done[what].returncode == 2, done[what].stderr
         assert "NotSupportedError" in done[what].stderr and "does not work with --remote" in done[what].stderr

@@ -199,6 +199,11 @@ class Options:
         Restate when it takes `--restate` and one is set; else the local store."""
         url = (self.remote or os.environ.get("DURABLY_REMOTE") or None) if "remote" in self.names else None
         remote = None if url is None else (url, self.token or os.environ.get("DURABLY_UI_TOKEN") or None)
+        if remote is not None and (self.dir or self.storage):
+            raise ValidationError("--remote and --dir/--storage name two places to act on",
+                                  hint="Give --remote URL to act on a console's runs, or --dir/--storage for a store "
+                                       "this machine reaches (unset $DURABLY_REMOTE for the latter).",
+                                  docs="docs/cli.md#remote-control")
         return target_for(self.settings(), "restate" in self.names, remote)
 
     def local(self, command: str) -> LocalTarget:

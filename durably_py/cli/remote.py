@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _config as config
+from .. import errors
 from .._run_command import (
     EXIT_FAILED,
     EXIT_OK,
@@ -51,11 +52,22 @@ class WorkflowError(Exception):
 
 
 def workflow_error(state: RunState) -> BaseException:
-    """The error of a failed run as an exception whose class has the recorded class's name."""
+    """The error of a failed run as an exception whose class has the recorded class's name: a `DurablyError`
+    (with its recorded hint and docs) when it was one, as a local command rebuilds it."""
     error = state.error or {}
     kind = str(error.get("type") or "Exception").rpartition(":")[2].rpartition(".")[2] or "Exception"
+    message = str(error.get("message", ""))
+    found = error.get("attrs")
+    attrs: dict[str, Any] = found if isinstance(found, dict) else {}
+    if isinstance(attrs.get("hint"), str) and isinstance(attrs.get("docs"), str):
+        known = getattr(errors, kind, None)
+        durable: Any = known if isinstance(known, type) and issubclass(known, DurablyError) else \
+            type(kind, (DurablyError,), {"__module__": "builtins"})
+        exc: DurablyError = durable.__new__(durable)  # past any __init__ of its own: the record carries message, hint, docs
+        DurablyError.__init__(exc, message, hint=attrs["hint"], docs=attrs["docs"])
+        return exc
     cls = type(kind, (WorkflowError,), {"__module__": "builtins"})
-    return cls(kind, str(error.get("message", "")), error.get("traceback"))
+    return cls(kind, message, error.get("traceback"))
 
 
 def _given(value: Any) -> Any:
@@ -183,7 +195,10 @@ class RemoteTarget:
             if state.status == "failed":
                 error = workflow_error(state)
                 code = EXIT_FAILED
-                report_exception(error, debug, "the workflow")
+                if isinstance(error, DurablyError):
+                    report_durably_error(error, debug)
+                else:
+                    report_exception(error, debug, "the workflow")
             elif state.status in PARKED:
                 raise RunParkedError(f"run {run_id} is {tally.detail or state.status}", run_id=run_id,
                                      status=state.status, hint=f"Send the signal with `durably signal {run_id} "
