@@ -43,7 +43,6 @@ from .errors import (
     RemoteAuthError,
     RemoteError,
     RunCancelledError,
-    RunNotFoundError,
     RunParkedError,
     ValidationError,
     WorkflowFailedError,
@@ -107,7 +106,11 @@ def rebuild_error(status: int, body: Any, url: str) -> DurablyError:
         return RemoteAuthError(f"the console at {url} refused the request ({status}): {body['message']}",
                                docs=body.get("docs") or None, url=url)
     elif not (isinstance(cls, type) and issubclass(cls, DurablyError)):
-        cls = {400: ValidationError, 413: ValidationError, 404: RunNotFoundError}.get(status, DurablyError)
+        cls = {400: ValidationError, 413: ValidationError, 409: DurablyError}.get(status)
+        if cls is None:  # not an error of the engine's: a route this console lacks, a timeout, a crash
+            return RemoteError(f"the console at {url} answered HTTP {status}: {body['message']}",
+                               hint=body.get("hint") or "Check the URL, and that the console runs this version of "
+                                                        "durably-py.", docs=body.get("docs") or DOCS, url=url)
     exc = cls.__new__(cls)  # past any __init__ of its own: the answer carries the message, hint and docs
     DurablyError.__init__(exc, body["message"], hint=body.get("hint") or None, docs=body.get("docs") or None,
                           url=url)

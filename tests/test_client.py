@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import durably, wait_until
@@ -34,8 +35,8 @@ from durably_py import (
     create_engine,
 )
 from durably_py._state.timeline import Span
-from durably_py.client import Client
-from durably_py.errors import RemoteAuthError, RemoteError, WorkflowFailedError
+from durably_py.client import Client, rebuild_error
+from durably_py.errors import DurablyError, RemoteAuthError, RemoteError, WorkflowFailedError
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -381,6 +382,24 @@ def test_the_client_returns_the_engines_types_and_raises_its_errors(project: Pro
     async def concurrently() -> list[RunState]:
         return list(await asyncio.gather(client.ainspect("ok"), client.ainspect("pays-client")))
     assert [s.status for s in asyncio.run(concurrently())] == ["completed", "completed"]
+
+
+def test_error_answers_become_the_engines_errors() -> None:
+    """An error answer names its type: the client raises that class (with the answer's message, hint and docs);
+    what no engine raised (a route the console lacks, a crash) is a `RemoteError`."""
+    def rebuilt(status: int, body: Any) -> DurablyError:
+        return rebuild_error(status, body, "http://console")
+
+    found = rebuilt(404, {"error": "RunNotFoundError", "message": "no run 'x'", "hint": "h", "docs": "docs/x.md"})
+    assert type(found) is RunNotFoundError and (found.message, found.hint, found.docs) == ("no run 'x'", "h",
+                                                                                          "docs/x.md")
+    assert type(rebuilt(400, {"error": "BodyTooLarge", "message": "m", "hint": "h", "docs": "d"})) is ValidationError
+    assert type(rebuilt(409, {"error": "MyOwnError", "message": "m", "hint": "h", "docs": "d"})) is DurablyError
+    assert type(rebuilt(401, {"error": "Unauthorized", "message": "m", "hint": "h", "docs": "d"})) is RemoteAuthError
+    for status, body in ((404, {"error": "NotFound", "message": "no operation 'x'", "hint": None, "docs": None}),
+                         (500, {"error": "TypeError", "message": "boom"}), (404, None), (502, "<html>")):
+        error = rebuilt(status, body)
+        assert type(error) is RemoteError and f"HTTP {status}" in error.message and error.hint, (status, body)
 
 
 def test_an_unreachable_console_is_a_remote_error() -> None:
