@@ -305,35 +305,53 @@ def test_more_operations_print_the_same_remotely(project: Project) -> None:
     compare_operations(project, MORE_OPERATIONS)
 
 
-def test_remote_refusals_are_clear_errors(project: Project) -> None:
-    with socket.socket() as sock:  # a port nothing listens on
+def closed_port() -> str:
+    """The URL of a port nothing listens on."""
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    calls = {
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def call_all(calls: dict[str, Any]) -> dict[str, subprocess.CompletedProcess[str]]:
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(calls, pool.map(lambda call: call(), calls.values()), strict=True))
+
+
+def test_remote_refusals_are_clear_errors(project: Project) -> None:
+    closed = closed_port()
+    done = call_all({
         "wrong token": (lambda: cli(project, "list", remote=True, token="wrong")),
-        "no token": (lambda: durably("inspect", "ok", "--remote", project.url, cwd=project.dir, unset=("DURABLY_*",))),
         "unreachable": (lambda: durably("list", "--remote", closed, cwd=project.dir, unset=("DURABLY_*",))),
-        "not a URL": (lambda: durably("list", "--remote", "ftp:nowhere", cwd=project.dir, unset=("DURABLY_*",))),
         "pause": (lambda: cli(project, "pause", "ok", remote=True)),
-        "two places": (lambda: cli(project, "list", "--dir", ".durably", remote=True)),
-        "by filter": (lambda: cli(project, "cancel", "--status", "waiting", "--yes", remote=True)),
         "token from the environment": (lambda: durably("inspect", "ok", "--json", cwd=project.dir, unset=(
             "DURABLY_*",), DURABLY_REMOTE=project.url, DURABLY_UI_TOKEN=TOKEN)),
-    }
-    with ThreadPoolExecutor(2) as pool:
-        done = dict(zip(calls, pool.map(lambda call: call(), calls.values()), strict=True))
-    for what in ("wrong token", "no token"):
-        assert done[what].returncode == 2, done[what].stderr
-        assert "RemoteAuthError" in done[what].stderr and "refused the request (401)" in done[what].stderr
-        assert "hint: Pass the console's token with --token" in done[what].stderr
+    })
+    assert done["wrong token"].returncode == 2, done["wrong token"].stderr
+    assert "RemoteAuthError" in done["wrong token"].stderr and "refused the request (401)" in done["wrong token"].stderr
+    assert "hint: Pass the console's token with --token" in done["wrong token"].stderr
     assert done["unreachable"].returncode == 1 and "RemoteError: cannot reach the console" in done["unreachable"].stderr
     assert "hint:" in done["unreachable"].stderr
+    assert done["pause"].returncode == 2, done["pause"].stderr
+    assert "NotSupportedError" in done["pause"].stderr and "durably pause does not work with --remote" in \
+        done["pause"].stderr
+    assert json.loads(done["token from the environment"].stdout)["run_id"] == project.ids["ok"]
+
+
+@pytest.mark.slow
+def test_more_remote_refusals_are_clear_errors(project: Project) -> None:
+    done = call_all({
+        "no token": (lambda: durably("inspect", "ok", "--remote", project.url, cwd=project.dir, unset=("DURABLY_*",))),
+        "not a URL": (lambda: durably("list", "--remote", "ftp:nowhere", cwd=project.dir, unset=("DURABLY_*",))),
+        "two places": (lambda: cli(project, "list", "--dir", ".durably", remote=True)),
+        "by filter": (lambda: cli(project, "cancel", "--status", "waiting", "--yes", remote=True)),
+        "fork": (lambda: cli(project, "fork", "ok", "--from-step", "0", remote=True)),
+    })
+    assert done["no token"].returncode == 2 and "RemoteAuthError" in done["no token"].stderr
     assert done["not a URL"].returncode == 2 and "is not a console URL" in done["not a URL"].stderr
     assert done["two places"].returncode == 2 and "--remote and --dir/--storage" in done["two places"].stderr
-    for what in ("pause", "by filter"):
+    for what in ("by filter", "fork"):
         assert done[what].returncode == 2, done[what].stderr
         assert "NotSupportedError" in done[what].stderr and "does not work with --remote" in done[what].stderr
-    assert json.loads(done["token from the environment"].stdout)["run_id"] == project.ids["ok"]
 
 
 # ---- the Python client ----------------------------------------------------------------------------------
@@ -403,9 +421,7 @@ def test_error_answers_become_the_engines_errors() -> None:
 
 
 def test_an_unreachable_console_is_a_remote_error() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url = closed_port()
     with pytest.raises(RemoteError) as exc:
         Client(url, timeout=5).list()
     assert "cannot reach the console" in exc.value.message and exc.value.hint
