@@ -59,8 +59,8 @@ class Target(Protocol):
     settings: config.Settings
 
     def local(self, command: str) -> LocalTarget:
-        """This target when its runs are local; Restate refuses `command` (an operation only durably's own
-        engine offers) with a `NotSupportedError`."""
+        """This target when its runs are local; Restate and a remote console refuse `command` (an operation only
+        durably's own engine over the store offers) with a `NotSupportedError`."""
 
     def where(self) -> str:
         """How messages name the place the runs are kept."""
