@@ -396,6 +396,8 @@ def retry(
                                   f"steps: {listed or 'none'}", hint=STEP_HINT, docs="docs/cli.md#durably-retry",
                                   run_id=state.run_id) from None
 
+    if recorded_source:
+        opts.local("durably retry --recorded-source")  # the source kept in the store: only where the store is
     with opts.guard():
         given = list(selector) if isinstance(selector, tuple) else selector  # the API's form: [2, 0, 1], ["fetch", 2]
         code = target.continue_run("durably retry", "retry", run, {"from_step": given}, wait=not no_wait,
