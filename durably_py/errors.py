@@ -318,3 +318,22 @@ class NotSupportedError(DurablyError):
 
     default_hint = "Run this workflow on FileStorage, SQLite or PostgreSQL, or avoid the feature in this mode."
     anchor = "notsupportederror"
+
+
+class RemoteError(DurablyError):
+    """A remote console (`durably ui`, reached by `durably_py.client` or `--remote URL`) could not be reached, or
+    answered with something that is not its JSON API; `url` names it."""
+
+    url: str
+
+    default_hint = ("Check the URL (`durably ui` prints it) and that the console runs and is reachable from here; "
+                    "nothing was changed.")
+    anchor = "remoteerror"
+
+
+class RemoteAuthError(RemoteError, ValidationError):
+    """A remote console refused the request: its token is missing or wrong, or the request was not allowed."""
+
+    default_hint = ("Pass the console's token with --token (or $DURABLY_UI_TOKEN): the one `durably ui` printed in "
+                    "its URL (?token=...) or was started with; nothing was changed.")
+    anchor = "remoteautherror"

@@ -19,7 +19,7 @@ def test_the_package_is_typed() -> None:
     assert (Path(durably_py.__file__).parent / "py.typed").is_file()
 
 
-PUBLIC_MODULES = {"__init__", "__main__", "errors", "pytest_plugin", "records", "testing"}
+PUBLIC_MODULES = {"__init__", "__main__", "client", "errors", "pytest_plugin", "records", "testing"}
 PUBLIC_PACKAGES = {"agents", "cli", "restate", "storage", "ui"}
 
 

@@ -196,7 +196,11 @@ def test_signal_validates_and_delivers(tmp_path: Path) -> None:
     bad = post(client, "/api/runs/a1/signal", {"name": "$cancel"})
     assert bad.status_code == 400 and "hint" in bad.json()
     sent = post(client, "/api/runs/a1/signal", {"name": "approval", "payload": {"ok": True, "by": "ana"}})
-    assert sent.json() == {"run": "a1", "signal": "approval", "payload": {"ok": True, "by": "ana"}, "sent": True}
+    answer = sent.json()
+    assert {k: answer.pop(k) for k in ("run_id", "status", "awaited", "held")} == {  # what remote clients get
+        "run_id": client.get("/api/runs/a1").json()["run_id"], "status": "waiting", "awaited": ["approval"],
+        "held": False}
+    assert answer == {"run": "a1", "signal": "approval", "payload": {"ok": True, "by": "ana"}, "sent": True}
     durably("retry", "a1", "--dir", str(state))  # the run reads its inbox and completes
     assert client.get("/api/runs/a1").json()["result"] == "paid 10.00, approved by ana"
     late = post(client, "/api/runs/a1/signal", {"name": "approval", "payload": None})

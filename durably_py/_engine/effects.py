@@ -129,3 +129,15 @@ async def resolve_effect(operations: Operations, run: str, path: Any, *, value: 
     if workflow is None:
         return await operations.runs.inspect(run_id)
     return await operations.run(workflow, run_id=run_id, on_step=on_step, wait=wait, on_run=on_run)
+
+
+def plan(operations: Operations, run: str, path: Any, *, value: Any = MISSING, rerun: bool = False,
+         fail: str | bool | None = None) -> dict[str, Any]:
+    """What `resolve_effect` would record, checked as it checks it (a refusal raises) and nothing written: the
+    run's id, the step's path (a list), label and recorded input, the decision and the error it records. `durably
+    resolve` states it before asking; the console answers it to a remote `durably resolve`."""
+    run_id = operations.runs.resolve(run)
+    history = operations.history(run_id)
+    chosen = decision(history, path, value=value, rerun=rerun, fail=fail)
+    return {"run_id": run_id, "path": list(path_tuple(chosen.path)), "label": chosen.label,
+            "decision": chosen.decision, "input": history.attention()[chosen.path].input, "error": chosen.error}

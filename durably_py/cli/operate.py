@@ -222,7 +222,7 @@ def _bulk(verb: str, status: list[str] | None, workflow: str | None, yes: bool, 
 # ---- the commands ---------------------------------------------------------------------------------------
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin", "remote", "token")
 def signal(
     run: RunArgument,
     name: Annotated[str, typer.Argument(metavar="NAME", help="The signal the workflow waits for.",
@@ -259,7 +259,7 @@ def signal(
                                "continues it now)", "bright_black"))
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin", "remote", "token")
 def cancel(
     run: RunOrFilterArgument = None,
     timeout: TimeoutOption = "30s",
@@ -301,7 +301,7 @@ def cancel(
                  "it stops at its next step boundary")
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def pause(run: RunArgument, timeout: TimeoutOption = "30s", opts: Options = OPTIONS) -> None:
     """Pause a run: one no process runs is paused at once; a running one pauses at its next step boundary."""
     target = opts.local("durably pause")
@@ -313,7 +313,7 @@ def pause(run: RunArgument, timeout: TimeoutOption = "30s", opts: Options = OPTI
                  "it pauses at its next step boundary")
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def resume(
     run: RunOrFilterArgument = None,
     opts: Options = OPTIONS,
@@ -323,14 +323,15 @@ def resume(
 ) -> None:
     """Resume a paused run: the process waiting on it continues it, or the next run or retry does.
     With --status paused/--workflow instead of RUN: every matching paused run, after asking."""
-    target = opts.local("durably resume")
+    with opts.guard():
+        target = opts.target()
     as_json = opts.json_output()
     if _one_or_many("resume", run, status, workflow, opts):
-        _bulk("resume", status, workflow, yes, target, opts, as_json)
+        _bulk("resume", status, workflow, yes, opts.local("durably resume --status/--workflow"), opts, as_json)
         return
     assert run is not None
     with opts.guard():
-        state = asyncio.run(target.engine.resume(run))
+        state = target.resume(run)
         if as_json:
             opts.print_json({"run_id": state.run_id, "status": state.status, "resumed": state.status != "paused"})
         elif state.status in ("interrupted", "failed"):
@@ -342,7 +343,7 @@ def resume(
             raise typer.Exit(EXIT_FAILED)
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def retry(
     run: RunOrFilterArgument = None,
     from_step: Annotated[str | None, typer.Option("--from-step", metavar="PATH|LABEL[#N]",
@@ -361,7 +362,8 @@ def retry(
     """Resume a failed or interrupted run where it stopped, or from a chosen step; print its result as JSON.
     With --status/--workflow instead of RUN: every matching failed or interrupted run, after asking; a run
     that parks is left parked."""
-    target = opts.local("durably retry")
+    with opts.guard():
+        target = opts.target()
     as_json = opts.json_output()
     if _one_or_many("retry", run, status, workflow, opts):
         if from_step is not None or no_wait or recorded_source:
@@ -370,7 +372,7 @@ def retry(
                                       "--status/--workflow",
                                       hint="By filter, each run resumes where it stopped, and one that parks is "
                                            "left parked.", docs="docs/cli.md#operations-by-filter")
-        _bulk("retry", status, workflow, yes, target, opts, as_json)
+        _bulk("retry", status, workflow, yes, opts.local("durably retry --status/--workflow"), opts, as_json)
         return
     assert run is not None
     try:
@@ -394,10 +396,17 @@ def retry(
                                   f"steps: {listed or 'none'}", hint=STEP_HINT, docs="docs/cli.md#durably-retry",
                                   run_id=state.run_id) from None
 
-    _operate(target, opts, as_json, start)
+    if recorded_source:
+        opts.local("durably retry --recorded-source")  # the source kept in the store: only where the store is
+    with opts.guard():
+        given = list(selector) if isinstance(selector, tuple) else selector  # the API's form: [2, 0, 1], ["fetch", 2]
+        code = target.continue_run("durably retry", "retry", run, {"from_step": given}, wait=not no_wait,
+                                   as_json=as_json, jsonl=opts.jsonl, debug=opts.debug,
+                                   here=lambda local: _operate(local, opts, as_json, start))
+    raise typer.Exit(code)
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def fork(
     run: RunArgument,
     from_step: Annotated[str, typer.Option("--from-step", metavar="PATH|LABEL[#N]", show_default=False,
@@ -438,7 +447,7 @@ def fork(
     _operate(target, opts, as_json, start, extra=lineage)
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def restart(run: RunArgument, no_wait: NoWaitOption = False, opts: Options = OPTIONS) -> None:
     """Start a run over as a new run with the same workflow, input and key; print its result as JSON."""
     target = opts.local("durably restart")
@@ -447,7 +456,7 @@ def restart(run: RunArgument, no_wait: NoWaitOption = False, opts: Options = OPT
                                                                                    on_run=found))
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def adopt(
     run: RunArgument,
     path: Annotated[str | None, typer.Option("--path", metavar="PATH",
@@ -487,7 +496,7 @@ def adopt(
         run_id, where_given, wait=not no_wait, on_run=found))
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "remote", "token")
 def resolve(
     run: RunArgument,
     path: Annotated[str, typer.Option("--path", metavar="PATH", show_default=False,
@@ -510,14 +519,12 @@ def resolve(
     """Decide about the cut-off unsafe step of a run that needs attention: --value JSON (it happened, with this
     result), --rerun (run it again) or --fail; then the run continues here (--for-worker: a worker continues it).
     Says what it will record and asks first (--yes: without asking)."""
-    from .._engine.effects import MISSING, decision
+    from .._engine.effects import MISSING
 
-    target = opts.local("durably resolve")
+    with opts.guard():
+        target = opts.target()
     as_json = opts.json_output()
     with opts.guard():
-        engine = target.engine
-        run_id = engine.resolve(run)
-        history = engine.operations.history(run_id)
         where = parse_step(path)
         if not (isinstance(where, tuple) and all(isinstance(i, int) for i in where)):
             raise ValidationError(f"--path {path!r} is not a step path",
@@ -528,27 +535,35 @@ def resolve(
                                   "of it'", docs="docs/operations.md#effects-that-need-attention")
         given = parse_input(value, "--value") if value is not None else MISSING
         failure: str | bool | None = (message or True) if fail else None
-        chosen = decision(history, where, value=given, rerun=rerun, fail=failure)
-    start = history.attention()[chosen.path]
+        assert isinstance(where, tuple)  # a path of ints, checked above
+        chosen = target.effect_plan(run, where, value=given, rerun=rerun, fail=failure)  # type: ignore[arg-type]
+    run_id, step = chosen.run_id, tuple(chosen.path)
     what = {"value": f"record its result {json_text(given, 60)}", "rerun": "run it again",
             "fail": f"fail it ({(chosen.error or {}).get('message', '')})"}[chosen.decision]
     then = "a worker continues the run" if for_worker else "the run continues here"
-    plan = (f"resolve {run_id}: step {path_text(path_tuple(chosen.path))} {chosen.label!r} (operation id "
-            f"{run_id}/{chosen.path}, input {json_text(start.input, 60)}): {what}; then {then}")
+    plan = (f"resolve {run_id}: step {path_text(step)} {chosen.label!r} (operation id "
+            f"{run_id}/{_step_spec(step)}, input {json_text(chosen.input, 60)}): {what}; then {then}")
     if not yes:
-        _confirm(opts, plan, "Resolve?", {"run_id": run_id, "path": list(path_tuple(chosen.path)),
-                                          "decision": chosen.decision, "confirmed": False}, as_json)
+        _confirm(opts, plan, "Resolve?", {"run_id": run_id, "path": chosen.path, "decision": chosen.decision,
+                                          "confirmed": False}, as_json)
     if for_worker:
         with opts.guard():
-            state = asyncio.run(engine.resolve_effect(run_id, where, value=given, rerun=rerun, fail=failure,
-                                                      here=False))
+            state = target.resolve_for_worker(run_id, step, value=given, rerun=rerun, fail=failure)
         if as_json:
-            opts.print_json({"run_id": run_id, "path": list(path_tuple(chosen.path)), "decision": chosen.decision,
+            opts.print_json({"run_id": run_id, "path": chosen.path, "decision": chosen.decision,
                              "status": state.status, "resolved": True})
         else:
-            err_console().print(Text(f"resolved {run_id} at {path_text(path_tuple(chosen.path))} "
+            err_console().print(Text(f"resolved {run_id} at {path_text(step)} "
                                      f"({chosen.decision}); due for the next worker (`durably retry {run_id}` "
                                      "continues it now)", "green"))
         return
-    _operate(target, opts, as_json, lambda engine, watcher, found: engine.resolve_effect(
-        run_id, where, value=given, rerun=rerun, fail=failure, wait=not no_wait, on_run=found))
+    body = {"path": _step_spec(step), "rerun": rerun, "fail": failure} | ({} if given is MISSING else {"value": given})
+    with opts.guard():
+        code = target.continue_run("durably resolve", "resolve", run_id, body, wait=not no_wait, as_json=as_json,
+                                   jsonl=opts.jsonl, debug=opts.debug,
+                                   here=lambda local: _operate(local, opts, as_json, lambda engine, watcher, found:
+                                                               engine.resolve_effect(run_id, where, value=given,
+                                                                                     rerun=rerun, fail=failure,
+                                                                                     wait=not no_wait,
+                                                                                     on_run=found)))
+    raise typer.Exit(code)

@@ -1,5 +1,5 @@
 """The options the commands share (`--dir`, `--storage`, `--json`, `-o`, `--debug`, `--restate`,
-`--restate-admin`), declared once: `@shared(...)` puts them where a command's `opts: Options` parameter
+`--restate-admin`, `--remote`, `--token`), declared once: `@shared(...)` puts them where a command's `opts: Options` parameter
 stands, and `Options` resolves them into settings, an output format and a `Target`. Also the error guard
 every command runs under, and shell completion of statuses, runs and workflows."""
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -127,6 +128,13 @@ RestateAdminOption = Annotated[str | None, typer.Option("--restate-admin", metav
                                                         help="Restate admin URL (or $DURABLY_RESTATE_ADMIN, or "
                                                              "restate_admin in config.toml; default: the ingress "
                                                              "host, port 9070).")]
+RemoteOption = Annotated[str | None, typer.Option("--remote", metavar="URL", show_default=False,
+                                                  help="Act on the runs of the console (`durably ui`) at this URL, "
+                                                       "over its JSON API (or $DURABLY_REMOTE; docs/cli.md#remote-"
+                                                       "control).")]
+TokenOption = Annotated[str | None, typer.Option("--token", metavar="TOKEN", show_default=False,
+                                                 help="The remote console's token (or $DURABLY_UI_TOKEN, or the "
+                                                      "?token= of the --remote URL).")]
 RunArgument = Annotated[str, typer.Argument(metavar="RUN", help="A run id or a run key.", show_default=False,
                                             autocompletion=complete_run)]
 StatusOption = Annotated[list[str] | None, typer.Option(
@@ -136,7 +144,7 @@ StatusOption = Annotated[list[str] | None, typer.Option(
 SHARED: dict[str, tuple[Any, Any]] = {  # parameter name: (its declaration, its default)
     "dir": (DirOption, None), "storage": (StorageOption, None), "as_json": (JsonOption, False),
     "output": (OutputOption, None), "debug": (DebugOption, False), "restate": (RestateOption, None),
-    "restate_admin": (RestateAdminOption, None)}
+    "restate_admin": (RestateAdminOption, None), "remote": (RemoteOption, None), "token": (TokenOption, None)}
 
 
 @dataclass
@@ -151,6 +159,8 @@ class Options:
     debug: bool = False
     restate: str | None = None
     restate_admin: str | None = None
+    remote: str | None = None
+    token: str | None = None
     jsonl: bool = field(default=False, init=False)  # `-o jsonl`: each JSON value on one line
 
     def guard(self) -> contextlib.AbstractContextManager[None]:
@@ -185,8 +195,16 @@ class Options:
         return settings_for(self.dir, self.storage, self.restate, self.restate_admin)
 
     def target(self) -> Target:
-        """Where the command acts: Restate when it takes `--restate` and one is set, else the local store."""
-        return target_for(self.settings(), "restate" in self.names)
+        """Where the command acts: the console of `--remote` (or $DURABLY_REMOTE) when the command takes it;
+        Restate when it takes `--restate` and one is set; else the local store."""
+        url = (self.remote or os.environ.get("DURABLY_REMOTE") or None) if "remote" in self.names else None
+        remote = None if url is None else (url, self.token or os.environ.get("DURABLY_UI_TOKEN") or None)
+        if remote is not None and (self.dir or self.storage):
+            raise ValidationError("--remote and --dir/--storage name two places to act on",
+                                  hint="Give --remote URL to act on a console's runs, or --dir/--storage for a store "
+                                       "this machine reaches (unset $DURABLY_REMOTE for the latter).",
+                                  docs="docs/cli.md#remote-control")
+        return target_for(self.settings(), "restate" in self.names, remote)
 
     def local(self, command: str) -> LocalTarget:
         """The local store, for `command`, which Restate mode cannot run (exit 2 there)."""
@@ -229,5 +247,5 @@ def shared(*names: str, **variants: Any) -> Callable[[Callable[..., None]], Call
     return wrap
 
 
-__all__ = ["OPTIONS", "DebugOption", "Options", "RestateAdminOption", "RunArgument", "STATUSES", "StatusOption",
-           "complete_run", "complete_status", "complete_workflow", "guard", "output_mode", "shared"]
+__all__ = ["OPTIONS", "DebugOption", "Options", "RemoteOption", "RestateAdminOption", "RunArgument", "STATUSES", "StatusOption",
+           "TokenOption", "complete_run", "complete_status", "complete_workflow", "guard", "output_mode", "shared"]

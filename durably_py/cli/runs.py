@@ -55,7 +55,7 @@ def parse_when(text: str, option: str) -> datetime:
     return when if when.tzinfo is not None else when.astimezone()
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin", "remote", "token")
 def list_runs(
     status: StatusOption = None,
     workflow: Annotated[str | None, typer.Option("--workflow", "-w", metavar="NAME", autocompletion=complete_workflow,
@@ -132,7 +132,7 @@ def list_runs(
             console.print(Text(note, "yellow"))
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin", "remote", "token")
 def inspect(run: RunArgument, opts: Options = OPTIONS) -> None:
     """Show a run: its header, advisories, result or error, and the tree of its steps."""
     as_json = opts.json_output()

@@ -1,12 +1,14 @@
-"""Where the commands act: the runs of a local store (through the `Engine`), or of a Restate cluster (through
-`durably_py.restate`'s client). Commands ask a `Target`; what Restate mode cannot do, its target refuses with
-a `NotSupportedError` that says so."""
+"""Where the commands act: the runs of a local store (through the `Engine`), of a Restate cluster (through
+`durably_py.restate`'s client), or of a remote console (through `durably_py.client`, `remote.py`). Commands ask
+a `Target`; what Restate mode or a remote console cannot do, its target refuses with a `NotSupportedError` that
+says so."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -57,8 +59,8 @@ class Target(Protocol):
     settings: config.Settings
 
     def local(self, command: str) -> LocalTarget:
-        """This target when its runs are local; Restate refuses `command` (an operation only durably's own
-        engine offers) with a `NotSupportedError`."""
+        """This target when its runs are local; Restate and a remote console refuse `command` (an operation only
+        durably's own engine over the store offers) with a `NotSupportedError`."""
 
     def where(self) -> str:
         """How messages name the place the runs are kept."""
@@ -89,6 +91,36 @@ class Target(Protocol):
 
     def cancel(self, run: str, *, timeout: float, compensate: bool, cleanup: float | None) -> RunState:
         """Cancel a run and return its state once it ended, or once `timeout` passed."""
+
+    def resume(self, run: str) -> RunState:
+        """Resume a paused run; its state then."""
+
+    def effect_plan(self, run: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                    fail: str | bool | None) -> EffectPlan:
+        """What `durably resolve` would record about the cut-off step at `path` (checked: a refusal raises)."""
+
+    def resolve_for_worker(self, run_id: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                           fail: str | bool | None) -> RunState:
+        """Record the decision about a cut-off step and leave the run due for a worker."""
+
+    def continue_run(self, command: str, op: str, run: str, body: dict[str, Any], *, wait: bool, as_json: bool,
+                     jsonl: bool, debug: bool, here: Callable[[LocalTarget], None]) -> int:
+        """`retry` or `resolve` (`op`, with its API body `body`): continue the run and report it as `durably
+        retry` does. Locally `here(self)` runs it in this process (and exits); a remote console runs it in its
+        own process, and this waits for it, reports it the same way and returns the exit code."""
+
+
+class EffectPlan:
+    """A checked decision about a cut-off step, as `durably resolve` states it before asking."""
+
+    def __init__(self, run_id: str, path: list[int], label: str, decision: str, input: Any,
+                 error: dict[str, Any] | None) -> None:
+        self.run_id = run_id
+        self.path = path
+        self.label = label
+        self.decision = decision
+        self.input = input
+        self.error = error
 
 
 class LocalTarget:
@@ -142,6 +174,26 @@ class LocalTarget:
 
     def cancel(self, run: str, *, timeout: float, compensate: bool, cleanup: float | None) -> RunState:
         return asyncio.run(self.engine.cancel(run, timeout=timeout, compensate=compensate, cleanup=cleanup))
+
+    def resume(self, run: str) -> RunState:
+        return asyncio.run(self.engine.resume(run))
+
+    def effect_plan(self, run: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                    fail: str | bool | None) -> EffectPlan:
+        from .._engine.effects import plan
+
+        return EffectPlan(**plan(self.engine.operations, run, path, value=value, rerun=rerun, fail=fail))
+
+    def resolve_for_worker(self, run_id: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                           fail: str | bool | None) -> RunState:
+        state: RunState = asyncio.run(self.engine.resolve_effect(run_id, path, value=value, rerun=rerun, fail=fail,
+                                                                 here=False))
+        return state
+
+    def continue_run(self, command: str, op: str, run: str, body: dict[str, Any], *, wait: bool, as_json: bool,
+                     jsonl: bool, debug: bool, here: Callable[[LocalTarget], None]) -> int:
+        here(self)
+        return EXIT_OK
 
 
 class RestateTarget:
@@ -245,10 +297,31 @@ class RestateTarget:
         self.client.timeout = timeout
         return self.client.cancel(run)
 
+    def resume(self, run: str) -> RunState:
+        raise self.unsupported("durably resume", OPERATED_LOCALLY)
 
-def target_for(settings: config.Settings, restate: bool) -> Target:
-    """The target the settings name: Restate when the command takes `--restate` (`restate`) and an ingress is
-    set (by the flag, $DURABLY_RESTATE or the config), else the local store."""
+    def effect_plan(self, run: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                    fail: str | bool | None) -> EffectPlan:
+        raise self.unsupported("durably resolve", OPERATED_LOCALLY)
+
+    def resolve_for_worker(self, run_id: str, path: tuple[int, ...], *, value: Any, rerun: bool,
+                           fail: str | bool | None) -> RunState:
+        raise self.unsupported("durably resolve", OPERATED_LOCALLY)
+
+    def continue_run(self, command: str, op: str, run: str, body: dict[str, Any], *, wait: bool, as_json: bool,
+                     jsonl: bool, debug: bool, here: Callable[[LocalTarget], None]) -> int:
+        raise self.unsupported(command, OPERATED_LOCALLY)
+
+
+def target_for(settings: config.Settings, restate: bool, remote: tuple[str, str | None] | None = None) -> Target:
+    """The target the settings name: a remote console when `remote` (its URL and token) is given; Restate when
+    the command takes `--restate` (`restate`) and an ingress is set (by the flag, $DURABLY_RESTATE or the
+    config); else the local store."""
+    if remote is not None:
+        from .remote import RemoteTarget
+
+        target: RemoteTarget = RemoteTarget(settings, *remote)
+        return target
     if restate and settings.restate:
         return RestateTarget(settings)
     return LocalTarget(settings)

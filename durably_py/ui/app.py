@@ -27,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .._engine.engine import Engine
-from .._state.history import RunState
+from .._state.history import RunState, SignalSent
 from .._view.live import is_step
 from .._view.logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
@@ -498,10 +498,10 @@ class Console:
             if op == "signal":
                 name = body.get("name")
                 payload = body.get("payload")
-                await self.engine.signal(run, name, payload)  # type: ignore[arg-type]
-                return Json({"run": run, "signal": name, "payload": payload, "sent": True})
+                sent = await self.engine.signal(run, name, payload, strict=body.get("strict") is True)  # type: ignore[arg-type]
+                return Json({"run": run, "signal": name, "payload": payload, "sent": True, **sent_fields(sent)})
             if op == "cancel":
-                state = await self.engine.cancel(run, timeout=self._timeout(body))
+                state = await self.engine.cancel(run, timeout=self._timeout(body), **cancel_options(body))
                 return Json({"run_id": state.run_id, "status": state.status, "cancelled": state.status == "cancelled"})
             if op == "pause":
                 state = await self.engine.pause(run, timeout=self._timeout(body))
@@ -546,6 +546,14 @@ class Console:
             raise ValidationError("resolve needs the path of the cut-off step",
                                   hint='Send {"path": "1", "value": ...}, {"path": "1", "rerun": true} or '
                                        '{"path": "1", "fail": true}.', docs="docs/ui.md#json-api")
+        if body.get("dry_run") is True:  # what would be recorded, checked; nothing written
+            from .._engine.effects import plan
+
+            return Json(await anyio.to_thread.run_sync(lambda: plan(self.engine.operations, run, path, value=value,
+                                                                    rerun=rerun, fail=fail)))
+        if body.get("for_worker") is True:  # record the decision, leave the run due for a worker
+            state = await self.engine.resolve_effect(run, path, value=value, rerun=rerun, fail=fail, here=False)
+            return Json({"run_id": state.run_id, "status": state.status, "resolved": True})
         return await self._start(lambda found: self.engine.resolve_effect(run, path, value=value, rerun=rerun,
                                                                           fail=fail, on_run=found))
 
@@ -591,11 +599,31 @@ def parse_selector(value: Any) -> Any:
                           docs="docs/operations.md#retry-from-a-step")
 
 
+def sent_fields(sent: SignalSent) -> dict[str, Any]:
+    """What a signal's answer adds for remote clients: the run's id and status, its waits, and whether a process
+    held it (`SignalSent`, as `durably signal --json` tells it)."""
+    return {"run_id": sent.run_id, "status": sent.status, "awaited": sent.awaited, "held": sent.held}
+
+
+def cancel_options(body: dict[str, Any]) -> dict[str, Any]:
+    """`compensate` (a bool) and `cleanup` (seconds, or null) of a cancel request, checked."""
+    compensate = body.get("compensate", False)
+    cleanup = body.get("cleanup")
+    if not isinstance(compensate, bool) or not (cleanup is None or (isinstance(cleanup, int | float) and
+                                                                  not isinstance(cleanup, bool) and cleanup >= 0)):
+        raise ValidationError(f"compensate must be true or false and cleanup a number of seconds, got "
+                              f"{compensate!r} and {cleanup!r}", hint='Send e.g. {"compensate": true, "cleanup": 30}.',
+                              docs="docs/ui.md#json-api")
+    return {"compensate": compensate, "cleanup": cleanup}
+
+
 _END = object()  # what `anext` gives once a stream has no more chunks
 
 
 def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> Starlette:
     """The Starlette application of a console over `engine`."""
+    from .remote import remote_routes
+
     console = Console(engine, token, loopback, poll)
     routes = [
         Route("/", console.page),
@@ -609,6 +637,7 @@ def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> 
         Route("/api/runs/{run}/timeline", console.timeline),
         Route("/api/runs/{run}/graph", console.graph),
         Route("/api/runs/{run}/log", console.log),
+        *remote_routes(console),
         Route("/api/runs/{run}/events", console.run_events),
         Route("/api/runs/{run}/stream/{path}", console.step_stream),
         Route("/api/runs/{run}/{op}", console.operate, methods=["POST"]),
