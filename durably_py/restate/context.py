@@ -31,7 +31,7 @@ from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
 from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
-from .unsupported import unsupported
+from .unsupported import no_awakeables, unsupported
 
 PATCH_HINT = ("Register the changed code as a new Restate deployment: invocations already running stay on the "
               "deployment that started them, new ones take the new code (docs/restate.md#what-does-not-map).")
@@ -185,6 +185,9 @@ class RestateKernel:
         path = self.scope().alloc()
         slot = self._slots[name] = self._slots.get(name, -1) + 1
         return WaitOp(self._pump, path, name, slot, timeout, compiled)
+
+    def awakeable(self, timeout: float | None, schema: Any, name: str | None) -> NoReturn:
+        raise no_awakeables()
 
     # ---- recorded values --------------------------------------------------------------------------------
     def now(self) -> datetime:

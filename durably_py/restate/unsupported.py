@@ -13,3 +13,11 @@ def unsupported(feature: str, why: str, hint: str | None = None) -> NotSupported
         f"{feature} is not supported in Restate mode: {why}",
         hint=hint or "Run this workflow on FileStorage, SQLite or PostgreSQL to use it, or do without it here.",
         docs="docs/restate.md#what-does-not-map", feature=feature, mode=MODE)
+
+
+def no_awakeables() -> NotSupportedError:
+    """`ctx.awakeable` on Restate: not mapped to Restate's awakeables yet; `ctx.wait_for` is the alternative."""
+    return unsupported("ctx.awakeable", "awakeables are not mapped to Restate's awakeables yet",
+                       "Wait for the outside answer with ctx.wait_for(name, timeout=...) (a Restate durable promise) "
+                       "and have the outside system resolve it with `durably signal RUN NAME JSON`, or run this "
+                       "workflow on FileStorage, SQLite or PostgreSQL to use ctx.awakeable.")
