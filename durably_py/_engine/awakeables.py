@@ -97,6 +97,7 @@ class Awakeables:
         if token is not None and not secrets.compare_digest(str(token).encode(), rec.token.encode()):
             raise AwakeableTokenError(f"the callback token is not the one of awakeable {rec.id}", docs=DOCS,
                                       awakeable=rec.id)
+        self.refuse_settled(run_id, path, history, rec)
         rejected = error is not None
         if rejected:
             if not isinstance(error, str) or not error:
@@ -110,7 +111,6 @@ class Awakeables:
             if rec.schema is not None:
                 check(msgspec.to_builtins(value), rec.schema, f"awakeable {rec.id}")
             payload = {"value": wire}
-        self.refuse_settled(run_id, path, history, rec)
         name = SIGNAL + path
         message_id = secrets.token_hex(8)
         try:
