@@ -37,7 +37,7 @@ def resolve_awakeable(
         if reject is not None and value is not None:
             raise ValidationError("give the value JSON or --reject MESSAGE, not both",
                                   hint="durably resolve-awakeable ID '{\"ok\": true}', or durably resolve-awakeable "
-                                       "ID --reject 'declined'", docs="docs/cli.md#resolve-awakeable")
+                                       "ID --reject 'declined'", docs="docs/cli.md#durably-resolve-awakeable")
         engine = target.engine
         if reject is not None:
             done = asyncio.run(engine.reject_awakeable(awakeable, reject))
