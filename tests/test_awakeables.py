@@ -391,3 +391,35 @@ def test_a_worker_parks_it_a_post_to_the_real_console_resolves_it_with_no_worker
         assert asyncio.run(engine.inspect(order)).result == {"n": 7, "paid": {"charge": "ch_1"}}
     finally:
         console.close()
+
+
+def test_a_process_killed_while_it_waits_leaves_the_awakeable_that_the_resumed_run_gets_back(tmp_path: Path) -> None:
+    (tmp_path / "flows.py").write_text(SCRIPT)
+    state = tmp_path / ".durably"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), DURABLY_CALLBACK_URL="https://hooks.example")
+    waiting = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "run", "flows.py", "-w", "order", "-i", "9",
+                                "--dir", str(state)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (tmp_path / "callback-url").exists() or waiting.poll() is not None, 60)
+        assert waiting.poll() is None
+        url = (tmp_path / "callback-url").read_text()
+        run_id = urllib.parse.urlsplit(url).path.split("/")[2].rsplit(":", 1)[0]
+        engine = Engine(FileStorage(state))
+        wait_until(lambda: any(s.label == "hand_out" and s.status == "ok"
+                               for s in asyncio.run(engine.inspect(run_id)).steps), 30)
+    finally:
+        waiting.kill()  # SIGKILL while it waits on the awakeable
+        waiting.wait(timeout=30)
+    awakeable = urllib.parse.urlsplit(url).path.split("/")[2]
+    assert [a["id"] for a in asyncio.run(engine.inspect(run_id)).awakeables] == [awakeable]
+    assert durably("resolve-awakeable", awakeable, '"paid"', "--dir", str(state)).returncode == 0
+    (tmp_path / "callback-url").unlink()
+    done = subprocess.run([sys.executable, "-m", "durably_py.cli", "retry", run_id, "--dir", str(state)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert asyncio.run(engine.inspect(run_id)).result == {"n": 9, "paid": "paid"}
+    assert not (tmp_path / "callback-url").exists()  # the step that handed the URL out did not run again
+    kinds = [r["t"] for r in asyncio.run(engine.records(run_id))]
+    assert kinds.count("awk") == 1 and kinds.count("claim") == 2
