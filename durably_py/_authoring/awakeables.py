@@ -13,14 +13,11 @@ The local kernel's part is `_replay.awakeables`; resolving is the engine's (`_en
 from __future__ import annotations
 
 import re
-from collections.abc import Generator
+from collections.abc import Awaitable, Generator
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import AwakeableNotFoundError, ValidationError
-
-if TYPE_CHECKING:
-    from .handles import Handle
 
 __all__ = ["SIGNAL", "Awakeable", "awakeable_id", "callback_url", "check_name", "parse_id"]
 
@@ -70,15 +67,16 @@ class Awakeable(Generic[T]):
     __slots__ = ("id", "url", "deadline", "name", "_handle")
 
     def __init__(self, id: str, url: str | None, deadline: datetime | None, name: str | None,
-                 handle: Handle[T]) -> None:
+                 handle: Awaitable[T]) -> None:
         self.id = id  # what `resolve_awakeable(id, value)` and `durably resolve-awakeable ID` take
         self.url = url  # the callback URL (None when the engine has no callback_url)
         self.deadline = deadline  # when it fails unresolved (None: never)
         self.name = name
         self._handle = handle
 
-    def result(self) -> Handle[T]:
-        """The outcome as a handle (an `asyncio.Future`): await it, or hand it to `ctx.first`/`asyncio.gather`."""
+    def result(self) -> Awaitable[T]:
+        """The outcome as a handle (locally an `asyncio.Future`): await it, or hand it to `ctx.first` /
+        `asyncio.gather`."""
         return self._handle
 
     def __await__(self) -> Generator[Any, None, T]:

@@ -65,7 +65,7 @@ class Awakeables:
         self.op = op
         self.base_url = base_url
 
-    def create(self, timeout: float | None, schema: Any, name: str | None) -> Awakeable[Any]:
+    async def create(self, timeout: float | None, schema: Any, name: str | None) -> Awakeable[Any]:
         """`ctx.awakeable`: allocate the path now, record the awakeable there the first time (durably, before its
         id can leave the run), and return it; its outcome replays from the log once recorded."""
         timeout = check_timeout(timeout, "ctx.awakeable timeout=")

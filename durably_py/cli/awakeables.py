@@ -13,9 +13,10 @@ from .._run_command import parse_input
 from ..errors import ValidationError
 from .options import OPTIONS, Options, shared
 from .render import err_console
+from .target import RestateTarget
 
 
-@shared("dir", "storage", "as_json", "output", "debug", "restate")
+@shared("dir", "storage", "as_json", "output", "debug", "restate", "restate_admin")
 def resolve_awakeable(
     awakeable: Annotated[str, typer.Argument(metavar="ID", show_default=False,
                                              help="The awakeable's id (`a.id` in the workflow; `durably inspect` "
@@ -31,14 +32,23 @@ def resolve_awakeable(
     """Resolve awakeable ID with JSON (or reject it with --reject MESSAGE): the run waiting on it continues, at
     once in the process that waits, else with the next worker (or `durably retry`). Refused, with nothing
     changed (exit 2), when it is unknown, resolved already, past its deadline, or JSON does not match its schema."""
-    target = opts.local("durably resolve-awakeable")
     as_json = opts.json_output()
     with opts.guard():
         if reject is not None and value is not None:
             raise ValidationError("give the value JSON or --reject MESSAGE, not both",
                                   hint="durably resolve-awakeable ID '{\"ok\": true}', or durably resolve-awakeable "
                                        "ID --reject 'declined'", docs="docs/cli.md#durably-resolve-awakeable")
-        engine = target.engine
+        target = opts.target()
+        if isinstance(target, RestateTarget):
+            target.client.resolve_awakeable(awakeable, parse_input(value, "JSON") if reject is None else None,
+                                            error=reject)
+            if as_json:
+                opts.print_json({"awakeable": awakeable, "rejected": reject is not None, "resolved": True})
+            else:
+                err_console().print(Text(f"{'rejected' if reject is not None else 'resolved'} {awakeable} on "
+                                         f"{target.where()}", "green"))
+            return
+        engine = target.local("durably resolve-awakeable").engine
         if reject is not None:
             done = asyncio.run(engine.reject_awakeable(awakeable, reject))
         else:
