@@ -323,6 +323,7 @@ class Engine:
                 raise
             self.storage.schedule(run_id, parked.at, wait=parked.names)
             missed_wakeup(self.storage, run_id, parked.names)
+            parked_on = parked.names  # a signal or resolution sent while it parked wakes it (below)
             raise
         except StaleRunError as exc:
             try:
