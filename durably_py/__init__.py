@@ -23,6 +23,7 @@ from ._engine.awakeables import AwakeableResolution
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
 from ._engine.operations import BulkResult
 from ._engine.queue import QueueInfo
+from ._engine.upgrades import SourceDiff
 from ._events import StepEvent
 from ._state.advisories import Advisory
 from ._state.history import RunState, SignalSent, StepState
@@ -127,6 +128,7 @@ __all__ = [
     "PurityError",
     "Queue",
     "QueueInfo",
+    "SourceDiff",
     "RateLimit",
     "ReplayDivergenceError",
     "Resource",

@@ -119,6 +119,7 @@ class Header(_Base, tag="run", omit_defaults=False):
     queue: str | None = None  # the named queue it was enqueued on (None: "default")
     partition: str | None = None  # and its partition there, if any
     forked_from: dict[str, Any] | None = None  # a fork's lineage: {"run", "path", "label", "edited"}
+    source: str | None = None  # sha256 of the source file defining the workflow (kept in the store: `Blobs`)
     ts: float | None = None
 
 
@@ -132,9 +133,11 @@ class Claim(_Base, tag="claim"):
 
 
 class Code(_Base, tag="code"):
-    """The workflow's code fingerprint changed since the header (a resume with edited code)."""
+    """The workflow's code changed since the header (a resume with edited code): its function's fingerprint
+    and the digest of the source file defining it, as the resuming process has them."""
 
     fingerprint: str | None
+    source: str | None = None
     ts: float | None = None
 
 
@@ -283,11 +286,13 @@ class Wake(_Base, tag="wake"):
 
 
 class Wait(_Base, tag="wait", omit_defaults=False):
-    """A wait for signal `name`, until `deadline` (ISO 8601) if any."""
+    """A wait for signal `name`, until `deadline` (ISO 8601) if any; `schema` is the JSON Schema of its
+    `schema=` when it has one (the console's form), absent otherwise (and in logs written before it)."""
 
     path: str = msgspec.field(name="p")
     name: str
     deadline: str | None = None
+    schema: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # never written as null: absent when unknown
     ts: float | None = None
 
 

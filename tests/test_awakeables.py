@@ -147,8 +147,8 @@ def test_bad_resolutions_are_refused_and_change_nothing(tmp_path: Path) -> None:
 
     bad: list[tuple[Any, type[Exception], str]] = [
         (lambda: engine.resolve_awakeable(awakeable, {"approved": "maybe", "by": "x"}), ValidationError,
-         "invalid value at value.approved"),
-        (lambda: engine.resolve_awakeable(awakeable, {"approved": True}), ValidationError, "missing required field"),
+         "invalid value at $.approved: expected true or false"),
+        (lambda: engine.resolve_awakeable(awakeable, {"approved": True}), ValidationError, "invalid value at $.by: a required field is missing"),
         (lambda: engine.resolve_awakeable(f"{run_id}:7", {}), AwakeableNotFoundError, "created no awakeable"),
         (lambda: engine.resolve_awakeable("nobody-0000:0", {}), AwakeableNotFoundError, "no such run"),
         (lambda: engine.resolve_awakeable("not an id", {}), AwakeableNotFoundError, "is not an awakeable id"),

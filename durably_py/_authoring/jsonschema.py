@@ -1,65 +1,66 @@
-"""A schema as JSON Schema, and checking a JSON value against one, for values that arrive from outside a run.
+"""Check a JSON value against a recorded JSON Schema, without the type it was made from.
 
-An awakeable's `schema=` is compiled in the workflow (`schema.compile_schema`), but it is resolved from
-another process (the CLI, the console, a callback) that has none of the workflow's code. So the awakeable
-records its schema as JSON Schema (`json_schema`: msgspec's for a type, the model's own for pydantic), and the
-resolving side checks a value against that document (`check`) before anything is stored: a value that does not
-match is a `ValidationError` naming where, and nothing changes. The run converts the value with the compiled
-schema as `ctx.wait_for(schema=)` does, which stays the final word (a pydantic validator, a callable schema).
-
-`check` covers what msgspec and pydantic generate: ``$ref`` into ``$defs``, ``anyOf`` / ``oneOf`` / ``allOf``,
-``type``, ``enum``, ``const``, ``properties`` / ``required`` / ``additionalProperties``, ``items`` /
-``prefixItems``, lengths, bounds and ``pattern``; other keywords are not checked.
+A `ctx.wait_for(name, schema=...)` records its spec's JSON Schema (`Schema.json_schema`) in its `wait` record,
+so the console can check a value a person submits before it becomes a signal, without importing the
+workflow's code. This is the part of JSON Schema (2020-12) that msgspec and pydantic write: `type`, `enum`,
+`const`, `properties`, `required`, `additionalProperties`, `items`, `prefixItems`, `minItems`, `maxItems`,
+`uniqueItems`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `minLength`,
+`maxLength`, `pattern`, the `date-time` / `date` / `time` / `uuid` formats, `anyOf`, `oneOf`, `allOf`, `not`
+and local `$ref`s (`#/$defs/...`, `#/definitions/...`). Other keywords (titles, defaults, descriptions)
+describe and do not constrain. The check is strict JSON, as a form sends it ("42" is not an integer); the
+workflow still converts the value with its own schema when it reads the signal.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
+__all__ = ["Problem", "check"]
 
-from ..errors import ValidationError
-from .schema import Schema
-
-__all__ = ["check", "json_schema"]
-
-_DEPTH = 64
+_MAX_DEPTH = 64
+_WANTED = re.compile(r"^expected (.*)[;,] got ", re.DOTALL)
 
 
-def json_schema(schema: Schema | None) -> dict[str, Any] | None:
-    """The JSON Schema of a compiled schema (None: none, or a callable validator, which has no JSON Schema)."""
-    if schema is None:
+@dataclass(frozen=True)
+class Problem:
+    """Why a value does not fit: where (`$.amount`, `$.items[2]`), the top-level field it is in, and what."""
+
+    path: str
+    field: str | None
+    detail: str
+
+    def text(self) -> str:
+        """`invalid value at $.amount: expected a number >= 1, got 0`."""
+        return f"invalid value at {self.path}: {self.detail}"
+
+
+def check(schema: Any, value: Any) -> Problem | None:
+    """The first reason `value` does not fit `schema`, or None when it fits (a schema of `{}` or `true` takes
+    anything)."""
+    found = _Checker(schema if isinstance(schema, dict) else {}).check(schema, value, (), 0)
+    if found is None:
         return None
-    spec = schema.spec
-    try:
-        if schema.kind == "type":
-            doc = msgspec.json.schema(spec)
-        elif schema.kind == "pydantic":
-            make = getattr(spec, "model_json_schema", None) or getattr(spec, "json_schema", None)
-            if make is None:
-                return None
-            doc = make()
-        else:
-            return None
-    except Exception:  # noqa: BLE001 - a type without a JSON Schema is checked by the run alone
-        return None
-    return doc if isinstance(doc, dict) else None
+    where, detail = found
+    field = where[0] if where and isinstance(where[0], str) else None
+    return Problem(_render(where), field, detail)
 
 
-def check(value: Any, doc: dict[str, Any], where: str) -> None:
-    """Raise `ValidationError` naming the first place where `value` (plain JSON) does not match `doc`."""
-    problem = _problem(value, doc, doc, "value", 0)
-    if problem is not None:
-        at, why = problem
-        raise ValidationError(f"{where}: invalid value at {at}: {why}",
-                              hint="Send a value that matches the schema the workflow declared (`durably inspect "
-                                   "RUN --json` shows it under the awakeable); nothing was changed.",
-                              docs="docs/authoring.md#awakeables-and-callbacks", path=at)
+def _render(where: tuple[str | int, ...]) -> str:
+    """`("items", 2, "name")` as `$.items[2].name`."""
+    return "$" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in where)
 
 
-def _kind(value: Any) -> str:
+_Found = tuple[tuple[str | int, ...], str] | None
+
+
+def _type_of(value: Any) -> str:
+    """The JSON type name of a decoded JSON value."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -77,130 +78,232 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _is(value: Any, kind: str) -> bool:
-    got = _kind(value)
+def _is(kind: str, value: Any) -> bool:
+    """True when `value` is of JSON Schema type `kind` (1.0 is an integer; a boolean is not a number)."""
+    actual = _type_of(value)
     if kind == "number":
-        return got in ("integer", "number")
+        return actual in ("integer", "number") and (actual == "integer" or math.isfinite(value))
     if kind == "integer":
-        return got == "integer" or got == "number" and math.isfinite(value) and float(value).is_integer()
-    return got == kind
+        return actual == "integer" or (actual == "number" and math.isfinite(value) and float(value).is_integer())
+    return actual == kind
 
 
-def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any] | None:
-    if not ref.startswith("#/"):
-        return None
-    node: Any = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node if isinstance(node, dict) else None
+_A = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+      "null": "null", "array": "a list", "object": "an object"}
 
 
-def _problem(value: Any, doc: Any, root: dict[str, Any], at: str, depth: int) -> tuple[str, str] | None:
-    """Where and why `value` does not match `doc` (None: it matches)."""
-    if not isinstance(doc, dict) or depth > _DEPTH:
-        return None
-    if "$ref" in doc:
-        target = _resolve(str(doc["$ref"]), root)
-        found = _problem(value, target, root, at, depth + 1) if target is not None else None
-        if found is not None:
-            return found
-    for key in ("anyOf", "oneOf"):
-        options = doc.get(key)
-        if isinstance(options, list) and options:
-            problems = [_problem(value, o, root, at, depth + 1) for o in options]
-            if all(p is not None for p in problems):
-                deepest = max((p for p in problems if p is not None), key=lambda p: len(p[0]))
-                return deepest if deepest[0] != at else (at, f"{_preview(value)} matches none of the allowed shapes")
-    for sub in doc.get("allOf") or ():
-        found = _problem(value, sub, root, at, depth + 1)
-        if found is not None:
-            return found
-    kinds = doc.get("type")
-    if kinds is not None:
-        wanted = kinds if isinstance(kinds, list) else [kinds]
-        if not any(_is(value, str(k)) for k in wanted):
-            return at, f"expected {' or '.join(map(str, wanted))}, got {_kind(value)} {_preview(value)}"
-    if "const" in doc and value != doc["const"]:
-        return at, f"expected {doc['const']!r}, got {_preview(value)}"
-    if isinstance(doc.get("enum"), list) and value not in doc["enum"]:
-        return at, f"expected one of {', '.join(map(repr, doc['enum']))}, got {_preview(value)}"
-    if isinstance(value, dict):
-        return _object(value, doc, root, at, depth)
-    if isinstance(value, list):
-        return _array(value, doc, root, at, depth)
+_NOUN = {**_A, "boolean": "a boolean", "null": "null"}
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a submitted value for a message: JSON-like, long ones cut."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
-        return _text(value, doc, at)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return _number(value, doc, at)
-    return None
+        text = '"' + value.replace('"', '\\"') + '"'
+    elif isinstance(value, dict | list):
+        text = repr(value) if len(repr(value)) <= 40 else _A[_type_of(value)]
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _object(value: dict[str, Any], doc: dict[str, Any], root: dict[str, Any], at: str,
-            depth: int) -> tuple[str, str] | None:
-    found_props = doc.get("properties")
-    props: dict[str, Any] = found_props if isinstance(found_props, dict) else {}
-    for name in doc.get("required") or ():
-        if name not in value:
-            return at, f"missing required field {name!r}"
-    extra = doc.get("additionalProperties", True)
-    for name, item in value.items():
-        if name in props:
-            found = _problem(item, props[name], root, f"{at}.{name}", depth + 1)
-        elif extra is False:
-            return at, f"unknown field {name!r} (allowed: {', '.join(props) or 'none'})"
-        else:
-            found = _problem(item, extra, root, f"{at}.{name}", depth + 1)
-        if found is not None:
-            return found
-    return None
+def _time_format(fmt: str) -> Callable[[str], Any] | None:
+    """The parser that checks a string `format`, for the formats a form may meet; None for the others."""
+    def date_time(text: str) -> Any:
+        if "T" not in text.upper() and " " not in text:
+            raise ValueError(text)
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+
+    return {"date-time": date_time, "date": datetime.date.fromisoformat,
+            "time": lambda t: datetime.time.fromisoformat(t.replace("Z", "+00:00")), "uuid": uuid.UUID}.get(fmt)
 
 
-def _array(value: list[Any], doc: dict[str, Any], root: dict[str, Any], at: str,
-           depth: int) -> tuple[str, str] | None:
-    if isinstance(doc.get("minItems"), int) and len(value) < doc["minItems"]:
-        return at, f"expected at least {doc['minItems']} items, got {len(value)}"
-    if isinstance(doc.get("maxItems"), int) and len(value) > doc["maxItems"]:
-        return at, f"expected at most {doc['maxItems']} items, got {len(value)}"
-    found_prefix = doc.get("prefixItems")
-    prefix: list[Any] = found_prefix if isinstance(found_prefix, list) else []
-    for i, item in enumerate(value):
-        sub = prefix[i] if i < len(prefix) else doc.get("items")
-        if sub is False:
-            return at, f"expected at most {len(prefix)} items, got {len(value)}"
-        found = _problem(item, sub, root, f"{at}[{i}]", depth + 1)
-        if found is not None:
-            return found
-    return None
+class _Checker:
+    """One check of a value against a schema document (its root holds the `$defs` refs point at)."""
 
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
 
-def _text(value: str, doc: dict[str, Any], at: str) -> tuple[str, str] | None:
-    if isinstance(doc.get("minLength"), int) and len(value) < doc["minLength"]:
-        return at, f"expected at least {doc['minLength']} characters, got {len(value)}"
-    if isinstance(doc.get("maxLength"), int) and len(value) > doc["maxLength"]:
-        return at, f"expected at most {doc['maxLength']} characters, got {len(value)}"
-    pattern = doc.get("pattern")
-    if isinstance(pattern, str):
-        try:
-            if re.search(pattern, value) is None:
-                return at, f"{_preview(value)} does not match the pattern {pattern!r}"
-        except re.error:
+    def resolve(self, ref: str) -> Any:
+        """The schema a local `$ref` names; a ref that leads nowhere constrains nothing."""
+        if not ref.startswith("#"):
+            return {}
+        node: Any = self.root
+        for part in ref[1:].split("/"):
+            if not part:
+                continue
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                return {}
+            node = node[part]
+        return node
+
+    def check(self, schema: Any, value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        """The first misfit of `value` under `schema` at `where`, or None."""
+        if schema is True or schema is None:
             return None
-    return None
+        if schema is False:
+            return where, "no value is allowed here"
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return None
+        if "$ref" in schema and isinstance(schema["$ref"], str):
+            found = self.check(self.resolve(schema["$ref"]), value, where, depth + 1)
+            if found is not None:
+                return found
+        for check in (self._choices, self._type, self._combined, self._number, self._string, self._array,
+                      self._object):
+            found = check(schema, value, where, depth)
+            if found is not None:
+                return found
+        return None
+
+    def _choices(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        if "const" in schema and not _same(value, schema["const"]):
+            return where, f"expected {_show(schema['const'])}, got {_show(value)}"
+        choices = schema.get("enum")
+        if isinstance(choices, list) and not any(_same(value, choice) for choice in choices):
+            shown = ", ".join(_show(c) for c in choices[:10]) + (", ..." if len(choices) > 10 else "")
+            return where, f"expected one of {shown}; got {_show(value)}"
+        return None
+
+    def _type(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        kinds = schema.get("type")
+        if kinds is None:
+            return None
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+        if any(_is(kind, value) for kind in kinds):
+            return None
+        wanted = " or ".join(_A.get(kind, str(kind)) for kind in kinds)
+        actual = _type_of(value)
+        shown = "" if actual in ("object", "array", "null") else f" {_show(value)}"
+        return where, f"expected {wanted}, got {_NOUN.get(actual, actual)}{shown}"
+
+    def _combined(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        for sub in schema.get("allOf") or ():
+            found = self.check(sub, value, where, depth + 1)
+            if found is not None:
+                return found
+        for key in ("anyOf", "oneOf"):
+            options = schema.get(key)
+            if not isinstance(options, list) or not options:
+                continue
+            misfits = [self.check(sub, value, where, depth + 1) for sub in options]
+            fits = sum(found is None for found in misfits)
+            if fits == 0:
+                return _closest(misfits, where, value)
+            if key == "oneOf" and fits > 1:
+                return where, f"{_show(value)} fits more than one of the allowed shapes"
+        if "not" in schema and self.check(schema["not"], value, where, depth + 1) is None:
+            return where, f"{_show(value)} is not allowed here"
+        return None
+
+    def _number(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        if not _is("number", value):
+            return None
+        for key, fails, words in (("minimum", lambda x, n: x < n, ">="), ("maximum", lambda x, n: x > n, "<="),
+                                  ("exclusiveMinimum", lambda x, n: x <= n, ">"),
+                                  ("exclusiveMaximum", lambda x, n: x >= n, "<")):
+            bound = schema.get(key)
+            if isinstance(bound, int | float) and not isinstance(bound, bool) and fails(value, bound):
+                return where, f"expected a number {words} {bound:g}, got {_show(value)}"
+        step = schema.get("multipleOf")
+        if isinstance(step, int | float) and not isinstance(step, bool) and step > 0:
+            ratio = value / step
+            if not math.isclose(ratio, round(ratio), rel_tol=0, abs_tol=1e-9):
+                return where, f"expected a multiple of {step:g}, got {_show(value)}"
+        return None
+
+    def _string(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        if not isinstance(value, str):
+            return None
+        low, high = schema.get("minLength"), schema.get("maxLength")
+        if isinstance(low, int) and len(value) < low:
+            return where, f"expected at least {low} character{'s' if low != 1 else ''}, got {len(value)}"
+        if isinstance(high, int) and len(value) > high:
+            return where, f"expected at most {high} character{'s' if high != 1 else ''}, got {len(value)}"
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str):
+            try:
+                matched = re.search(pattern, value) is not None
+            except re.error:
+                matched = True  # a pattern Python cannot read constrains nothing here; the workflow decides
+            if not matched:
+                return where, f"expected text matching {pattern!r}, got {_show(value)}"
+        parse = _time_format(schema.get("format", "")) if isinstance(schema.get("format"), str) else None
+        if parse is not None:
+            try:
+                parse(value)
+            except ValueError:
+                return where, f"expected a {schema['format']} string, got {_show(value)}"
+        return None
+
+    def _array(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        if not isinstance(value, list):
+            return None
+        low, high = schema.get("minItems"), schema.get("maxItems")
+        if isinstance(low, int) and len(value) < low:
+            return where, f"expected at least {low} item{'s' if low != 1 else ''}, got {len(value)}"
+        if isinstance(high, int) and len(value) > high:
+            return where, f"expected at most {high} item{'s' if high != 1 else ''}, got {len(value)}"
+        prefix = schema.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        for i, item in enumerate(value):
+            sub = prefix[i] if i < len(prefix) else schema.get("items", True)
+            found = self.check(sub, item, (*where, i), depth + 1)
+            if found is not None:
+                return found
+        if schema.get("uniqueItems") is True:
+            for i, item in enumerate(value):
+                if any(_same(item, other) for other in value[:i]):
+                    return (*where, i), f"{_show(item)} is repeated; the items must differ"
+        return None
+
+    def _object(self, schema: dict[str, Any], value: Any, where: tuple[str | int, ...], depth: int) -> _Found:
+        if not isinstance(value, dict):
+            return None
+        for name in schema.get("required") or ():
+            if name not in value:
+                return (*where, name), "a required field is missing"
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        extra = schema.get("additionalProperties", True)
+        for name, item in value.items():
+            if name in properties:
+                found = self.check(properties[name], item, (*where, name), depth + 1)
+            elif extra is False:
+                allowed = ", ".join(sorted(properties)) or "none"
+                return (*where, name), f"an unknown field (the fields are: {allowed})"
+            else:
+                found = self.check(extra, item, (*where, name), depth + 1)
+            if found is not None:
+                return found
+        return None
 
 
-def _number(value: float, doc: dict[str, Any], at: str) -> tuple[str, str] | None:
-    for key, fails, says in (("minimum", lambda b: value < b, ">="), ("maximum", lambda b: value > b, "<="),
-                             ("exclusiveMinimum", lambda b: value <= b, ">"),
-                             ("exclusiveMaximum", lambda b: value >= b, "<")):
-        bound = doc.get(key)
-        if isinstance(bound, int | float) and not isinstance(bound, bool) and fails(bound):
-            return at, f"expected a number {says} {bound}, got {value}"
-    return None
+def _closest(misfits: list[_Found], where: tuple[str | int, ...], value: Any) -> _Found:
+    """The misfit of a failed `anyOf` to report: the one deepest inside the value (it got furthest), else one
+    listing what would have fitted."""
+    deepest = max((m for m in misfits if m is not None), key=lambda m: len(m[0]))
+    if len(deepest[0]) > len(where):
+        return deepest
+    shapes = [_WANTED.match(m[1]) for m in misfits if m is not None]
+    if all(shapes):
+        wanted = dict.fromkeys(m.group(1) for m in shapes if m)
+        return where, f"expected {' or '.join(wanted)}; got {_show(value)}"
+    return deepest
 
 
-def _preview(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 equals 1.0, but true is not 1 and "1" is not 1."""
+    ta, tb = _type_of(a), _type_of(b)
+    numbers = ("integer", "number")
+    if ta != tb and not (ta in numbers and tb in numbers):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)

@@ -32,9 +32,13 @@ import msgspec.inspect as mi
 
 from ..errors import SerializationError, ValidationError
 
-__all__ = ["Schema", "compile_schema", "to_builtins"]
+__all__ = ["JSON_SCHEMA_MAX", "Schema", "compile_schema", "to_builtins"]
+
+JSON_SCHEMA_MAX = 65_536
+"""Bytes a spec's JSON Schema may take to be recorded with a wait (a larger one is left out: no form)."""
 
 _KEEP_TYPES = (datetime.datetime,)
+_UNKNOWN = object()
 _CACHE: dict[Any, Schema] = {}
 _BASE: dict[Any, Schema] = {}
 _CACHE_MAX = 2048
@@ -53,13 +57,35 @@ _SPEC_HINT = (
 class Schema:
     """A compiled spec: `convert` turns stored builtins into the declared type, `to_builtins` goes back."""
 
-    __slots__ = ("spec", "where", "kind", "name")
+    __slots__ = ("spec", "where", "kind", "name", "_json_schema")
 
     def __init__(self, spec: Any, where: str, kind: str, name: str) -> None:
         self.spec = spec
         self.where = where
         self.kind = kind
         self.name = name
+        self._json_schema: Any = _UNKNOWN
+
+    def json_schema(self) -> dict[str, Any] | None:
+        """The spec's JSON Schema (computed once), or None when it has none a form could use.
+
+        Recorded with a `ctx.wait_for` so the console can render the wait as a form and check a submitted
+        value without importing the workflow's code. msgspec types get `msgspec.json.schema`, pydantic specs
+        their own `model_json_schema` / `TypeAdapter.json_schema`; a validator function has none, and neither
+        has a spec whose schema cannot be built or is larger than `JSON_SCHEMA_MAX` bytes."""
+        if self._json_schema is _UNKNOWN:
+            try:
+                found = self._build_json_schema()
+                if found is not None and len(msgspec.json.encode(found)) > JSON_SCHEMA_MAX:
+                    found = None
+            except Exception:
+                found = None
+            self._json_schema = found
+        return self._json_schema
+
+    def _build_json_schema(self) -> dict[str, Any] | None:
+        """The JSON Schema of the spec, or None (a validator function: nothing to describe)."""
+        return None
 
     def convert(self, value: Any, path: str) -> Any:
         """Return `value` (JSON types plus datetime) as the declared type; raise ValidationError naming the path."""
@@ -95,6 +121,10 @@ class _TypeSchema(Schema):
 
     __slots__ = ()
 
+    def _build_json_schema(self) -> dict[str, Any] | None:
+        """msgspec's JSON Schema of the type."""
+        return msgspec.json.schema(self.spec)
+
     def convert(self, value: Any, path: str) -> Any:
         """Return `value` converted by msgspec in lax mode."""
         try:
@@ -112,6 +142,23 @@ class _PydanticSchema(Schema):
         super().__init__(spec, where, "pydantic", name)
         self._validate = validate
         self._dump = dump
+
+    def _build_json_schema(self) -> dict[str, Any] | None:
+        """pydantic's JSON Schema (validation mode) of the model, dataclass or adapter."""
+        spec: Any = self.spec
+        model_schema = getattr(spec, "model_json_schema", None)
+        if isinstance(spec, type) and callable(model_schema):
+            return model_schema()
+        if callable(getattr(spec, "json_schema", None)):
+            return spec.json_schema()
+        if dataclasses.is_dataclass(spec):
+            import pydantic
+
+            return pydantic.TypeAdapter(spec).json_schema()
+        v1_schema = getattr(spec, "schema_json", None)
+        if isinstance(spec, type) and callable(v1_schema):
+            return json.loads(v1_schema())  # pydantic v1
+        return None
 
     def convert(self, value: Any, path: str) -> Any:
         """Return `value` validated by pydantic."""

@@ -25,6 +25,33 @@ def _fingerprint(fn: Callable[..., Any]) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+_SOURCES: dict[str, tuple[str, bytes] | None] = {}  # source file -> as this process first read it
+
+
+def source_of(fn: Callable[..., Any]) -> tuple[str, bytes] | None:
+    """The sha256 (hex) and bytes of the source file defining `fn` as this process first read it (when its first
+    workflow was declared, so as it was imported), None where there is no file (code built by `exec`): what a
+    run's header records as its `source` and the store keeps once (docs/versioning.md#upgrades)."""
+    try:
+        path = inspect.getsourcefile(fn)
+    except TypeError:
+        return None
+    if not path:
+        return None
+    try:
+        return _SOURCES[path]
+    except KeyError:
+        pass
+    try:
+        text = Path(path).read_bytes()
+        found: tuple[str, bytes] | None = hashlib.sha256(text).hexdigest(), text
+    except OSError:
+        found = None
+    if len(_SOURCES) < 4096:
+        _SOURCES[path] = found
+    return found
+
+
 class Workflow:
     """A durable workflow: `async def fn(ctx)` or `async def fn(ctx, input)` plus its name and schemas."""
 
@@ -51,6 +78,7 @@ class Workflow:
         self.name = name or fn.__qualname__
         self.takes_input = len(params) == 2
         self.fingerprint = _fingerprint(fn)
+        self._source = source_of(fn)  # the file as imported, before anyone edits it
         self.input_schema = compile_schema(input, f"input schema of workflow {self.name!r}")
         self.output_schema = compile_schema(output, f"output schema of workflow {self.name!r}")
         self.queue = check_queue_name(queue) if queue is not None else None  # where `enqueue` puts its runs
@@ -59,6 +87,11 @@ class Workflow:
         self.__qualname__ = getattr(fn, "__qualname__", self.name)
         self.__module__ = fn.__module__
         REGISTRY[self.name] = self
+
+    @property
+    def source(self) -> tuple[str, bytes] | None:
+        """The digest and bytes of the file defining the workflow, as this process imported it (`source_of`)."""
+        return self._source
 
     def __call__(self, ctx: Any, input: Any = None) -> Awaitable[Any]:
         return self.fn(ctx, input) if self.takes_input else self.fn(ctx)

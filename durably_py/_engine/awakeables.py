@@ -108,8 +108,13 @@ class Awakeables:
         else:
             value = None if value is MISSING else value
             wire = dump_value(value, "value")
-            if rec.schema is not None:
-                check(msgspec.to_builtins(value), rec.schema, f"awakeable {rec.id}")
+            problem = check(rec.schema, msgspec.to_builtins(value)) if rec.schema is not None else None
+            if problem is not None:
+                what = f"field {problem.field!r}" if problem.field else "the value"
+                raise ValidationError(f"awakeable {rec.id}: {problem.text()}", path=problem.path, field=problem.field,
+                                      hint=f"Correct {what} and resolve it again: it must match the schema the "
+                                           "workflow declared (`durably inspect RUN --json` shows it); nothing was "
+                                           "changed.", docs=DOCS)
             payload = {"value": wire}
         name = SIGNAL + path
         message_id = secrets.token_hex(8)

@@ -480,7 +480,7 @@ class ChildRuns:
                     wire = dump_value(schema.to_builtins(schema.convert(load_value(wire), "child input")), "child input")
                 run_id = _ids.new_run_id(workflow.name)
                 header = new_header(run_id, workflow, wire, digest(load_value(wire)), None, identity, None,
-                                    parent=parent, detached=detached)
+                                    self.storage, parent=parent, detached=detached)
                 batch.append(NewRun(run_id, header, identity, found, queued or detached))
                 run_ids.append(run_id)
                 if not queued and not detached and len(self.fresh) < FRESH_MAX:

@@ -34,7 +34,7 @@ from .._worker.worker import Worker, check_concurrency
 from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationError
 from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
-from . import effects, versioning
+from . import effects, upgrades, versioning
 from .awakeables import MISSING as NO_VALUE
 from .awakeables import AwakeableResolution, Awakeables, open_awakeables
 from .children import ChildRuns, joined
@@ -577,8 +577,11 @@ class Engine:
             kernel.write(log_format.Reopen(ts=time.time()))
         kernel.retrying = failed or retried
         kernel.parks = stopping is not None and not kernel.retrying
-        if kernel.code_changed and history.fingerprint != workflow.fingerprint:
-            kernel.write(log_format.Code(fingerprint=workflow.fingerprint))
+        if kernel.code_changed:
+            source = workflow.source
+            now = source[0] if source is not None else None
+            if history.fingerprint != workflow.fingerprint or history.source != now:
+                kernel.write(log_format.Code(fingerprint=workflow.fingerprint, source=now))
         if budget is not None and budget != history.budget:
             kernel.write(log_format.Budget(budget=budget))
             kernel.budget = budget
@@ -671,6 +674,20 @@ class Engine:
         """Retry every failed or interrupted run `list(status=, workflow=)` selects, in this process; returns
         each run's state afterwards and, for each it could not retry, why."""
         return await self.operations.retry_many(status=status, workflow=workflow, dry_run=dry_run)
+
+    async def diff(self, run: str) -> upgrades.SourceDiff:
+        """What changed in the source file of a run (by id or key) since it started: the file kept in the store
+        when it started against the file at its script now (`SourceDiff`). A run that recorded no source is a
+        `ValidationError`. See docs/versioning.md#upgrades."""
+        history = self.operations.history(self.resolve(run))
+        return upgrades.source_diff(self.storage, history.header, history.source)
+
+    def use_recorded_source(self, run: str) -> Workflow:
+        """Import the source file a run (by id or key) started with, in place of the current code of its workflow
+        in this process, so that `retry` runs it on the code it began with (a run held `stale` by an edit); its
+        workflow is returned. The file must be self-contained: its own imports load the current modules."""
+        history = self.operations.history(self.resolve(run))
+        return upgrades.recorded_workflow(self.storage, history.header)
 
     async def adopt(self, run: str, path: Any = None, *, on_step: Callable[[StepEvent], Any] | None = None,
                     wait: bool = True, on_run: Callable[[str], Any] | None = None) -> Any:

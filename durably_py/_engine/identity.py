@@ -57,9 +57,30 @@ def script_of(workflow: Workflow) -> str | None:
     return found
 
 
+_kept: set[tuple[int, str]] = set()  # (id of a storage, digest) this process kept already
+
+
+def keep_source(storage: Storage, workflow: Workflow) -> str | None:
+    """Keep the source file defining `workflow` in `storage` (once per storage and digest in this process) and
+    return its digest for the new run's header (None: the workflow has no source file)."""
+    found = workflow.source
+    if found is None:
+        return None
+    digest_, text = found
+    kept = (id(storage), digest_)
+    if kept not in _kept:
+        storage.keep_blob(digest_, text)
+        if len(_kept) < 4096:
+            _kept.add(kept)
+    return digest_
+
+
 def new_header(run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
-               identity: str, budget: dict[str, float] | None, **extra: Any) -> bytes:
-    """The header line of a new run."""
+               identity: str, budget: dict[str, float] | None, storage: Storage | None = None,
+               **extra: Any) -> bytes:
+    """The header line of a new run (`storage`: where its workflow's source is kept, `keep_source`)."""
+    if storage is not None:
+        extra["source"] = keep_source(storage, workflow)
     return log_format.encode(log_format.Header(
         v=log_format.LOG_VERSION, run_id=run_id, workflow=workflow.name, fingerprint=workflow.fingerprint,
         key=key, input=wire_input, input_digest=input_digest, identity=identity, budget=budget,
@@ -152,5 +173,6 @@ class Identities:
                **extra: Any) -> None:
         """Write the header of a run whose identity is already bound to `run_id`, and queue it (due at `at`,
         None: now). An id that exists already is a loud `ValidationError`, never a silent re-bind."""
-        header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget, **extra)
+        header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget, self.storage,
+                            **extra)
         self.storage.create(run_id, header, at=at, priority=priority)

@@ -316,7 +316,7 @@ class RunQueue:
         for i in fresh:
             workflow, input, key, wire_input, input_digest, identity = named[i]
             run_id = _ids.new_run_id(workflow.name)
-            header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget,
+            header = new_header(run_id, workflow, wire_input, input_digest, key, identity, budget, storage,
                                 **places[workflow.name])
             batch.append(NewRun(run_id, header, identity, expect[i], at=at, priority=priority))
         lost = storage.create_bound(batch) if batch else None

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from .. import records
 from .._authoring.awakeables import SIGNAL, Awakeable, awakeable_id, callback_url, check_name
-from .._authoring.jsonschema import json_schema
 from .._authoring.policies import check_timeout
 from .._authoring.schema import Schema, compile_schema
 from .._clock import Clock
@@ -80,7 +79,7 @@ class Awakeables:
             deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
             rec = records.Awake(path=path, id=awakeable_id(self.run_id, path), token=secrets.token_urlsafe(24),
                                 deadline=to_iso(deadline) if deadline else None, name=name,
-                                schema=json_schema(compiled), ts=time.time())
+                                schema=compiled.json_schema() if compiled is not None else None, ts=time.time())
             self.log.write(rec)
             self.log.sync()
         if rec is None:  # resolved long ago and its record compacted away: the outcome replays all the same

@@ -26,6 +26,7 @@ from .ports import EngineServices, Spawned
 from .stops import Crash, Parked, Rest
 from .tasks import current_task, internal
 from .turns import Turns
+from .upgrade import UpgradeGuard
 
 if TYPE_CHECKING:
     from .._authoring.graphs import Task
@@ -72,7 +73,7 @@ class Children:
     """The child runs of one execution of a run, and what it keeps of them."""
 
     def __init__(self, *, engine: EngineServices, log: RunLog, control: Control, turns: Turns, busy: Busy,
-                 calls: Calls, code_changed: bool, emits: bool) -> None:
+                 calls: Calls, code_changed: bool, guard: UpgradeGuard, emits: bool) -> None:
         self.engine = engine
         self.log = log
         self.history = log.history
@@ -82,6 +83,7 @@ class Children:
         self.turns = turns
         self.flight = busy
         self.code_changed = code_changed
+        self.guard = guard  # a child is not started on changed code before the replay is over
         self.emits = emits  # an `on_step` listener hears replayed joins
         self.scope = calls.scope
         self.op = calls.op
@@ -152,6 +154,7 @@ class Children:
                     run_ids.append("")
             if not missing:
                 continue
+            await self.guard.hold()
             if self.hooks is not None:
                 for path, _, _ in missing:
                     self.hooks.unrecorded(path, "ctx.spawn", "ctx.spawn")
@@ -180,6 +183,7 @@ class Children:
             run_id = self.spawned_id(path)
             await self.recorded_turn(h, path)
         else:
+            await self.guard.hold()
             if self.hooks is not None:
                 self.hooks.unrecorded(path, "ctx.spawn", "ctx.spawn")
             run_id = self.engine.create_child(self.run_id, path, workflow, input, detached, queued=self.parks)

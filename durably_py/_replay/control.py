@@ -384,8 +384,12 @@ class Control:
             if self.hooks is not None:
                 self.hooks.unrecorded(path, "ctx.wait_for", "ctx.wait_for")
             deadline = self.clock.now() + timedelta(seconds=timeout) if timeout else None
-            log.write(records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
-                                   ts=time.time()))
+            wait = records.Wait(path=path, name=name, deadline=to_iso(deadline) if deadline else None,
+                                ts=time.time())
+            form = schema.json_schema() if schema is not None else None
+            if form is not None:  # what the console renders as a form, and checks a submitted value against
+                wait.schema = form
+            log.write(wait)
             log.sync()
             if timeout is None:
                 log.advise("WAITFOR_NO_TIMEOUT", 1, f"ctx.wait_for({name!r}) waits without a timeout")

@@ -62,6 +62,7 @@ from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
 from .tasks import current_task, get_ident, make_task, running_task
 from .turns import Turns, current_turns, discard, install_factory
+from .upgrade import UpgradeGuard, code_changed
 from .values import Values
 
 __all__ = ["CONTROL_EVERY", "DEFAULT_CLEANUP", "Crash", "EngineServices", "Observer", "Parked", "RunKernel",
@@ -141,7 +142,7 @@ class RunKernel:
         self.clock = clock
         self.on_step = on_step
         self.done = history.done
-        self.code_changed = history.header.fingerprint != workflow.fingerprint
+        self.code_changed = code_changed(history.header, workflow)
         self.spent = history.spent()
         self.compensations: dict[str, tuple[Callable[[Any], Any], Any, str]] = {}
         self.trimmed: dict[str, None] = {}  # compensable steps whose records a loop compaction dropped, in order
@@ -150,6 +151,8 @@ class RunKernel:
         self.root: asyncio.Task[Any] | None = None  # the task running the workflow body
         self.end_sync = True  # False: whoever runs the kernel makes its end durable (a child's, with its siblings')
         self.turns = Turns(history.order(), current_attempt)  # the order outcomes reach the workflow in
+        self.guard = UpgradeGuard(self.turns, self.code_changed and bool(self.turns.order),
+                                  lambda: self.replay_error)
         self.running: dict[Attempt, asyncio.Task[Any] | None] = {}  # the attempts in flight (shared by the parts)
         self.log = RunLog(storage, lease, history, advisories, checkpoint_every)
         self.control = Control(storage=storage, log=self.log, turns=self.turns, clock=clock, running=self.running,
@@ -171,6 +174,7 @@ class RunKernel:
                              budget=lambda: steps.budget)
         children = self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
                                               busy=steps, calls=self, code_changed=self.code_changed,
+                                              guard=self.guard,
                                               emits=on_step is not None)
         # what the engine, the heartbeat and `ctx` call, served by the parts themselves
         self.write = self.log.write
@@ -355,7 +359,7 @@ class RunKernel:
         h.driver = None
         h.task_name = None
         if rec is None:
-            h.operation = self.execute
+            h.operation = self.execute if not self.guard.active else self.execute_after_replay
             h.operands = (scope, path, label, fn, args, opts)
             return h
         if rec.label != label:
@@ -367,6 +371,11 @@ class RunKernel:
             h.operation = self.replay
             h.operands = (scope, path, rec, opts)
         return h
+
+    async def execute_after_replay(self, h: Handle, *operands: Any) -> Any:
+        """A live step of a run resumed on changed code: run once the replay is over (`upgrade.UpgradeGuard`)."""
+        await self.guard.hold()
+        return await self.execute(h, *operands)
 
     def replay_next(self, label: str, opts: StepOptions | _Schema = PLAIN,
                     where: str = "output") -> tuple[str, Scope, Handle | None]:

@@ -58,6 +58,7 @@ class History:
         self.stale = False
         self.budget: dict[str, float] | None = self.header.budget
         self.fingerprint: str | None = self.header.fingerprint
+        self.source: str | None = self.header.source  # the source file's digest of the code it last ran on
         self.updated: float | None = None
         self.elided = False  # records were written to the log but not kept here (`forget`)
         self.forgotten: dict[str, None] = {}  # one path per batch of forgotten records, for `recorded_from`
@@ -165,6 +166,7 @@ class History:
 
     def _code(self, rec: r.Code) -> None:
         self.fingerprint = rec.fingerprint
+        self.source = rec.source
 
     def _budget(self, rec: r.Budget) -> None:
         self.budget = rec.budget
@@ -336,8 +338,8 @@ class History:
     def compacted(self) -> list[Record]:
         """The fewest records that rebuild this same history (for log compaction)."""
         out: list[Record] = [self.header]
-        if self.fingerprint != self.header.fingerprint:
-            out.append(r.Code(fingerprint=self.fingerprint))
+        if self.fingerprint != self.header.fingerprint or self.source != self.header.source:
+            out.append(r.Code(fingerprint=self.fingerprint, source=self.source))
         if self.budget != self.header.budget:
             out.append(r.Budget(budget=self.budget))
         if self.claim:
@@ -626,11 +628,13 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         elif path in history.waits:
             wait = history.waits[path]
             step = StepState(path_tuple(path), "ctx.wait_for", "waiting", 1,
-                             output={"signal": wait.name, "deadline": wait.deadline})
+                             output={"signal": wait.name, "deadline": wait.deadline,
+                                     **({"schema": wait.schema} if isinstance(wait.schema, dict) else {})})
         elif path in history.awakeables:
             awake = history.awakeables[path]
             step = StepState(path_tuple(path), "ctx.awakeable", "waiting", 1,
-                             output={"awakeable": awake.id, "name": awake.name, "deadline": awake.deadline})
+                             output={"awakeable": awake.id, "name": awake.name, "deadline": awake.deadline,
+                                     **({"schema": awake.schema} if awake.schema is not None else {})})
         elif path in history.wakes:
             step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path].at})
         elif fail is not None and (path not in history.starts or history.starts[path].attempt <= fail.attempt):

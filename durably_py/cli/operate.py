@@ -349,6 +349,9 @@ def retry(
                                                   help="Run this step (a path like 2, 2.0.1 or (2, 0, 1) "
                                                        "as inspect prints it, a label, or label#N) and every "
                                                        "step completed after it again.")] = None,
+    recorded_source: Annotated[bool, typer.Option(
+        "--recorded-source", help="Run it on the source file it started with, kept in the store (a run held "
+                                  "stale by an edit; `durably diff RUN` shows the change).")] = False,
     no_wait: NoWaitOption = False,
     opts: Options = OPTIONS,
     status: BulkStatusOption = None,
@@ -361,9 +364,10 @@ def retry(
     target = opts.local("durably retry")
     as_json = opts.json_output()
     if _one_or_many("retry", run, status, workflow, opts):
-        if from_step is not None or no_wait:
+        if from_step is not None or no_wait or recorded_source:
             with opts.guard():
-                raise ValidationError("--from-step and --no-wait are for one RUN, not --status/--workflow",
+                raise ValidationError("--from-step, --no-wait and --recorded-source are for one RUN, not "
+                                      "--status/--workflow",
                                       hint="By filter, each run resumes where it stopped, and one that parks is "
                                            "left parked.", docs="docs/cli.md#operations-by-filter")
         _bulk("retry", status, workflow, yes, target, opts, as_json)
@@ -376,6 +380,8 @@ def retry(
         raise typer.Exit(EXIT_USAGE) from None
 
     async def start(engine: Engine, watcher: Watcher, found: Callable[[str], Any]) -> Any:
+        if recorded_source:
+            engine.use_recorded_source(run)
         try:
             return await engine.retry(run, from_step=selector, wait=not no_wait, on_run=found)
         except ValidationError as exc:

@@ -11,6 +11,7 @@ import typer
 from rich.text import Text
 
 from .._config import parse_duration
+from .._run_command import EXIT_FAILED
 from ..errors import ValidationError
 from .options import OPTIONS, STATUSES, Options, RunArgument, StatusOption, complete_workflow, shared
 from .render import (
@@ -169,6 +170,27 @@ def graph(run: RunArgument, opts: Options = OPTIONS) -> None:
                 table.add_row(node.id, node.workflow, status_text(node.status), node.wait or "",
                               ", ".join(node.depends_on), node.run_id or "")
             out_console().print(table)
+
+
+@shared("dir", "storage", "as_json", "output", "debug")
+def diff(run: RunArgument, opts: Options = OPTIONS) -> None:
+    """Show what changed in a run's source file since it started: the file kept in the store when it started
+    against the file at its script now, as a unified diff. Exit 0 when they are the same, 1 when they differ."""
+    as_json = opts.json_output()
+    with opts.guard():
+        found = asyncio.run(opts.engine().diff(run))
+    if as_json:
+        opts.print_json({"run_id": found.run_id, "workflow": found.workflow, "script": found.script,
+                         "started": found.started, "last": found.last, "current": found.current,
+                         "changed": found.changed, "diff": found.diff})
+    elif not found.changed:
+        err_console().print(Text(f"{found.run_id}: {found.script} is the file the run started with", "green"))
+    else:
+        out_console().print(Text(found.diff, no_wrap=True), end="", highlight=False)
+        if found.current is None:
+            err_console().print(Text(f"{found.script} is missing now", "yellow"))
+    if found.changed:
+        raise typer.Exit(EXIT_FAILED)
 
 
 LogsJsonOption = Annotated[bool, typer.Option("--json", help="The records as one JSON list (-o jsonl: one record "

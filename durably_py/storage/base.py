@@ -24,6 +24,7 @@ wait whose time came, a woken wait, or an orphan whose process died or whose lea
 from __future__ import annotations
 
 import errno
+import hashlib
 import heapq
 import math
 import re
@@ -114,6 +115,25 @@ def validate_limit_prefix(prefix: object) -> str:
         raise ValidationError(f"a limit key prefix is a str, got {prefix!r}",
                               hint="limits('rate:') lists the rate limits; limits() lists every one.", docs=LIMITS_DOCS)
     return prefix
+
+
+BLOBS_DOCS = "docs/storage.md#blobs"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def validate_blob(digest: object, data: object = None) -> str:
+    """Return `digest` if it is a sha256 in lower-case hex (and, given `data`, the sha256 of those bytes)."""
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise ValidationError(f"a blob's digest is a sha256 in lower-case hex (64 characters), got {digest!r}",
+                              hint="Records name their blobs by digest (a run's header names its source's: "
+                                   "`durably inspect RUN --json`).", docs=BLOBS_DOCS)
+    if data is not None:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValidationError(f"a blob is bytes, got {type(data).__name__}", docs=BLOBS_DOCS)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValidationError(f"the blob given under {digest[:12]}... is not the data of that digest",
+                                  hint="Keep a blob under hashlib.sha256(data).hexdigest().", docs=BLOBS_DOCS)
+    return digest
 
 
 def validate_limit_update(update: object) -> Callable[..., Any]:

@@ -24,6 +24,8 @@ Layout under ``dir``::
     joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
+    blobs/<sha256>        bytes kept once under their sha256 (`keep_blob`: the source files runs started with):
+                          written as a hidden temp file, fsynced, renamed in
     limits/<sha256>.json  a flow-control document (`limit`, `limits`): {"key": key, "doc": document}, replaced
                           by a rename under the flock of limits/.<first two hex digits>.lock (`filelimits.py`)
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -921,6 +924,28 @@ class FileStorage(StorageFront):
     def _do_limits(self, prefix: str) -> dict[str, bytes]:
         """The documents whose key starts with `prefix` (`filelimits.FileLimits.documents`)."""
         return self._limit_docs.documents(prefix)
+
+    # ---- blobs ---------------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        """Write blobs/<digest> once: a temp file, fsynced, renamed in, the folder fsynced."""
+        folder = self.dir / "blobs"
+        path = folder / digest
+        if path.exists():
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(folder)
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        try:
+            return (self.dir / "blobs" / digest).read_bytes()
+        except FileNotFoundError:
+            return None
 
     # ---- workers (`fileworkers.FileWorkers`) -----------------------------------------------------------
     def _worker_paths(self, owner: str) -> tuple[str, str]:

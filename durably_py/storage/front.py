@@ -32,6 +32,7 @@ from .base import (
     decode_limit_doc,
     encode_limit_doc,
     validate_at,
+    validate_blob,
     validate_header,
     validate_identity,
     validate_limit,
@@ -296,6 +297,16 @@ class StorageFront:
                 continue
         return docs
 
+    # ---- Blobs -------------------------------------------------------------------------------------------
+    def keep_blob(self, digest: str, data: bytes) -> None:
+        """Keep `data` under its sha256 (`Blobs.keep_blob`); a digest that is not the data's is a `ValidationError`
+        and nothing is written."""
+        self._do_keep_blob(validate_blob(digest, data), bytes(data))
+
+    def blob(self, digest: str) -> bytes | None:
+        """The data kept under `digest` (`Blobs.blob`)."""
+        return self._do_blob(validate_blob(digest))
+
     # ---- what each adapter implements, its arguments checked ---------------------------------------------
     def _do_create(self, run_id: str, header: bytes, record: dict[str, Any], at: float | None,
                    priority: int) -> None:
@@ -396,4 +407,12 @@ class StorageFront:
 
     def _do_limits(self, prefix: str) -> dict[str, bytes]:
         """The stored bytes of every limit document whose key starts with `prefix`."""
+        raise NotImplementedError
+
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        """Store `data` under `digest` unless it is there; durable on return."""
+        raise NotImplementedError
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        """The data stored under `digest`, or None."""
         raise NotImplementedError

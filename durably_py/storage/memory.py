@@ -87,6 +87,7 @@ class MemoryStorage(StorageFront):
         self._index: dict[str, str] = {}
         self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
         self._limits: dict[str, bytes] = {}  # limit key -> its document's JSON bytes
+        self._blobs: dict[str, bytes] = {}  # sha256 -> bytes kept under it (`keep_blob`)
         self._lock = threading.Lock()
         self._order = itertools.count()
 
@@ -474,6 +475,15 @@ class MemoryStorage(StorageFront):
         """The documents whose key starts with `prefix`."""
         with self._lock:
             return {key: data for key, data in self._limits.items() if key.startswith(prefix)}
+
+    # ---- blobs ----------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        with self._lock:
+            self._blobs.setdefault(digest, data)
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        with self._lock:
+            return self._blobs.get(digest)
 
     def close(self) -> None:
         """Nothing to release; present so every adapter can be closed alike."""

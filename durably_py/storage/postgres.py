@@ -131,6 +131,10 @@ CREATE TABLE IF NOT EXISTS {s}.limits (
     key TEXT PRIMARY KEY,
     doc BYTEA NOT NULL
 );
+CREATE TABLE IF NOT EXISTS {s}.blobs (
+    digest TEXT PRIMARY KEY,
+    data BYTEA NOT NULL
+);
 CREATE INDEX IF NOT EXISTS queue_parts ON {s}.queue (queue_name, partition_name, priority, due, created, run_id)
     WHERE partition_name IS NOT NULL;
 """
@@ -261,6 +265,7 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
+        self._blobs = f"{s}.blobs"
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
     def __repr__(self) -> str:
@@ -1103,6 +1108,15 @@ class PostgresStorage(StorageFront):
         """The rows whose key starts with `prefix` (compared character by character, whatever the collation)."""
         rows = self._fetch(f"SELECT key, doc FROM {self._limits} WHERE left(key, %s) = %s", (len(prefix), prefix))
         return {key: bytes(doc) for key, doc in rows}
+
+    # ---- blobs --------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        self._write(f"INSERT INTO {self._blobs} (digest, data) VALUES (%s, %s) ON CONFLICT (digest) DO NOTHING",
+                    (digest, data))
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        rows = self._fetch(f"SELECT data FROM {self._blobs} WHERE digest = %s", (digest,))
+        return bytes(rows[0][0]) if rows else None
 
     # ---- signals ------------------------------------------------------------------------------
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:

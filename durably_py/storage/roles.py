@@ -1,5 +1,5 @@
 """The storage protocol, as the roles a service names (`RunLogs`, `Identities`, `Catalog`, `Inbox`, `DueQueue`,
-`Fleet`, `Limits`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
+`Fleet`, `Limits`, `Blobs`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
 storage."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
-__all__ = ["Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs", "Storage"]
+__all__ = ["Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs",
+           "Storage"]
 
 LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
 """What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
@@ -264,5 +265,19 @@ class Limits(Protocol):
 
 
 @runtime_checkable
-class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Protocol):
+class Blobs(Protocol):
+    """Bytes kept once under their sha256, whatever refers to them: the source files runs started with (a run's
+    header names its own), so `durably diff` can show what changed since a run started and a run can be resumed
+    on the code it began with."""
+
+    def keep_blob(self, digest: str, data: bytes) -> None:
+        """Keep `data` under `digest`, its sha256 in hex; nothing when it is kept already. Durable once it returns.
+        A `digest` that is not the sha256 of `data` is a `ValidationError`, and nothing is written."""
+
+    def blob(self, digest: str) -> bytes | None:
+        """The data kept under `digest` (None: none is)."""
+
+
+@runtime_checkable
+class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Blobs, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""

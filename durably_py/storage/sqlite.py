@@ -124,6 +124,10 @@ CREATE TABLE IF NOT EXISTS limits (
     key TEXT PRIMARY KEY,
     doc BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS blobs (
+    digest TEXT PRIMARY KEY,
+    data BLOB NOT NULL
+);
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
@@ -771,6 +775,16 @@ class SqliteStorage(StorageFront):
             rows = self._db().execute("SELECT key, doc FROM limits WHERE substr(key, 1, ?) = ?",
                                       (len(prefix), prefix)).fetchall()
         return {key: bytes(doc) for key, doc in rows}
+
+    # ---- blobs ----------------------------------------------------------------------------------
+    def _do_keep_blob(self, digest: str, data: bytes) -> None:
+        with self._lock, _transaction(self._db()) as db:
+            db.execute("INSERT OR IGNORE INTO blobs (digest, data) VALUES (?, ?)", (digest, data))
+
+    def _do_blob(self, digest: str) -> bytes | None:
+        with self._lock:
+            row = self._db().execute("SELECT data FROM blobs WHERE digest = ?", (digest,)).fetchone()
+        return None if row is None else bytes(row[0])
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()

@@ -32,6 +32,7 @@ from .._view.live import is_step
 from .._view.logtext import record_text
 from ..errors import DurablyError, RunNotFoundError, ValidationError
 from ..records import kind_of
+from . import forms
 
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
@@ -89,6 +90,12 @@ def _error(exc: BaseException) -> Json:
     status = 413 if isinstance(exc, BodyTooLarge) else 404 if isinstance(exc, RunNotFoundError) else \
         400 if isinstance(exc, ValidationError) else 403 if isinstance(exc, PermissionError) else 409 if isinstance(exc, DurablyError) else 500
     return Json(error_body(exc), status_code=status)
+
+
+def _refused(exc: DurablyError) -> Json:
+    """`_error`, with the field and path a value's refusal names (a form marks that field)."""
+    extra = {key: exc.details[key] for key in ("field", "path") if key in exc.details}
+    return Json({**error_body(exc), **extra}, status_code=_error(exc).status_code)
 
 
 def _refuse(status: int, message: str, hint: str) -> Json:
@@ -464,7 +471,7 @@ class Console:
             else:
                 done = await self.engine.resolve_awakeable(awakeable, body.get("value"))
         except DurablyError as exc:
-            return _error(exc)
+            return _refused(exc)
         return Json(done.to_dict())
 
     async def callback(self, request: Request) -> Response:
@@ -481,7 +488,7 @@ class Console:
             else:
                 done = await self.engine.resolve_awakeable(awakeable, value, token=token)
         except DurablyError as exc:
-            return _error(exc)
+            return _refused(exc)
         return Json(done.to_dict())
 
     def _timeout(self, body: dict[str, Any]) -> float:
@@ -520,11 +527,22 @@ class Console:
                 return await self._start(lambda found: self.engine.restart(run, on_run=found))
             if op == "resolve":
                 return await self._resolve(run, body)
+            if op == "submit":
+                return await self._submit(run, body)
         except DurablyError as exc:
             return _error(exc)
         return Json({"error": "NotFound", "message": f"no operation {op!r}", "hint":
-                     "Operations: signal, cancel, pause, resume, retry, restart, resolve.", "docs": "docs/ui.md#json-api"},
-                    status_code=404)
+                     "Operations: signal, submit, cancel, pause, resume, retry, restart, resolve.",
+                     "docs": "docs/ui.md#json-api"}, status_code=404)
+
+    async def _submit(self, run: str, body: dict[str, Any]) -> Response:
+        """`POST /api/runs/{run}/submit` with {"name", "value"}: an approval form's value, checked against the
+        open wait's recorded JSON Schema before it is sent as the signal (forms.py); a refusal names the field."""
+        try:
+            return Json(await forms.submit(self.engine, self.read, run, body))
+        except DurablyError as exc:
+            extra = {key: exc.details[key] for key in ("field", "path") if key in exc.details}
+            return Json({**error_body(exc), **extra}, status_code=_error(exc).status_code)
 
     async def _resolve(self, run: str, body: dict[str, Any]) -> Response:
         """`POST /api/runs/{run}/resolve` with {"path", and one of "value", "rerun": true, "fail": true or a

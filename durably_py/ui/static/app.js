@@ -214,7 +214,10 @@ function runsPage() {
 // ---- run page --------------------------------------------------------------------------------------
 function runPage(runRef) {
   document.title = `${runRef} · durably`;
-  const view = { snap: null, selected: null, source: null, opBanner: h("div") };
+  const view = { snap: null, selected: null, source: null, opBanner: h("div"), forms: new Map() };
+  // Approval forms (forms.js): kept across renders; a sent value is reported in the operations banner.
+  const formKit = { cache: view.forms, dialog: (...args) => dialog(...args),
+    done: (text) => view.opBanner.replaceChildren(h("div", { class: "banner good", role: "status", "data-result": "submit" }, text)) };
   main.replaceChildren(h("p", { class: "note" }, "loading…"));
   function connect() {
     const source = view.source = new EventSource(`/api/runs/${encodeURIComponent(runRef)}/events`);
@@ -320,7 +323,7 @@ function runPage(runRef) {
       (run.signals || []).length ? h("div", { class: "signals", "data-signals": "" }, h("h2", { style: "margin-top: 10px" }, "Unread signals"),
         run.signals.map((sg) => h("div", { class: "advice", "data-signal": sg.name }, h("code", {}, sg.name), ` sent ${fmtTime(sg.at)}, unread: it waits in the run's inbox`,
           sg.payload === null || sg.payload === undefined ? null : h("div", { class: "muted" }, `payload ${JSON.stringify(sg.payload)}`)))) : null,
-      awakeables(run), attention(run), operations(run), view.opBanner);
+      awakeables(run), waitForms(run, formKit), attention(run), operations(run), view.opBanner);
   }
 
   // ---- awakeables waiting for an outside system ------------------------------------------------
