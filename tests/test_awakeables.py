@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from helpers import durably, wait_until
+from helpers import storage_url as store_of
 
 from durably_py import (
     AwakeableNotFoundError,
@@ -114,9 +115,11 @@ def test_a_process_waiting_on_it_gets_the_value_another_process_sends(tmp_path: 
     assert result["sent"] == [result["id"], result["url"]]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_a_parked_run_is_resolved_while_no_process_runs_it_and_asks_again_for_the_same_awakeable(
-        tmp_path: Path) -> None:
-    engine = create_engine(storage_url(tmp_path), callback_url="http://127.0.0.1:8765")
+        tmp_path: Path, kind: str, request: pytest.FixtureRequest) -> None:
+    url = store_of(kind, tmp_path, request)
+    engine = create_engine(url, callback_url="http://127.0.0.1:8765")
     run_id = parked(engine, approval, 2)
     awakeable = open_awakeable(engine, run_id)
     assert awakeable["id"] == f"{run_id}:0" and awakeable["path"] == [0]
@@ -124,8 +127,7 @@ def test_a_parked_run_is_resolved_while_no_process_runs_it_and_asks_again_for_th
         asyncio.run(engine.retry(run_id, wait=False))
     assert open_awakeable(engine, run_id) == awakeable
 
-    done = durably("resolve-awakeable", awakeable["id"], '{"approved": false, "by": "bo"}', "--storage",
-                   storage_url(tmp_path), "--json")
+    done = durably("resolve-awakeable", awakeable["id"], '{"approved": false, "by": "bo"}', "--storage", url, "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"awakeable": awakeable["id"], "run_id": run_id, "path": [0],
                                        "rejected": False, "held": False, "resolved": True}
@@ -140,6 +142,8 @@ def test_a_parked_run_is_resolved_while_no_process_runs_it_and_asks_again_for_th
 
 
 def test_bad_resolutions_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="callback_url must be an http"):
+        create_engine(storage_url(tmp_path), callback_url="ftp://files.example")
     engine = create_engine(storage_url(tmp_path))
     run_id = parked(engine, approval, 3)
     awakeable = open_awakeable(engine, run_id)["id"]
@@ -423,3 +427,30 @@ def test_a_process_killed_while_it_waits_leaves_the_awakeable_that_the_resumed_r
     assert not (tmp_path / "callback-url").exists()  # the step that handed the URL out did not run again
     kinds = [r["t"] for r in asyncio.run(engine.records(run_id))]
     assert kinds.count("awk") == 1 and kinds.count("claim") == 2
+
+
+def test_resolutions_sent_at_the_same_moment_leave_exactly_one_standing(tmp_path: Path) -> None:
+    engine = create_engine(storage_url(tmp_path))
+    run_id = parked(engine, plain, None)
+    barrier = threading.Barrier(8)
+    outcomes: dict[int, str] = {}
+
+    def resolve(n: int) -> None:
+        other = create_engine(storage_url(tmp_path))  # each its own engine, as separate processes would be
+        barrier.wait()
+        try:
+            asyncio.run(other.resolve_awakeable(f"{run_id}:0", n))
+            outcomes[n] = "won"
+        except AwakeableResolvedError:
+            outcomes[n] = "refused"
+
+    threads = [threading.Thread(target=resolve, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [n for n, how in outcomes.items() if how == "won"]
+    print(f"8 simultaneous resolutions: {len(winners)} accepted, {list(outcomes.values()).count('refused')} refused")
+    assert len(outcomes) == 8 and len(winners) == 1, outcomes
+    assert len(engine.storage.inbox(run_id)) == 1
+    assert asyncio.run(engine.retry(run_id)) == {"value": winners[0], "again": winners[0]}
