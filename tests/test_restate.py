@@ -124,6 +124,8 @@ def test_awakeables_map_to_restate_awakeables_resolved_by_the_cli(env: RestateEn
     done = cli(env, "resolve-awakeable", awakeable, '{"ref": "ch_1"}', "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"awakeable": awakeable, "rejected": False, "resolved": True}
+    again = cli(env, "resolve-awakeable", awakeable, '{"ref": "ch_2"}')  # Restate keeps the first, silently
+    assert again.returncode == 0, again.stderr
     finished = cli(env, "run", FLOWS, "--workflow", "callback", "--input", "1", "--key", "awk-1")
     assert finished.returncode == 0, finished.stderr
     assert json.loads(finished.stdout) == {"paid": {"ref": "ch_1"}, "again": {"ref": "ch_1"},
