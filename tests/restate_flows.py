@@ -252,6 +252,15 @@ def stashing() -> str:
     return "stashed"
 
 
+def emitting() -> str:
+    attempt().emit("token")
+    return "emitted"
+
+
+async def generating():
+    yield "token"
+
+
 async def turn(state: int, it) -> object:
     return it.done(state) if state >= 2 else state + 1
 
@@ -264,7 +273,10 @@ async def features(ctx) -> list:
              "uses": lambda: ctx.step(add, 1, 1, uses="api"),
              "concurrency_key": lambda: ctx.step(add, 1, 1, concurrency_key="k", concurrency_limit=1),
              "graph": lambda: ctx.graph({}),
-             "annotate": lambda: ctx.annotate(note=1)}
+             "annotate": lambda: ctx.annotate(note=1),
+             "emit": lambda: ctx.step(emitting),
+             "generator": lambda: ctx.step(generating),
+             "transaction": lambda: ctx.transaction(add, 1, 1)}
     out = []
     for name, call in tries.items():
         try:

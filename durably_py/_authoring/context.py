@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
@@ -64,6 +64,7 @@ class Kernel(Protocol):
     def cancels_losers(self) -> bool: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]: ...
     def now(self) -> Any: ...
     def random(self) -> float: ...
     def uuid(self) -> str: ...
@@ -84,6 +85,15 @@ class Kernel(Protocol):
     def charge(self, amounts: dict[str, float]) -> None: ...
     def annotate(self, values: dict[str, Any]) -> None: ...
     def stash(self, path: str, value: Any) -> Any: ...
+    def stream(self, path: str) -> StepStream: ...
+
+
+class StepStream(Protocol):
+    """What `attempt().emit` and `attempt().partials` use of the stream of the step at a path (the local kernel's
+    `_replay.streams.StepStream`)."""
+
+    def emit(self, chunk: Any, number: int) -> None: ...
+    def partials(self, number: int) -> list[Any]: ...
 
 
 _EVENT_LOCK = threading.Lock()
@@ -92,7 +102,7 @@ _EVENT_LOCK = threading.Lock()
 class AttemptContext:
     """The running attempt of one step: its number, stash, idempotency key and cancellation flag."""
 
-    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event", "label")
+    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event", "label", "_stream")
 
     label: str  # the step's label, set by the kernel as the attempt starts
 
@@ -104,6 +114,7 @@ class AttemptContext:
         self.did_stash = False
         self._cancelled = False
         self._event: threading.Event | None = None
+        self._stream: StepStream | None = None
 
     @property
     def stashed(self) -> Any:
@@ -114,6 +125,23 @@ class AttemptContext:
         """Record partial progress durably now; the next attempt of this step starts from it."""
         self._stashed = self.kernel.stash(self.path, value)
         self.did_stash = True
+
+    def emit(self, chunk: Any) -> None:
+        """Stream `chunk` (a JSON value, usually a str: a model's next tokens) as this step's output so far: kept
+        as a partial in the store, readable live (`engine.stream`, `durably logs --follow`, the console), and
+        handed to the next attempt as `partials` if this one is cut off. Written in batches, never fsynced."""
+        if self._stream is None:
+            self._stream = self.kernel.stream(self.path)
+        self._stream.emit(chunk, self.number)
+
+    @property
+    def partials(self) -> list[Any]:
+        """The chunks this step streamed before this attempt started (an attempt that was cut off, in this
+        process or a killed one), in order; [] when none. A model call continues after them instead of starting
+        over; what this attempt emits or yields is added after them."""
+        if self._stream is None:
+            self._stream = self.kernel.stream(self.path)
+        return self._stream.partials(self.number)
 
     @property
     def operation_id(self) -> str:
@@ -221,22 +249,32 @@ class WorkflowContext:
         return from_iso(tick) if tick is not None else None
 
     @overload
+    def step(self, fn: Callable[..., AsyncIterator[Any] | Iterator[Any]], /, *args: Any,
+             name: str | None = None, retry: Any = None, timeout: float | None = None,
+             compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
+             concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
+             replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False) -> Handle[Any]: ...
+
+    @overload
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
              retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any, replay: str = "safe", on_interrupt: str | None = None) -> Handle[Any]: ...
+             schema: Any, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[Any]: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.
@@ -246,6 +284,37 @@ class WorkflowContext:
         (Each context binds the kernel's `step` over this method in `__init__`; this body serves a call
         through the class.)"""
         return self._kernel.step(fn, *args, **options)
+
+    @overload
+    def transaction(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
+                    retry: Any = None, compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: None = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[T]: ...
+
+    @overload
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: Any,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None) -> Handle[Any]: ...
+
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
+                    compensate: Callable[[Any], Any] | None = None, schema: Any = None,
+                    concurrency_key: str | None = None, concurrency_limit: int | None = None,
+                    uses: str | None = None, **unknown: Any) -> Handle[Any]:
+        """A step whose `fn(conn, *args)` writes through `conn`, a connection to the run's own SQLite or PostgreSQL
+        database, inside the transaction that records the step's result: the writes and the record commit
+        together or not at all, so a killed process never leaves one without the other. An exception (or a retry
+        under `retry=`) rolls the transaction back; a recorded result replays like any step's. Other storage
+        raises `NotSupportedError`. See docs/policies.md#transactional-steps."""
+        return self._kernel.transaction(fn, *args, name=name, retry=retry, compensate=compensate, schema=schema,
+                                        concurrency_key=concurrency_key, concurrency_limit=concurrency_limit,
+                                        uses=uses, **unknown)
 
     def parallel(self, items: Iterable[Any], *, concurrency: int | None = None) -> Handle[list[Ok[Any] | Err]]:
         """Run awaitables or zero-argument callables concurrently; one `Ok`/`Err` per item, in order."""

@@ -60,7 +60,9 @@ from .ports import EngineServices, Hooks, Observer, Selector, Spawned, observing
 from .stale import stale_hint
 from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
+from .streams import StepStream, Streams
 from .tasks import current_task, get_ident, make_task, running_task
+from .transactions import TransactionSteps
 from .turns import Turns, current_turns, discard, install_factory
 from .upgrade import UpgradeGuard, code_changed
 from .values import Values
@@ -164,6 +166,7 @@ class RunKernel:
                                    compensations=self.compensations, spent=self.spent, budget=history.budget,
                                    parks=lambda: children.parks, running=self.running)
         self.log.flight = self.steps
+        self.streams = steps.streams = Streams(storage, self.run_id)
         self.emit = self.steps.emit
         self.awakeables = Awakeables(storage=storage, log=self.log, control=self.control, turns=self.turns,
                                      clock=clock, replay_next=self.replay_next, op=self.op,
@@ -194,6 +197,7 @@ class RunKernel:
         self.replaying = self.values.replaying
         self.annotate = self.values.annotate
         self.charge = self.values.charge
+        self.transaction = TransactionSteps(self.log, self, self.replay_next, self.execute).call
         self._observer: Observer | None = None
         make = observing.get()
         self.observer = make(self) if make is not None else None
@@ -811,6 +815,13 @@ class RunKernel:
     def sleep(self, seconds: float) -> Handle[None]:
         """`ctx.sleep`: wake `seconds` after the run clock's now."""
         return self.sleep_until(self.clock.now() + timedelta(seconds=seconds))
+
+    def stream(self, path: str) -> StepStream:
+        """`attempt().emit` and `.partials`: the stream of the step at `path` (`streams.Streams`)."""
+        streams = self.streams
+        if streams.loop is None and self.root is not None:
+            streams.loop = self.root.get_loop()
+        return streams.stream(path)
 
     def stash(self, path: str, value: Any) -> Any:
         """`attempt().stash`: record the partial progress of the step at `path`; return it as its next attempt

@@ -18,6 +18,7 @@ from .stops import HALTED, Crash, Parked
 if TYPE_CHECKING:
     from .._authoring.calls import Attempt
     from ..storage.base import Lease, Storage
+    from ..storage.roles import AppTransaction
     from .watchdog import Watchdog
 
 DEFAULT_SYNC_STEPS = 1000
@@ -106,6 +107,24 @@ class RunLog:
                 self.history.add_ok(rec)
             else:
                 self.history.add(rec)
+
+    def commit(self, tx: AppTransaction, rec: records.Record) -> None:
+        """Append `rec` inside the application's transaction `tx` and commit both (`ctx.transaction`): fenced as
+        `write` is, and folded into the history once committed. A lost lease or a full storage rolls `tx` back
+        and stops the run as they do at any write."""
+        self.fence()
+        data = records.encode(rec)
+        try:  # not under `lock`: a thread holding it may be waiting for the database lock `tx` holds (SQLite)
+            tx.commit(self.lease, data)
+        except LeaseLostError as exc:
+            self.lost = exc
+            raise
+        except StorageFullError as exc:
+            self.full = exc
+            raise
+        with self.lock:
+            self.since_compaction += len(data)
+            self.history.add(rec)
 
     def write_unkept(self, recs: list[records.Record], batch: str) -> None:
         """Append `recs` in one storage append (one write or transaction for all) without folding them into

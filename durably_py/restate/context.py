@@ -28,6 +28,7 @@ from .._authoring.context import Kernel, WorkflowContext
 from .._authoring.paths import Scope, current_scope
 from .._authoring.policies import check_timeout
 from .._authoring.schema import compile_schema
+from .._authoring.transactions import ALTERNATIVE
 from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
@@ -37,6 +38,8 @@ from .unsupported import unsupported
 PATCH_HINT = ("Register the changed code as a new Restate deployment: invocations already running stay on the "
               "deployment that started them, new ones take the new code (docs/restate.md#what-does-not-map).")
 NO_BUDGETS = "budgets are not journaled on Restate"
+NO_PARTIALS = ("Restate journals a step's result only, with nowhere to keep the chunks it streams while it runs "
+               "(stream partials)")
 
 
 class _Header:
@@ -98,6 +101,8 @@ class RestateKernel:
         if not callable(fn):
             raise not_callable(fn)
         name, opts = step_options(fn, **options)
+        if opts.keep_partials or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            raise unsupported("streamed steps (a generator step, keep_partials=)", NO_PARTIALS)
         if opts.concurrency_key is not None:
             raise unsupported("concurrency_key=", "Restate has no step concurrency limits shared across runs")
         if opts.uses is not None:
@@ -244,6 +249,13 @@ class RestateKernel:
 
     def annotate(self, values: dict[str, Any]) -> NoReturn:
         raise unsupported("ctx.annotate", "run annotations are not stored on Restate")
+
+    def stream(self, path: str) -> NoReturn:
+        raise unsupported("attempt().emit() and attempt().partials (streamed steps)", NO_PARTIALS)
+
+    def transaction(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> NoReturn:
+        raise unsupported("ctx.transaction", "a Restate journal is not in the application's database, so a write "
+                          "and the step's record cannot commit together", hint=ALTERNATIVE)
 
     def stash(self, path: str, value: Any) -> NoReturn:
         raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",

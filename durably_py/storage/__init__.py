@@ -5,7 +5,19 @@ from typing import TYPE_CHECKING, Any
 
 from .base import LOG_VERSION, Lease, Log, QueueStats, RunInfo, validate_key, validate_run_id
 from .file import FileStorage
-from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, Limits, LimitUpdate, RunLogs, Storage
+from .roles import (
+    AppTransaction,
+    Catalog,
+    DueQueue,
+    Fleet,
+    Identities,
+    Inbox,
+    Limits,
+    LimitUpdate,
+    RunLogs,
+    Storage,
+    Transactions,
+)
 
 if TYPE_CHECKING:
     from .memory import MemoryStorage
@@ -14,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOG_VERSION",
+    "AppTransaction",
     "Catalog",
     "DueQueue",
     "FileStorage",
@@ -31,6 +44,7 @@ __all__ = [
     "RunLogs",
     "SqliteStorage",
     "Storage",
+    "Transactions",
     "validate_key",
     "validate_run_id",
 ]

@@ -67,6 +67,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
+from .partials import PostgresPartials
 
 if TYPE_CHECKING:
     import psycopg
@@ -219,6 +220,69 @@ def storage_full(exc: BaseException, schema: str) -> StorageFullError | None:
     return error
 
 
+TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
+
+
+class PostgresTransaction:
+    """An application's transaction on the store's database that a run's records join (`commit`): PostgreSQL
+    commits both at once or neither. The connection (psycopg 3, sync) is the application's for the transaction's
+    length: its statements run in the transaction already begun, and ``conn.transaction()`` blocks in it are
+    savepoints; committing or rolling back is this object's (an application that commits itself is told so)."""
+
+    __slots__ = ("storage", "connection", "_open")
+
+    def __init__(self, storage: PostgresStorage, connection: psycopg.Connection[Any]) -> None:
+        self.storage = storage
+        self.connection = connection
+        self._open = True
+
+    def commit(self, lease: Lease, data: bytes) -> None:
+        """Append `data` to the lease's run (fenced by its epoch and owner, as an append is) and commit everything."""
+        conn = self.connection
+        status = conn.info.transaction_status.name
+        if status != "INTRANS":
+            self.rollback()
+            if status == "INERROR":
+                raise ValidationError("a statement of ctx.transaction's function failed and the function went on",
+                                      hint="Let the error propagate (the transaction rolls back and the step fails "
+                                           "or retries), or wrap the statement in `with conn.transaction():` (a "
+                                           "savepoint) to recover from it.", docs=TRANSACTION_DOCS)
+            raise ValidationError("the transaction of ctx.transaction was committed or rolled back by its function",
+                                  hint="Leave commit and rollback to ctx.transaction (raise to roll back; use "
+                                       "`with conn.transaction():` for a savepoint); what the function committed "
+                                       "stays committed.", docs=TRANSACTION_DOCS)
+        try:
+            self.storage.append_in(conn, lease, data)
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            try:
+                self.rollback()
+            except Exception:  # noqa: BLE001 - a broken connection: the server rolls the transaction back
+                pass
+            full = storage_full(exc, self.storage.schema)
+            if full is not None:
+                raise full from exc
+            raise
+        self._open = False
+
+    def rollback(self) -> None:
+        """Roll the transaction back (a no-op once it ended)."""
+        if self._open:
+            self._open = False
+            conn = self.connection
+            if not conn.closed and not conn.broken and conn.info.transaction_status.name != "IDLE":
+                conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        """Roll back what is still open and give the connection back to the storage."""
+        try:
+            self.rollback()
+        except Exception:  # noqa: BLE001 - a broken connection is closed, not kept
+            self.connection.close()
+            return
+        self.storage.reuse(self.connection)
+
+
 class _Raced(Exception):
     """A batched `create_bound` that another process raced (or that names an existing run): rolled back."""
 
@@ -257,6 +321,7 @@ class PostgresStorage(StorageFront):
         self.compact_above_bytes = compact_above_bytes
         self.fsyncs = 0
         self._conn: psycopg.Connection[Any] | None = None
+        self._idle: list[psycopg.Connection[Any]] = []  # connections of finished `transaction()`s, kept for the next
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
         s = f'"{schema}"'
@@ -265,6 +330,7 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
+        self._partials = PostgresPartials(self.schema, self._cursor)
         self._blobs = f"{s}.blobs"
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
@@ -370,6 +436,48 @@ class PostgresStorage(StorageFront):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+            while self._idle:
+                self._idle.pop().close()
+
+    exclusive = False  # `roles.Transactions`: a transaction locks only the rows it writes
+
+    def transaction(self) -> PostgresTransaction:
+        """A transaction on a connection of its own to this database, for an application's tables (any schema of
+        the same database) and a run's records together (`roles.Transactions`)."""
+        with self._lock:
+            self._db()  # the schema exists before the transaction writes to it
+            conn = self._idle.pop() if self._idle else None
+        try:
+            if conn is None or conn.closed or conn.broken:
+                conn = _psycopg().connect(self.dsn, autocommit=True)
+                conn.execute("SET synchronous_commit = on")
+            conn.execute("BEGIN")
+        except BaseException as exc:
+            if conn is not None:
+                conn.close()
+            full = storage_full(exc, self.schema)
+            if full is not None:
+                raise full from exc
+            raise
+        return PostgresTransaction(self, conn)
+
+    def reuse(self, conn: psycopg.Connection[Any]) -> None:
+        """Keep a finished transaction's connection for the next one (a few at most)."""
+        if not conn.closed and not conn.broken and conn.info.transaction_status.name == "IDLE":
+            with self._lock:
+                if len(self._idle) < 4:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def append_in(self, conn: psycopg.Connection[Any], lease: Lease, data: bytes) -> None:
+        """`append` on `conn`, in the transaction it has open; `LeaseLostError` if the lease is not current."""
+        if not self._mine(lease) or conn.execute(
+            f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
+            f" WHERE {_FENCE} RETURNING run_id) INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
+            (last_line(data), len(data), lease.run_id, lease.epoch, lease.owner, data),
+        ).rowcount == 0:
+            raise self._lost(lease)
 
     def _where(self, run_id: str) -> str:
         """How errors name a run's log."""
@@ -791,6 +899,7 @@ class PostgresStorage(StorageFront):
             freed += int(cur.fetchone()[0])  # type: ignore[index]
             for table in (self._records, self._signals, self._queue, self._identities, self._runs):
                 cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
+            self._partials.delete(cur, run_id)
         return freed
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
@@ -1131,6 +1240,19 @@ class PostgresStorage(StorageFront):
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
+
+    # ---- stream partials (`partials.PostgresPartials`) -------------------------------------------
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        self._partials.append(run_id, path, attempt, chunks)
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        return self._partials.read(run_id, path, offset)
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        self._partials.drop(run_id, path)
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        return self._partials.paths(run_id)
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""

@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import (
     CorruptLogError,
     LeaseLostError,
+    NotSupportedError,
     RunNotFoundError,
     StorageBusyError,
     StorageFullError,
@@ -65,6 +66,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
+from .partials import SQLITE_TABLE
 from .wakeup import LocalWakeups
 
 SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
@@ -130,6 +132,7 @@ CREATE TABLE IF NOT EXISTS blobs (
 );
 """
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
+TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
 
@@ -145,6 +148,7 @@ class SqliteStorage(StorageFront):
         self._lock = threading.RLock()
 
         self._synced: dict[tuple[str, int], int] = {}
+        self._idle: list[sqlite3.Connection] = []  # connections of finished `transaction()`s, kept for the next
         self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
 
     def __repr__(self) -> str:
@@ -178,6 +182,41 @@ class SqliteStorage(StorageFront):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+            while self._idle:
+                self._idle.pop().close()
+
+    exclusive = True  # `roles.Transactions`: a transaction holds the database's one write lock
+
+    def transaction(self) -> SqliteTransaction:
+        """A write transaction (``BEGIN IMMEDIATE``) on a connection of its own to this database file, for an
+        application's tables in the same file and a run's records together (`roles.Transactions`)."""
+        if self.path == ":memory:":
+            raise NotSupportedError("ctx.transaction needs a SQLite database file, not ':memory:'",
+                                    hint="SqliteStorage('app.db'): the application's tables and the runs in one file.",
+                                    docs=TRANSACTION_DOCS, feature="ctx.transaction", mode="sqlite :memory:")
+        with self._lock:
+            self._db()  # the schema exists before the transaction writes to it
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except BaseException as exc:
+            conn.close()
+            full = _full(exc)
+            if full is exc:
+                raise
+            raise full from exc
+        return SqliteTransaction(self, conn)
+
+    def reuse(self, conn: sqlite3.Connection) -> None:
+        """Keep a finished transaction's connection for the next one (a few at most)."""
+        with self._lock:
+            if len(self._idle) < 4:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def _sync_wal(self) -> None:
         """fsync the write-ahead log from this thread, holding no lock: every transaction committed before the
@@ -576,7 +615,50 @@ class SqliteStorage(StorageFront):
                                 (run_id,)).fetchone()[0]
             for table in ("records", "signals", "queue", "identities", "runs"):
                 db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+            self._partials_table(db)
+            db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
         return int(freed)
+
+    # ---- stream partials (`partials.SQLITE_TABLE`, created on first use) -------------------------
+    def _partials_table(self, db: sqlite3.Connection) -> None:
+        """Create the partials table once per connection (call with the lock held)."""
+        if getattr(self, "_partials_made", None) is not db:
+            for statement in SQLITE_TABLE.split(";"):
+                db.execute(statement)
+            self._partials_made = db
+
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            with _transaction(db):  # synchronous=NORMAL: no fsync
+                db.executemany("INSERT INTO partials (run_id, path, attempt, data) VALUES (?, ?, ?, ?)",
+                               [(run_id, path, attempt, chunk) for chunk in chunks])
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            rows = db.execute("SELECT data FROM partials WHERE run_id = ? AND path = ? ORDER BY seq LIMIT -1 OFFSET ?",
+                              (run_id, path, offset)).fetchall()
+        return [bytes(row[0]) for row in rows]
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            if path is None:
+                db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
+            else:
+                db.execute("DELETE FROM partials WHERE run_id = ? AND path = ?", (run_id, path))
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            rows = db.execute("SELECT path, count(*) FROM partials WHERE run_id = ? GROUP BY path",
+                              (run_id,)).fetchall()
+        return {path: int(n) for path, n in rows}
 
     def _require(self, db: sqlite3.Connection, run_id: str) -> None:
         """Raise `RunNotFoundError` unless the run exists."""
@@ -931,6 +1013,63 @@ def _queue_unended(db: sqlite3.Connection) -> None:
         if not is_end_line(last):
             db.execute("INSERT OR IGNORE INTO queue (run_id, due, priority, created) VALUES (?, ?, 0, ?)",
                        (run_id, updated, created))
+
+
+class SqliteTransaction:
+    """An application's transaction on the store's database file that a run's records join (`commit`): SQLite
+    commits both at once or neither. The connection is the application's for the transaction's length, with
+    ``isolation_level=None``: its statements run in the transaction already begun; committing or rolling back
+    is this object's (an application that commits itself is told so at `commit`)."""
+
+    __slots__ = ("storage", "connection", "_open")
+
+    def __init__(self, storage: SqliteStorage, connection: sqlite3.Connection) -> None:
+        self.storage = storage
+        self.connection = connection
+        self._open = True
+
+    def commit(self, lease: Lease, data: bytes) -> None:
+        """Append `data` to the lease's run (fenced by its epoch, as an append is) and commit everything."""
+        conn = self.connection
+        if not conn.in_transaction:
+            self._open = False
+            raise ValidationError("the transaction of ctx.transaction was committed or rolled back by its function",
+                                  hint="Leave commit and rollback to ctx.transaction (raise to roll back; use "
+                                       "SAVEPOINT for a partial undo); what the function committed stays committed.",
+                                  docs=TRANSACTION_DOCS)
+        try:
+            if lease.state.get("sqlite") is not self.storage:
+                raise LeaseLostError(f"lease on run {lease.run_id} is not from {self.storage!r}", run_id=lease.run_id)
+            cur = conn.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
+                               (data, lease.run_id, lease.epoch))
+            if cur.rowcount == 0:
+                raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+            conn.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
+                         (time.time(), last_line(data), len(data), lease.run_id))
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            self.rollback()
+            full = _full(exc)
+            if full is exc:
+                raise
+            raise full from exc
+        self._open = False
+
+    def rollback(self) -> None:
+        """Roll the transaction back (a no-op once it ended)."""
+        if self._open:
+            self._open = False
+            if self.connection.in_transaction:
+                self.connection.execute("ROLLBACK")
+
+    def close(self) -> None:
+        """Roll back what is still open and give the connection back to the storage."""
+        try:
+            self.rollback()
+        except sqlite3.Error:
+            self.connection.close()
+            return
+        self.storage.reuse(self.connection)
 
 
 def _full(exc: BaseException) -> BaseException:
