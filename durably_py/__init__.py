@@ -6,6 +6,7 @@ and the `durably_py.storage` adapters); every other module is internal (docs/arc
 
 from typing import TYPE_CHECKING
 
+from ._authoring.awakeables import Awakeable
 from ._authoring.calls import RunHandle
 from ._authoring.context import AttemptContext, BudgetView, First, WorkflowContext, attempt
 from ._authoring.engine_api import EngineAPI
@@ -18,6 +19,7 @@ from ._authoring.resources import Breaker, RateLimit, Resource, resource
 from ._authoring.result import Err, Ok, is_ok, partition
 from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
+from ._engine.awakeables import AwakeableResolution
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async
 from ._engine.operations import BulkResult
 from ._engine.queue import QueueInfo
@@ -28,6 +30,11 @@ from ._state.history import RunState, SignalSent, StepState
 from ._worker.schedules import Schedule, schedule
 from .errors import (
     ArgumentError,
+    AwakeableNotFoundError,
+    AwakeableRejectedError,
+    AwakeableResolvedError,
+    AwakeableTimeoutError,
+    AwakeableTokenError,
     BudgetExceededError,
     CircuitOpenError,
     CorruptLogError,
@@ -81,6 +88,13 @@ __all__ = [
     "Advisory",
     "ArgumentError",
     "AttemptContext",
+    "Awakeable",
+    "AwakeableNotFoundError",
+    "AwakeableRejectedError",
+    "AwakeableResolution",
+    "AwakeableResolvedError",
+    "AwakeableTimeoutError",
+    "AwakeableTokenError",
     "Breaker",
     "BudgetExceededError",
     "BudgetView",

@@ -223,6 +223,51 @@ class RunNotFoundError(DurablyError, LookupError):
     anchor = "runnotfounderror"
 
 
+class AwakeableTimeoutError(WaitTimeoutError):
+    """No resolution reached a `ctx.awakeable(timeout=)` before its deadline; `awakeable` is its id. Also a
+    `WaitTimeoutError`, so code that handles a wait's timeout handles this one."""
+
+    awakeable: str
+    deadline: str
+
+    default_hint = "Catch it in the workflow to take the no-answer path, or create the awakeable with a longer timeout."
+    anchor = "awakeabletimeouterror"
+
+
+class AwakeableRejectedError(DurablyError):
+    """An awakeable was rejected (`engine.reject_awakeable`, `durably resolve-awakeable ID --reject MESSAGE`, or a
+    rejecting callback): the workflow gets it where it awaits the awakeable; the message is the rejecter's."""
+
+    awakeable: str
+
+    default_hint = "Handle it in the workflow like a failed step: the outside system said no."
+    anchor = "awakeablerejectederror"
+
+
+class AwakeableNotFoundError(RunNotFoundError):
+    """No awakeable has that id (or callback token): its run is unknown, or the run never created it."""
+
+    default_hint = "Use the id `a.id` (or the URL `a.url`) the workflow handed out; `durably inspect RUN` shows it."
+    anchor = "awakeablenotfounderror"
+
+
+class AwakeableResolvedError(DurablyError):
+    """An awakeable can no longer be resolved: it was resolved (or rejected) already, its deadline passed, or its
+    run ended. Nothing was changed; the first resolution stays."""
+
+    awakeable: str
+
+    default_hint = "An awakeable takes one resolution; the first one stands. Create a new one to ask again."
+    anchor = "awakeableresolvederror"
+
+
+class AwakeableTokenError(DurablyError, PermissionError):
+    """A callback named an awakeable with a token that is not its own (forged, or from another awakeable)."""
+
+    default_hint = "Call the exact callback URL `a.url` the workflow handed out."
+    anchor = "awakeabletokenerror"
+
+
 class CorruptLogError(DurablyError):
     """A run's log has a damaged line before its last; nothing was overwritten."""
 

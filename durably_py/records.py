@@ -21,6 +21,7 @@ __all__ = [
     "LOG_VERSION",
     "Adopt",
     "Advice",
+    "Awake",
     "Budget",
     "Cancel",
     "Charge",
@@ -295,6 +296,23 @@ class Wait(_Base, tag="wait", omit_defaults=False):
     ts: float | None = None
 
 
+class Awake(_Base, tag="awk"):
+    """An awakeable `ctx.awakeable` created at `path`: `id` is what an outside system resolves it by (the run id
+    and the path, so a resumed run asking again gets the same one), `token` the unguessable secret of its
+    callback URL, `deadline` (ISO 8601) when it fails unresolved, `name` the workflow's label for it, and `schema`
+    the JSON Schema a resolution must match (checked when it is resolved; None: any JSON value). Its outcome is
+    the `ok` (the value, `sig` naming the inbox message that carried it) or `err` (rejected, or past its deadline)
+    recorded at the same path."""
+
+    path: str = msgspec.field(name="p")
+    id: str
+    token: str
+    deadline: str | None = None
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    ts: float | None = None
+
+
 class Park(_Base, tag="park"):
     """The run parked holding no process (a worker served it): in the join at `path` until its child runs
     end (`count` of them, the first ids in `children`), in the retry backoff of the step at `path` until
@@ -386,7 +404,7 @@ class Note(_Base, tag="note"):
 
 Record = Union[  # noqa: UP007 - msgspec needs a runtime Union object here
     Header, Claim, Code, Budget, Reopen, Reset, Pause, Resume, Cancel, Stale, End,
-    Ok, Err, Fail, Start, Resolve, Stash, Wake, Wait, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
+    Ok, Err, Fail, Start, Resolve, Stash, Wake, Wait, Awake, Graph, Snap, Charge, Comp, Patch, Adopt, Advice, Note, Park,
 ]
 """Any record of a run's log."""
 

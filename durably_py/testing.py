@@ -36,6 +36,7 @@ from ._authoring.context import AttemptContext, WorkflowContext
 from ._authoring.workflow import Workflow, as_workflow
 from ._clock import FakeClock
 from ._codec import encode, load_error, load_value
+from ._engine.awakeables import AwakeableResolution
 from ._engine.engine import Engine
 from ._engine.forks import UNSET
 from ._events import StepEvent
@@ -433,6 +434,16 @@ class TestEngine:
         """Send signal `name` to a run; the next `resume` hands `payload` to its `ctx.wait_for(name)`."""
         await self.engine.signal(run_id, name, payload)
 
+    async def resolve_awakeable(self, awakeable: str, value: Any = None, *,
+                                token: str | None = None) -> AwakeableResolution:
+        """Resolve an awakeable (`Engine.resolve_awakeable`); the next `resume` of its run hands `value` to its
+        ``await``. Its deadline is on the fake clock."""
+        return await self.engine.resolve_awakeable(awakeable, value, token=token)
+
+    async def reject_awakeable(self, awakeable: str, error: str) -> AwakeableResolution:
+        """Reject an awakeable (`Engine.reject_awakeable`): the next `resume` raises `AwakeableRejectedError`."""
+        return await self.engine.reject_awakeable(awakeable, error)
+
     def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
         """Start `wf(input)` on every tick of `cron` (UTC) that `fire_schedules` finds due (`Engine.schedule`)."""
         return self.engine.schedule(wf, cron, input=input, name=name)
@@ -664,6 +675,15 @@ class SyncTestEngine:
     def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """`TestEngine.signal` from synchronous code."""
         _block(self._engine.signal(run_id, name, payload))
+
+    def resolve_awakeable(self, awakeable: str, value: Any = None, *,
+                          token: str | None = None) -> AwakeableResolution:
+        """`TestEngine.resolve_awakeable` from synchronous code."""
+        return _block(self._engine.resolve_awakeable(awakeable, value, token=token))
+
+    def reject_awakeable(self, awakeable: str, error: str) -> AwakeableResolution:
+        """`TestEngine.reject_awakeable` from synchronous code."""
+        return _block(self._engine.reject_awakeable(awakeable, error))
 
     def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
         """`TestEngine.schedule`."""

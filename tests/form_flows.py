@@ -30,6 +30,13 @@ async def expense_form(ctx: Any, who: str) -> str:
 
 
 @workflow
+async def expense_awakeable(ctx: Any, who: str) -> str:
+    """An awakeable with the same schema: the console renders it as a form too."""
+    got = await (await ctx.awakeable(timeout=600, schema=Expense, name="expense"))
+    return f"{who}: {got.amount} for {got.reason}"
+
+
+@workflow
 async def go_no_go(ctx: Any, _: Any = None) -> str:
     """Wait for a plain yes or no."""
     return "approved" if await ctx.wait_for("go", bool, timeout=600) else "denied"

@@ -1,6 +1,6 @@
 """A store holding a record of every kind `records.py` defines, made the way users make them: real `durably`
 commands in subprocesses (runs, retries, a pause, a signal, a code change, a retry from a step, a stale run
-adopted, a run killed inside an unsafe step and resolved, a cancel, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
+adopted, a run killed inside an unsafe step and resolved, an awakeable resolved, a cancel, a worker that parks a parent in its join). Shared by the `logs`/`inspect` tests and the console's."""
 
 from __future__ import annotations
 
@@ -111,6 +111,11 @@ SCRIPT = textwrap.dedent('''
         return await ctx.wait_for("never", timeout=600)
 
     @workflow
+    async def callback(ctx, n):
+        approval = await ctx.awakeable(timeout=600, name="approval")
+        return await approval
+
+    @workflow
     async def napkid(ctx, seconds):
         return await ctx.step(nap, seconds)
 
@@ -176,6 +181,11 @@ def make_every_kind(project: Path) -> dict[str, str]:
     stopped = run_id_of(project, "stopped")
     cli(project, "cancel", stopped)
 
+    cli(project, "run", "kinds.py", "-w", "callback", "-i", "1", "--no-wait", code=3)
+    callback = run_id_of(project, "callback")
+    cli(project, "resolve-awakeable", f"{callback}:0", '"approved"')
+    cli(project, "retry", callback)
+
     parent = cli(project, "enqueue", "kinds.py", "-w", "parent", "-i", "1").stdout.strip()
     worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--import", "kinds.py"],
                               cwd=project, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -189,4 +199,4 @@ def make_every_kind(project: Path) -> dict[str, str]:
         worker.send_signal(signal.SIGTERM)
         worker.communicate(timeout=30)
     return {"everything": everything, "saga": saga, "renamed": renamed, "parent": parent,
-            "stopped": stopped, "effect": effect}
+            "stopped": stopped, "effect": effect, "callback": callback}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from durably_py import DurablyError, Retry, StepInterruptedError, attempt, workflow
+from durably_py import AwakeableTimeoutError, DurablyError, Retry, StepInterruptedError, attempt, workflow
 
 MARKS = Path(os.environ.get("DURABLY_TEST_MARKS", "/tmp/durably-restate-marks"))
 
@@ -111,6 +111,27 @@ async def signals(ctx) -> list:
     got.append(await ctx.wait_for("go"))
     got.append(await ctx.wait_for("go"))
     return got
+
+
+def note(name: str, value: str) -> str:
+    """Tell the test a value the workflow handed out (an awakeable's id)."""
+    MARKS.mkdir(parents=True, exist_ok=True)
+    (MARKS / name).write_text(value)
+    return value
+
+
+@workflow
+async def callback(ctx, n: int) -> dict:
+    paid = await ctx.awakeable(timeout=600, name="payment")
+    await ctx.step(note, f"awakeable-{n}", paid.id)
+    brief = await ctx.awakeable(timeout=0.2)
+    try:
+        await brief
+        late = "resolved"
+    except AwakeableTimeoutError as exc:
+        late = f"timed out: {exc.awakeable == brief.id}"
+    return {"paid": await paid, "again": await paid.result(), "late": late, "name": paid.name,
+            "deadline": paid.deadline is not None, "url": paid.url}
 
 
 @workflow

@@ -288,3 +288,32 @@ def test_resolve_by_failing_the_step(page: Any, server: str, state: Path, cut: d
     assert status_of(state, key) == "failed"
     wait_until(lambda: "unbook fail" in effects(folder), seconds=30)  # the failed run's compensation ran
     assert effects(folder) == ["book fail", "charge fail", "unbook fail"]
+
+
+def test_an_awakeable_with_a_schema_is_a_form_too(page: Any, server: str, state: Path) -> None:
+    proc = run_flow(state, "expense_awakeable", "bo", "--key", "expense-awakeable-1")
+    try:
+        wait_until(lambda: status_of(state, "expense-awakeable-1") == "waiting", every=0.1, seconds=60)
+        run_id = str(listed(state, "expense-awakeable-1")["run_id"])  # type: ignore[index]
+        page.goto(f"{server}/runs/expense-awakeable-1")
+        wait_for_status(page, "waiting")
+        form = page.locator(f"[data-form='{run_id}:0']")
+        playwright_api.expect(form).to_be_visible()
+        assert f'ctx.awakeable("expense") {run_id}:0' in form.inner_text()
+        before = log_kinds(state, run_id)
+        form.locator("input[data-field='amount']").fill("0")
+        form.locator("input[data-field='reason']").fill("taxi")
+        form.locator("button[data-op='submit']").click()
+        refused = form.locator("[data-result='submit-failed']")
+        playwright_api.expect(refused).to_contain_text("invalid value at $.amount: expected a number >= 1, got 0")
+        playwright_api.expect(form.locator("input[data-field='amount']")).to_have_attribute("aria-invalid", "true")
+        assert log_kinds(state, run_id) == before  # nothing recorded, nothing sent
+        form.locator("input[data-field='amount']").fill("12")
+        form.locator("button[data-op='submit']").click()
+        wait_for_status(page, "completed")
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "bo: 12 for taxi" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

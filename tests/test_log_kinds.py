@@ -34,6 +34,7 @@ EXPECTED = {  # what the line of each kind says
     "stash": '(0,)  stashed {"done": 1}',
     "wake": "(5,) ctx.sleep  sleeping until ",
     "wait": "(6,) ctx.wait_for  waiting for signal 'go' (no deadline)",
+    "awk": "(0,) ctx.awakeable  awakeable 'approval' callback-",
     "park": "parked until 1 child run (napkid-",
     "graph": "(3,) ctx.graph  task graph of 2 tasks: a, b",
     "snap": "(4,) ctx.loop  loop snapshot after iteration 1  state 2",

@@ -111,6 +111,28 @@ def test_wait_for_signals_park_and_queue(env: RestateEnv) -> None:
     assert [(r["run_id"], r["status"]) for r in listed] == [("sig-1", "completed")]
 
 
+def test_awakeables_map_to_restate_awakeables_resolved_by_the_cli(env: RestateEnv, marks: Path) -> None:
+    parked = cli(env, "run", FLOWS, "--workflow", "callback", "--input", "1", "--key", "awk-1", "--no-wait")
+    assert parked.returncode == 3, parked.stderr
+    deadline = time.monotonic() + 60
+    while not (marks / "awakeable-1").exists():
+        assert time.monotonic() < deadline, "the workflow never handed its awakeable out"
+        time.sleep(0.05)
+    awakeable = (marks / "awakeable-1").read_text()
+    unknown = cli(env, "resolve-awakeable", "sign_1nope", "1")
+    assert unknown.returncode == 2 and "AwakeableNotFoundError" in unknown.stderr, unknown.stderr
+    done = cli(env, "resolve-awakeable", awakeable, '{"ref": "ch_1"}', "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"awakeable": awakeable, "rejected": False, "resolved": True}
+    again = cli(env, "resolve-awakeable", awakeable, '{"ref": "ch_2"}')  # Restate keeps the first, silently
+    assert again.returncode == 0, again.stderr
+    finished = cli(env, "run", FLOWS, "--workflow", "callback", "--input", "1", "--key", "awk-1")
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout) == {"paid": {"ref": "ch_1"}, "again": {"ref": "ch_1"},
+                                           "late": "timed out: True", "name": "payment", "deadline": True,
+                                           "url": None}
+
+
 def test_races_of_handles_give_the_same_answer_as_on_files(env: RestateEnv, tmp_path: Path) -> None:
     results = []
     for where in ("restate", "files"):

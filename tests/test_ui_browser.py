@@ -397,3 +397,17 @@ def test_the_queues_page_shows_each_queue_and_its_runs(page: Any, server: str) -
     default = next(q for q in page.evaluate("fetch('/api/queues').then(r => r.json())") if q["name"] == "default")
     assert shown[:5] == ["default", *(str(default[k]) for k in ("due", "later", "running", "parked"))]
     assert page.title() == "Queues · durably"
+
+
+def test_a_run_waiting_on_an_awakeable_shows_it(page: Any, kinds: tuple[str, Path, dict[str, str]]) -> None:
+    url, project, _ = kinds
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(project), *sys.path])}
+    subprocess.run(cli("run", "kinds.py", "-w", "callback", "-i", "2", "--no-wait"), cwd=project, env=env,
+                   capture_output=True)
+    listed = subprocess.run(cli("list", "-q", "--status", "waiting", "--workflow", "callback"), cwd=project, env=env,
+                            capture_output=True, text=True)
+    run_id = listed.stdout.split()[0]
+    page.goto(f"{url}/runs/{run_id}")
+    page.wait_for_selector(f"[data-awakeables] [data-awakeable='{run_id}:0']")
+    shown = page.locator("[data-awakeables]").inner_text()
+    assert "approval" in shown and "deadline" in shown and f"durably resolve-awakeable {run_id}:0 JSON" in shown

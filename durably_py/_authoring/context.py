@@ -18,6 +18,7 @@ from .policies import check_timeout
 from .result import Err, Ok
 
 if TYPE_CHECKING:
+    from .awakeables import Awakeable
     from .graphs import Task
     from .handles import Handle
 
@@ -72,6 +73,7 @@ class Kernel(Protocol):
     def sleep(self, seconds: float) -> Handle[None]: ...
     def sleep_until(self, when: datetime) -> Handle[None]: ...
     def wait_for(self, name: str, schema: Any, timeout: float | None) -> Handle[Any]: ...
+    async def awakeable(self, timeout: float | None, schema: Any, name: str | None) -> Awakeable[Any]: ...
     def parallel(self, items: list[Any], concurrency: int | None) -> Handle[list[Ok[Any] | Err]]: ...
     def loop(self, initial: Any, reducer: Callable[..., Any], snapshot_every: int | None,
              max_iterations: int | None) -> Handle[Any]: ...
@@ -371,6 +373,15 @@ class WorkflowContext:
         """Park until signal `name` arrives (from any process) and return its payload; `WaitTimeoutError` after
         `timeout` seconds."""
         return self._kernel.wait_for(name, schema, timeout)
+
+    async def awakeable(self, *, timeout: float | None = None, schema: Any = None,
+                        name: str | None = None) -> Awakeable[Any]:
+        """Create an awakeable: hand its `id` (or callback `url`) to an outside system, then ``await`` it for the
+        value that system resolves it with; the run parks meanwhile, holding no process under a worker. A
+        resumed run asking here again gets the same awakeable, with a resolution that arrived meanwhile.
+        `timeout`: seconds until it fails with `AwakeableTimeoutError` (the deadline is fixed when it is
+        created); `schema`: the value's type, checked when it is resolved and converted as `wait_for` does."""
+        return await self._kernel.awakeable(timeout, schema, name)
 
     async def first(self, *operations: Awaitable[Any], **named: Awaitable[Any]) -> First:
         """Race durable operations: wait for the first to complete, cancel the others (their cancellation is

@@ -97,7 +97,7 @@ class Handle(_Future[T]):
         return f"<durably {self.label!r} at path {self.path} {state}>"
 
 
-DURABLE_WAITS = frozenset({"ctx.sleep", "ctx.wait_for", "ctx.join", "ctx.join_all"})
+DURABLE_WAITS = frozenset({"ctx.sleep", "ctx.wait_for", "ctx.join", "ctx.join_all", "ctx.awakeable"})
 """Operations that wait on something outside the run (a time, a signal, a child) and may park it."""
 
 _TIMED = frozenset({"_wait", "wait_for", "as_completed"})  # asyncio functions that take a `timeout=`

@@ -35,6 +35,8 @@ from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationEr
 from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
 from . import effects, upgrades, versioning
+from .awakeables import MISSING as NO_VALUE
+from .awakeables import AwakeableResolution, Awakeables, open_awakeables
 from .children import ChildRuns, joined
 from .code import CodeSource
 from .forks import UNSET, Forks
@@ -103,7 +105,8 @@ class Engine:
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
                  lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
-                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP) -> None:
+                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP,
+                 callback_url: str | None = None) -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
         self.streams = StreamReader(self.storage, self.runs.resolve, self.runs.read)
@@ -135,6 +138,8 @@ class Engine:
                                      retries=self.retries, concurrency=lambda: self.concurrency,
                                      cleanup=lambda: self.cleanup)
         self.forks = Forks(self.operations)
+        self.callback_url = check_callback_url(callback_url or os.environ.get("DURABLY_CALLBACK_URL") or None)
+        self.awakeables = Awakeables(self.storage, self.clock)
 
     @property
     def lease_ttl(self) -> float:
@@ -331,6 +336,7 @@ class Engine:
                 raise
             self.storage.schedule(run_id, parked.at, wait=parked.names)
             missed_wakeup(self.storage, run_id, parked.names)
+            parked_on = parked.names  # a signal or resolution sent while it parked wakes it (below)
             raise
         except StaleRunError as exc:
             try:
@@ -364,6 +370,10 @@ class Engine:
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
             history, _ = self.runs.read(run_id)
+            awaiting = open_awakeables(history)
+            if awaiting:
+                return (f"Resolve it with `durably resolve-awakeable {awaiting[0].id} JSON` (or a POST to its callback "
+                        "URL); a worker then continues it, or `durably retry` does; nothing is lost meanwhile.")
             names = [w.name for p, w in history.waits.items() if p not in history.done]
             came = [n for n in names if any(m.get("name") == n for m in self.storage.inbox(run_id))]
         except Exception:  # noqa: BLE001 - the hint falls back to a generic signal name
@@ -714,6 +724,33 @@ class Engine:
         docs/operations.md#effects-that-need-attention."""
         return await effects.resolve_effect(self.operations, run, path, value=value, rerun=rerun, fail=fail,
                                             here=here, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def resolve_awakeable(self, awakeable: str, value: Any = None, *,
+                                token: str | None = None) -> AwakeableResolution:
+        """Resolve the awakeable `awakeable` (its id, `a.id`) with `value`: its `await` in the workflow returns it,
+        at once when a process waits on it, else when a worker (or a retry) continues the parked run, which it
+        makes due. `token`: accept it only with the awakeable's callback token (the callback URL's). Refused
+        with nothing changed: an unknown id (`AwakeableNotFoundError`), a wrong token (`AwakeableTokenError`),
+        one resolved already, past its deadline or of an ended run (`AwakeableResolvedError`), a value that does
+        not match its schema (`ValidationError`). See docs/authoring.md#awakeables-and-callbacks."""
+        return await self.awakeables.resolve(awakeable, value, token=token)
+
+    async def reject_awakeable(self, awakeable: str, error: str, *, token: str | None = None) -> AwakeableResolution:
+        """Reject the awakeable `awakeable`: its `await` in the workflow raises `AwakeableRejectedError(error)`.
+        Refused as `resolve_awakeable` refuses."""
+        return await self.awakeables.resolve(awakeable, NO_VALUE, error=error, token=token)
+
+
+def check_callback_url(url: str | None) -> str | None:
+    """Validate `callback_url=` / $DURABLY_CALLBACK_URL: the http(s) base URL `durably ui` is reachable at."""
+    if url is None:
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) < 10:
+        raise ValidationError(f"callback_url must be an http:// or https:// URL, got {url!r}",
+                              hint="The address outside systems reach `durably ui` at, e.g. "
+                                   "https://durably.example.com (DURABLY_CALLBACK_URL in the environment).",
+                              docs="docs/authoring.md#awakeables-and-callbacks")
+    return url.rstrip("/")
 
 
 def create_engine(storage: Storage | str | os.PathLike[str] | None = None, **options: Any) -> Engine:

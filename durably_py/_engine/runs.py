@@ -27,6 +27,7 @@ import msgspec
 
 from .. import records as log_format
 from .._authoring import graphs
+from .._authoring.awakeables import SIGNAL as AWAKEABLE_SIGNAL
 from .._authoring.graphs import GraphState
 from .._codec import dump_error, load_value
 from .._state.history import History, RunState, describe, path_tuple, run_status
@@ -146,7 +147,13 @@ def ready(state: RunState, history: History, arrived: set[Any], status: Any) -> 
     now = time.time()
     for step in state.steps:
         out = step.output if isinstance(step.output, dict) else {}
-        if step.status == "waiting" and "signal" in out:
+        if step.status == "waiting" and "awakeable" in out:
+            if AWAKEABLE_SIGNAL + ".".join(map(str, step.path)) in arrived:
+                return f"awakeable {out['awakeable']} resolved"
+            deadline = epoch(out.get("deadline"))
+            if deadline is not None and deadline <= now:
+                return f"awakeable {out['awakeable']} passed its deadline"
+        elif step.status == "waiting" and "signal" in out:
             if out["signal"] in arrived:
                 return f"signal {out['signal']!r} received"
             deadline = epoch(out.get("deadline"))
@@ -272,7 +279,11 @@ class Runs:
                 state.queued = {"due": entry.at, "priority": entry.priority, "queue": entry.queue,
                                 "partition": entry.partition}
         if not held and state.status in ("waiting", "sleeping"):
-            state.ready = ready(state, history, {m.get("name") for m in unread}, self.status)
+            arrived = {m.get("name") for m in unread}
+            if history.awakeables:
+                arrived.update(m.get("name") for m in self.storage.inbox(run_id)
+                               if str(m.get("name", "")).startswith(AWAKEABLE_SIGNAL))
+            state.ready = ready(state, history, arrived, self.status)
 
     # ---- many runs ----------------------------------------------------------------------------
     def _where(self, workflow: str | None, key: str | None, key_prefix: str | None, search: str | None,

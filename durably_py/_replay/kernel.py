@@ -52,6 +52,7 @@ from .._events import StepEvent
 from .._state.advisories import AdvisoryTracker
 from .._state.history import History, path_tuple
 from ..errors import LeaseLostError, LoopLimitError, PurityError, RunCancelledError, StaleRunError, ValidationError
+from .awakeables import Awakeables
 from .children import Children
 from .control import CONTROL_EVERY, DEFAULT_CLEANUP, Control
 from .log import RunLog
@@ -167,6 +168,10 @@ class RunKernel:
         self.log.flight = self.steps
         self.streams = steps.streams = Streams(storage, self.run_id)
         self.emit = self.steps.emit
+        self.awakeables = Awakeables(storage=storage, log=self.log, control=self.control, turns=self.turns,
+                                     clock=clock, replay_next=self.replay_next, op=self.op,
+                                     base_url=lambda: engine.callback_url)
+        self.awakeable = self.awakeables.create
         self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
                              check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
                              budget=lambda: steps.budget)

@@ -26,6 +26,7 @@ class EngineServices(EngineAPI, Protocol):
 
     concurrency: int
     gates: Gates
+    callback_url: str | None  # the base URL of awakeables' callback URLs (`durably ui` serves them)
     placement: SyncPlacement
 
     def create_child(self, parent: str, path: str, workflow: Workflow, input: Any, detached: bool, *,

@@ -40,6 +40,7 @@ class History:
         self.graphs: dict[str, r.Graph] = {}
         self.wakes: dict[str, r.Wake] = {}
         self.waits: dict[str, r.Wait] = {}
+        self.awakeables: dict[str, r.Awake] = {}  # awakeables created, by path (resolved once `done` has the path)
         self.signals: set[str] = set()
         self.charges: dict[str, r.Charge] = {}
         self.patches: dict[str, r.Patch] = {}
@@ -245,6 +246,7 @@ class History:
             self.fails.pop(path, None)
             self.starts.pop(path, None)
             self.waits.pop(path, None)
+            self.awakeables.pop(path, None)
         for loop in [loop for loop in self.snaps if any(self.snapshotted(p, loop) for p in undone)]:
             del self.snaps[loop]
         self.comps.clear()
@@ -257,7 +259,8 @@ class History:
         if self.end is not None and self.end.status == "failed" or self.failing:
             self.reopen()
         drop = set(paths)
-        for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps):
+        for table in (self.done, self.fails, self.starts, self.stashes, self.waits, self.wakes, self.comps,
+                      self.awakeables):
             for path in [p for p in table if p in drop]:
                 del table[path]
         for loop, snap in list(self.snaps.items()):
@@ -275,7 +278,7 @@ class History:
         """"waiting" while a wait has no result yet or the run parked in a join or for a limit, "sleeping" while a sleep has
         no result yet or the run parked in a retry backoff, else None."""
         park = self.park
-        if any(p not in self.done for p in self.waits) or (park is not None and (park.until is None or park.limit)):
+        if any(p not in self.done for p in self.waits) or any(p not in self.done for p in self.awakeables) or (park is not None and (park.until is None or park.limit)):
             return "waiting"
         if any(p not in self.done for p in self.wakes) or self.park is not None:
             return "sleeping"
@@ -295,7 +298,8 @@ class History:
         every ``i >= first``. `ctx.patched` asks this to tell a run recorded before a change (it has work
         recorded at or after the point it asks from) from one at its live frontier. Patch answers do not count."""
         tables: tuple[dict[str, Any], ...] = (self.done, self.fails, self.starts, self.stashes, self.waits,
-                                              self.wakes, self.graphs, self.snaps, self.charges, self.forgotten)
+                                              self.wakes, self.graphs, self.snaps, self.charges, self.forgotten,
+                                              self.awakeables)
         for table in tables:
             for path in table:
                 path = path.lstrip("$").partition("@")[0]
@@ -387,6 +391,7 @@ _FOLD: dict[type, Callable[[History, Any], None]] = {
     r.Charge: _keep("charges"),
     r.Comp: _keep("comps"),
     r.Wait: _keep("waits"),
+    r.Awake: _keep("awakeables"),
     r.Wake: _keep("wakes"),
     r.Graph: _keep("graphs"),
     r.Snap: _keep("snaps"),
@@ -505,6 +510,7 @@ class RunState:
     attention: list[dict[str, Any]] = field(default_factory=list)  # the cut-off steps an operator must resolve
     forked_from: dict[str, Any] | None = None  # a fork's lineage: {"run", "path" (a list), "label", "edited"}
     forks: list[str] = field(default_factory=list)  # the runs forked from this one (`inspect` only), oldest first
+    awakeables: list[dict[str, Any]] = field(default_factory=list)  # open awakeables: id, name, path, deadline
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready form (for `--json`). Values are shared, not copied: a 10,000-step run converts
@@ -603,10 +609,12 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         state.stale = history.stale_detail()
     state.children = [d.value["run_id"] for d in history.done.values()
                       if d.label == "ctx.spawn" and isinstance(d, r.Ok) and isinstance(d.value, dict)]
+    state.awakeables = [{"id": a.id, "name": a.name, "path": list(path_tuple(p)), "deadline": a.deadline}
+                        for p, a in history.awakeables.items() if p not in history.done and history.end is None]
     if not steps:
         return state
-    paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes)
-                                  if p not in history.done]
+    paths = list(history.done) + [p for p in (*history.fails, *history.starts, *history.waits, *history.wakes,
+                                              *history.awakeables) if p not in history.done]
     attention = history.attention() if history.starts and history.end is None else {}
     for path in dict.fromkeys(paths):
         rec = history.done.get(path)
@@ -622,6 +630,11 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
             step = StepState(path_tuple(path), "ctx.wait_for", "waiting", 1,
                              output={"signal": wait.name, "deadline": wait.deadline,
                                      **({"schema": wait.schema} if isinstance(wait.schema, dict) else {})})
+        elif path in history.awakeables:
+            awake = history.awakeables[path]
+            step = StepState(path_tuple(path), "ctx.awakeable", "waiting", 1,
+                             output={"awakeable": awake.id, "name": awake.name, "deadline": awake.deadline,
+                                     **({"schema": awake.schema} if awake.schema is not None else {})})
         elif path in history.wakes:
             step = StepState(path_tuple(path), "ctx.sleep", "sleeping", 1, output={"until": history.wakes[path].at})
         elif fail is not None and (path not in history.starts or history.starts[path].attempt <= fail.attempt):

@@ -295,6 +295,10 @@ def parked_detail(state: RunState) -> str | None:
                 parts.append(f"{count} child run{'s' if count != 1 else ''} to end")
                 continue
             deadline = wait.get("deadline")
+            if "awakeable" in wait:
+                parts.append(f"awakeable {wait['awakeable']} (deadline {when_text(deadline)})" if deadline
+                             else f"awakeable {wait['awakeable']} (no deadline)")
+                continue
             parts.append(f"{wait.get('signal')!r} (deadline {when_text(deadline)})" if deadline
                          else f"{wait.get('signal')!r} (no deadline)")
         return "waiting for " + ", ".join(parts) if parts else "waiting"

@@ -110,6 +110,12 @@ def _wait(rec: dict[str, Any]) -> list[Segment]:
     return [(f"waiting for signal {rec.get('name')!r}{deadline}", "blue")]
 
 
+def _awake(rec: dict[str, Any]) -> list[Segment]:
+    deadline = f" (deadline {when_text(rec['deadline'])})" if rec.get("deadline") else " (no deadline)"
+    name = f" {rec['name']!r}" if rec.get("name") else ""
+    return [(f"awakeable{name} {rec.get('id')} created{deadline}", "blue")]
+
+
 def _park(rec: dict[str, Any]) -> list[Segment]:
     if rec.get("until"):
         return [(f"parked in its retry backoff until {when_text(rec['until'])} (no process holds it)", "blue")]
@@ -236,6 +242,7 @@ LINES: dict[str, Callable[[dict[str, Any]], list[Segment]]] = {
     "stash": lambda rec: [("stashed ", "yellow"), (short_json(rec.get("v"), 60), "")],
     "wake": lambda rec: [(f"sleeping until {when_text(rec.get('at'))}", "blue")],
     "wait": _wait,
+    "awk": _awake,
     "park": _park,
     "graph": _graph,
     "snap": lambda rec: [(f"loop snapshot after iteration {rec.get('i')}", "cyan"),
@@ -256,7 +263,8 @@ def record_segments(rec: dict[str, Any]) -> list[Segment]:
     out: list[Segment] = [(record_time(rec), "bright_black"), ("  ", "")]
     where = record_path(rec.get("p"))
     if where and kind != "patch":
-        label = {"wake": "ctx.sleep", "wait": "ctx.wait_for", "snap": "ctx.loop", "graph": "ctx.graph"}.get(kind) \
+        label = {"wake": "ctx.sleep", "wait": "ctx.wait_for", "snap": "ctx.loop", "graph": "ctx.graph",
+                 "awk": "ctx.awakeable"}.get(kind) \
             or (rec.get("l") if isinstance(rec.get("l"), str) and kind != "adopt" else "")
         out.append((f"{where} {label}".rstrip() + "  ", "bold"))
     if kind == "signal":  # not a record: a signal waiting unread in the run's inbox (`durably logs` shows them)

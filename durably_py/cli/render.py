@@ -145,6 +145,10 @@ def step_line(step: StepState, extras: StepExtras | None = None) -> Text:
         count = step.output.get("count") or len(step.output["children"])
         named = ", ".join(step.output["children"][:3]) + (", ..." if count > 3 else "")
         line.append(f"  → waiting for {count} child run{'s' if count != 1 else ''} to end ({named})", "blue")
+    elif step.status == "waiting" and isinstance(step.output, dict) and "awakeable" in step.output:
+        deadline = step.output.get("deadline")
+        until = f" until {when_text(deadline)}" if deadline else " (no deadline)"
+        line.append(f"  → waiting for awakeable {step.output['awakeable']}{until}", "blue")
     elif step.status == "waiting" and isinstance(step.output, dict):
         deadline = step.output.get("deadline")
         until = f" until {when_text(deadline)}" if deadline else " (no deadline)"
@@ -226,6 +230,10 @@ def next_move(state: RunState) -> str | None:
         return (f"a worker: nothing runs it until `durably worker{code}` (or `durably retry {run_id}`) claims it; "
                 "none has yet")
     if state.status == "waiting":
+        awaiting = [s.output["awakeable"] for s in state.steps if s.status == "waiting"
+                    and isinstance(s.output, dict) and "awakeable" in s.output]
+        if awaiting:
+            return " or ".join(f"durably resolve-awakeable {a} JSON" for a in awaiting)
         names = [s.output.get("signal") for s in state.steps if s.status == "waiting" and isinstance(s.output, dict)
                  and "signal" in s.output]
         if not names and any(s.label == "ctx.join" for s in state.steps if s.status == "waiting"):

@@ -125,6 +125,9 @@ def list_runs(
                 console.print(Text(f"{s.run_id}: {'; '.join(s.warnings)}", "red"))
             elif s.stale:
                 console.print(Text(f"{s.run_id}: stale {stale_text(s.stale)}", "red"))
+            for a in s.awakeables if s.status == "waiting" else ():
+                until = f"deadline {a['deadline']}" if a.get("deadline") else "no deadline"
+                console.print(Text(f"{s.run_id}: waiting for awakeable {a['id']} ({until})", "blue"))
         if more:
             console.print(Text(f"{more} more (--offset {offset + len(states)} shows the next page, --limit N "
                                "more at once)", "bright_black"))

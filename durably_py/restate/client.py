@@ -17,7 +17,7 @@ from typing import Any
 
 from .._codec import decode, digest, dump_value, encode, load_error, load_value
 from .._state.history import RunState, StepState
-from ..errors import DurablyError, RunNotFoundError, RunParkedError, ValidationError
+from ..errors import AwakeableNotFoundError, DurablyError, RunNotFoundError, RunParkedError, ValidationError
 
 PREFIX = "durably."
 DOCS = "docs/restate.md"
@@ -160,6 +160,23 @@ class RestateClient:
         if status != 200:
             raise DurablyError(f"Restate refused the signal: HTTP {status} {answer}", docs=DOCS)
         return int(answer["slot"])
+
+    def resolve_awakeable(self, awakeable: str, value: Any = None, *, error: str | None = None) -> None:
+        """Resolve a Restate awakeable `ctx.awakeable` created (its id is Restate's) with `value`, or reject it
+        with the message `error`, through the ingress (`/restate/awakeables/{id}/resolve` or `/reject`). Restate
+        keeps the first resolution and ignores a later one; an id it does not know is an error."""
+        quoted = urllib.parse.quote(awakeable, safe="")
+        if error is not None:
+            url, body = f"{self.ingress}/restate/awakeables/{quoted}/reject", error.encode()
+        else:
+            url, body = f"{self.ingress}/restate/awakeables/{quoted}/resolve", encode(dump_value(value, "value"))
+        status, answer = self._call("POST", url, body)
+        if status == 404 or status == 400:
+            raise AwakeableNotFoundError(f"Restate knows no awakeable {awakeable!r}: HTTP {status} {answer}",
+                                         docs=DOCS, awakeable=awakeable)
+        if status >= 300:
+            raise DurablyError(f"Restate refused to resolve awakeable {awakeable!r}: HTTP {status} {answer}",
+                               docs=DOCS)
 
     def cancel(self, run_id: str) -> RunState:
         """Cancel the run (Restate ends it at its next journal boundary; no compensation runs)."""

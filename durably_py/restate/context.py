@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
+from .._authoring.awakeables import Awakeable, check_name
 from .._authoring.branches import checked_branches, run_branches, strand_scope
 from .._authoring.calls import (
     Complete,
@@ -31,7 +32,7 @@ from .._authoring.transactions import ALTERNATIVE
 from .._authoring.workflow import as_workflow
 from .._codec import dump_error, dump_value, load_value
 from ..errors import LoopLimitError, ValidationError
-from .runtime import JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
+from .runtime import AwaitOp, AwakeOp, JoinOp, Pump, SleepOp, SpawnOp, StepOp, WaitOp, new_uuid
 from .unsupported import unsupported
 
 PATCH_HINT = ("Register the changed code as a new Restate deployment: invocations already running stay on the "
@@ -50,6 +51,19 @@ class _History:
 
     attempt = 1  # Restate does not tell a workflow its attempt
     header = _Header()
+
+
+class _Outcome:
+    """The outcome of a Restate awakeable: its `AwaitOp`, registered the first time it is awaited."""
+
+    def __init__(self, pump: Pump, made: AwakeOp, awakeable: str, schema: Any) -> None:
+        self.pump, self.made, self.awakeable, self.schema = pump, made, awakeable, schema
+        self.op: AwaitOp | None = None
+
+    def __await__(self) -> Any:
+        if self.op is None:
+            self.op = AwaitOp(self.pump, self.made, self.awakeable, self.schema)
+        return self.op.__await__()
 
 
 class RestateKernel:
@@ -190,6 +204,22 @@ class RestateKernel:
         path = self.scope().alloc()
         slot = self._slots[name] = self._slots.get(name, -1) + 1
         return WaitOp(self._pump, path, name, slot, timeout, compiled)
+
+    async def awakeable(self, timeout: float | None, schema: Any, name: str | None) -> Awakeable[Any]:
+        """`ctx.awakeable`: a Restate awakeable. Its id is Restate's: resolve it with `RestateClient.resolve_awakeable`
+        (`durably resolve-awakeable ID JSON --restate URL`) or Restate's own `POST
+        /restate/awakeables/{id}/resolve`; `url` is None (Restate's ingress is the callback)."""
+        timeout = check_timeout(timeout, "ctx.awakeable timeout=")
+        name = check_name(name)
+        compiled = compile_schema(schema, "schema of ctx.awakeable")
+        path = self.scope().alloc()
+        deadline = None
+        if timeout is not None:
+            deadline = datetime.fromtimestamp(self._pump.now(f"ctx.awakeable@{path}:now"), UTC) + \
+                timedelta(seconds=timeout)
+        made = AwakeOp(self._pump, path, timeout)
+        awakeable_id = await made
+        return Awakeable(awakeable_id, None, deadline, name, _Outcome(self._pump, made, awakeable_id, compiled))
 
     # ---- recorded values --------------------------------------------------------------------------------
     def now(self) -> datetime:

@@ -41,7 +41,14 @@ from .._authoring.calls import NOT_RETRYABLE, current_attempt
 from .._authoring.context import AttemptContext, Kernel
 from .._codec import decode, dump_error, dump_value, encode, load_error, load_value
 from .._threads import DaemonPool
-from ..errors import PurityError, StepInterruptedError, StepTimeoutError, WaitTimeoutError
+from ..errors import (
+    AwakeableRejectedError,
+    AwakeableTimeoutError,
+    PurityError,
+    StepInterruptedError,
+    StepTimeoutError,
+    WaitTimeoutError,
+)
 
 if TYPE_CHECKING:
     from .._authoring.workflow import Workflow
@@ -307,6 +314,58 @@ class WaitOp(Op):
             if self.schema is not None:
                 value = self.schema.convert(value, f"signal {self.signal!r}")
         except Exception as exc:  # noqa: BLE001 - a payload that does not fit the schema fails the wait
+            self.pump.settle(self, error=exc)
+            return
+        self.pump.settle(self, value=value)
+
+
+class AwakeOp(Op):
+    """`ctx.awakeable`: a Restate awakeable (and, with a timeout, the durable timer of its deadline), created
+    in journal order; the op settles at once with Restate's awakeable id, and `AwaitOp` waits for the outcome."""
+
+    __slots__ = ("path", "timeout", "promise", "timer")
+
+    def __init__(self, pump: Pump, path: str, timeout: float | None) -> None:
+        super().__init__(pump, f"ctx.awakeable@{path}")
+        self.path, self.timeout = path, timeout
+        self.promise: Any = None
+        self.timer: Any = None
+
+    def start(self) -> None:
+        awakeable_id, self.promise = self.pump.rctx.awakeable(serde=WIRE)
+        if self.timeout is not None:
+            self.timer = self.pump.rctx.sleep(timedelta(seconds=self.timeout), name=f"deadline {self.name}")
+        self.pump.settle(self, value=awakeable_id)
+
+
+class AwaitOp(Op):
+    """Awaiting a Restate awakeable (`AwakeOp`): its resolution, its rejection (`AwakeableRejectedError`), or
+    its deadline first (`AwakeableTimeoutError`)."""
+
+    __slots__ = ("made", "awakeable", "schema")
+
+    def __init__(self, pump: Pump, made: AwakeOp, awakeable: str, schema: Any) -> None:
+        super().__init__(pump, f"await {made.name}")
+        self.made, self.awakeable, self.schema = made, awakeable, schema
+
+    def start(self) -> None:
+        self.futs = [self.made.promise] + ([self.made.timer] if self.made.timer is not None else [])
+
+    async def advance(self, index: int, fut: Any) -> None:
+        if index == 1:
+            await fut
+            self.pump.settle(self, error=AwakeableTimeoutError(
+                f"awakeable {self.awakeable} was not resolved within {self.made.timeout or 0:g}s", name="",
+                path=self.made.path.split("."), awakeable=self.awakeable, deadline=None))
+            return
+        try:
+            value = load_value(await fut)
+            if self.schema is not None:
+                value = self.schema.convert(value, f"awakeable {self.awakeable}")
+        except TerminalError as exc:
+            self.pump.settle(self, error=AwakeableRejectedError(exc.message, awakeable=self.awakeable))
+            return
+        except Exception as exc:  # noqa: BLE001 - a value that does not fit the schema fails the await
             self.pump.settle(self, error=exc)
             return
         self.pump.settle(self, value=value)

@@ -13,3 +13,4 @@ def unsupported(feature: str, why: str, hint: str | None = None) -> NotSupported
         f"{feature} is not supported in Restate mode: {why}",
         hint=hint or "Run this workflow on FileStorage, SQLite or PostgreSQL to use it, or do without it here.",
         docs="docs/restate.md#what-does-not-map", feature=feature, mode=MODE)
+

@@ -88,8 +88,14 @@ class BodyTooLarge(ValidationError):
 
 def _error(exc: BaseException) -> Json:
     status = 413 if isinstance(exc, BodyTooLarge) else 404 if isinstance(exc, RunNotFoundError) else \
-        400 if isinstance(exc, ValidationError) else 409 if isinstance(exc, DurablyError) else 500
+        400 if isinstance(exc, ValidationError) else 403 if isinstance(exc, PermissionError) else 409 if isinstance(exc, DurablyError) else 500
     return Json(error_body(exc), status_code=status)
+
+
+def _refused(exc: DurablyError) -> Json:
+    """`_error`, with the field and path a value's refusal names (a form marks that field)."""
+    extra = {key: exc.details[key] for key in ("field", "path") if key in exc.details}
+    return Json({**error_body(exc), **extra}, status_code=_error(exc).status_code)
 
 
 def _refuse(status: int, message: str, hint: str) -> Json:
@@ -456,6 +462,14 @@ class Console:
         """The request's JSON object, read as it arrives and refused (`BodyTooLarge`) once past `MAX_BODY`;
         anything that is not a JSON object a signal could carry (malformed, not UTF-8, nested past the
         decoder's depth, an integer of more than 64 bits) is a `ValidationError`."""
+        body = await self._json(request, {})
+        if not isinstance(body, dict):
+            raise ValidationError("the request body must be a JSON object", hint="Send a JSON object, e.g. {}.",
+                                  docs="docs/ui.md#json-api")
+        return body
+
+    async def _json(self, request: Request, empty: Any = None) -> Any:
+        """The request's JSON value (an empty body: `empty`), read as `_body` reads it."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY:
             raise BodyTooLarge(int(declared))
@@ -467,7 +481,7 @@ class Console:
             chunks.append(chunk)
         raw = b"".join(chunks)
         if not raw.strip():
-            return {}
+            return empty
         try:
             body = msgspec.json.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -475,10 +489,42 @@ class Console:
             raise ValidationError(f"the request body is not JSON this console takes: {why}",
                                   hint="Send a JSON object in UTF-8, e.g. {}, with integers of at most 64 bits.",
                                   docs="docs/ui.md#json-api") from None
-        if not isinstance(body, dict):
-            raise ValidationError("the request body must be a JSON object", hint="Send a JSON object, e.g. {}.",
-                                  docs="docs/ui.md#json-api")
         return body
+
+    # ---- awakeables ------------------------------------------------------------------------------
+    async def awakeable(self, request: Request) -> Response:
+        """`POST /api/awakeables/{id}` with {"value": ...} or {"reject": "message"}: resolve or reject an awakeable
+        (the console's token, as every operation)."""
+        refused = self.guard(request, mutating=True)
+        if refused is not None:
+            return refused
+        try:
+            body = await self._body(request)
+            awakeable = request.path_params["id"]
+            if "reject" in body:
+                done = await self.engine.reject_awakeable(awakeable, body["reject"])
+            else:
+                done = await self.engine.resolve_awakeable(awakeable, body.get("value"))
+        except DurablyError as exc:
+            return _refused(exc)
+        return Json(done.to_dict())
+
+    async def callback(self, request: Request) -> Response:
+        """`POST /callbacks/{id}/{token}` (body: the value, any JSON) and `.../reject` (body: {"message": ...} or a
+        JSON string): what an outside system calls with the URL the workflow handed out. The awakeable's own
+        token authorizes it, not the console's: a wrong token is 403, an unknown awakeable 404, one resolved
+        already or past its deadline 409, a value its schema refuses 400; none changes anything."""
+        try:
+            value = await self._json(request)
+            awakeable, token = request.path_params["id"], request.path_params["token"]
+            if request.url.path.endswith("/reject"):
+                message = value.get("message") if isinstance(value, dict) else value
+                done = await self.engine.reject_awakeable(awakeable, message, token=token)  # type: ignore[arg-type]
+            else:
+                done = await self.engine.resolve_awakeable(awakeable, value, token=token)
+        except DurablyError as exc:
+            return _refused(exc)
+        return Json(done.to_dict())
 
     def _timeout(self, body: dict[str, Any]) -> float:
         value = body.get("timeout", 10)
@@ -641,6 +687,9 @@ def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> 
         Route("/api/runs/{run}/events", console.run_events),
         Route("/api/runs/{run}/stream/{path}", console.step_stream),
         Route("/api/runs/{run}/{op}", console.operate, methods=["POST"]),
+        Route("/api/awakeables/{id}", console.awakeable, methods=["POST"]),
+        Route("/callbacks/{id}/{token}", console.callback, methods=["POST"]),
+        Route("/callbacks/{id}/{token}/reject", console.callback, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes)

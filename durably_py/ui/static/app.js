@@ -323,7 +323,18 @@ function runPage(runRef) {
       (run.signals || []).length ? h("div", { class: "signals", "data-signals": "" }, h("h2", { style: "margin-top: 10px" }, "Unread signals"),
         run.signals.map((sg) => h("div", { class: "advice", "data-signal": sg.name }, h("code", {}, sg.name), ` sent ${fmtTime(sg.at)}, unread: it waits in the run's inbox`,
           sg.payload === null || sg.payload === undefined ? null : h("div", { class: "muted" }, `payload ${JSON.stringify(sg.payload)}`)))) : null,
-      waitForms(run, formKit), attention(run), operations(run), view.opBanner);
+      awakeables(run), waitForms(run, formKit), attention(run), operations(run), view.opBanner);
+  }
+
+  // ---- awakeables waiting for an outside system ------------------------------------------------
+  function awakeables(run) {
+    const open = run.status === "waiting" ? run.awakeables || [] : [];
+    if (!open.length) return null;
+    return h("div", { class: "signals", "data-awakeables": "" }, h("h2", { style: "margin-top: 10px" }, "Waiting for awakeables"),
+      open.map((a) => h("div", { class: "advice", "data-awakeable": a.id }, h("code", {}, a.id), a.name ? ` ${a.name}` : "",
+        a.deadline ? ` · deadline ${fmtTime(a.deadline)}` : " · no deadline",
+        h("div", { class: "muted" }, "resolve it with ", h("code", {}, `durably resolve-awakeable ${a.id} JSON`),
+          " or a POST to its callback URL"))));
   }
 
   // ---- effects that need attention -------------------------------------------------------------

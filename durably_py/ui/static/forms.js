@@ -9,11 +9,11 @@
 // kit: { cache: Map, dialog(title, body, label, danger, onSubmit), done(text) }.
 function waitForms(run, kit) {
   const ended = new Set(["completed", "failed", "cancelled"]);
-  const waits = ended.has(run.status) ? [] : run.steps.filter((st) => st.label === "ctx.wait_for" && st.status === "waiting"
-    && st.output && st.output.signal);
+  const waits = ended.has(run.status) ? [] : run.steps.filter((st) => st.status === "waiting" && st.output
+    && (st.label === "ctx.wait_for" && st.output.signal || st.label === "ctx.awakeable" && st.output.awakeable));
   const keep = new Set();
   const nodes = waits.map((st) => {
-    const key = `${run.run_id} ${pathText(st.path)} ${st.output.signal} ${JSON.stringify(st.output.schema || null)}`;
+    const key = `${run.run_id} ${pathText(st.path)} ${st.output.signal || st.output.awakeable} ${JSON.stringify(st.output.schema || null)}`;
     keep.add(key);
     if (!kit.cache.has(key)) kit.cache.set(key, buildWaitForm(run.run_id, st, kit));
     return kit.cache.get(key);
@@ -136,10 +136,13 @@ function makeField(root, name, node, required, label) {
 
 // ---- one wait's form ---------------------------------------------------------------------------------
 function buildWaitForm(runId, st, kit) {
-  const name = st.output.signal, where = pathText(st.path);
+  // An awakeable (ctx.awakeable) is answered by its id through POST /api/awakeables/{id}, checked the same way.
+  const awakeable = st.label === "ctx.awakeable" ? st.output.awakeable : null;
+  const name = awakeable || st.output.signal, where = pathText(st.path);
   const root = st.output.schema;
   const problem = h("div", { class: "invalid", role: "alert", "data-form-problem": "" });
-  const title = h("div", { class: "heading" }, h("b", {}, `ctx.wait_for(${JSON.stringify(name)})`), h("code", { class: "muted" }, `at ${where}`),
+  const called = awakeable ? `ctx.awakeable(${st.output.name ? JSON.stringify(st.output.name) : ""}) ${awakeable}` : `ctx.wait_for(${JSON.stringify(name)})`;
+  const title = h("div", { class: "heading" }, h("b", {}, called), h("code", { class: "muted" }, `at ${where}`),
     st.output.deadline ? h("span", { class: "muted" }, `until ${fmtTime(st.output.deadline)}`) : null);
   const box = h("div", { class: "wait-form", "data-form": name, "data-path": where });
 
@@ -148,7 +151,8 @@ function buildWaitForm(runId, st, kit) {
     problem.replaceChildren();
     for (const el of box.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
     try {
-      await api(`/api/runs/${encodeURIComponent(runId)}/submit`, { name, path: where, value });
+      if (awakeable) await api(`/api/awakeables/${encodeURIComponent(awakeable)}`, { value });
+      else await api(`/api/runs/${encodeURIComponent(runId)}/submit`, { name, path: where, value });
       kit.done(`submitted ${JSON.stringify(name)}: ${JSON.stringify(value)}; the run continues`);
       box.setAttribute("data-sent", "");
       return null;
