@@ -34,7 +34,7 @@ from .._worker.worker import Worker, check_concurrency
 from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationError
 from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
-from . import effects, upgrades, versioning
+from . import budgets, effects, upgrades, versioning
 from .children import ChildRuns, joined
 from .code import CodeSource
 from .forks import UNSET, Forks
@@ -102,7 +102,8 @@ class Engine:
                  on_run_failed: Callable[[dict[str, Any]], Any] | None = None,
                  lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
-                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP) -> None:
+                 retention: float | None = None, cleanup: float = DEFAULT_CLEANUP,
+                 on_exhausted: str = "park") -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
         self.retention = check_retention(retention)
@@ -110,6 +111,7 @@ class Engine:
         self.concurrency = check_concurrency(concurrency)
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)
+        self.on_exhausted = budgets.check_exhausted(on_exhausted)
         self.on_run_failed = on_run_failed
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -347,6 +349,8 @@ class Engine:
             return (f"Check whether the step's effect happened (`durably inspect {run_id}` shows its operation id, "
                     f"input and start), then `durably resolve {run_id} --path {path or 'PATH'}` with --value JSON (it "
                     "happened: its result), --rerun (run it again) or --fail; nothing runs it meanwhile.")
+        if status == "over_budget":
+            return budgets.parked_hint(self.storage, run_id)
         if status == "sleeping":
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
@@ -572,9 +576,10 @@ class Engine:
             now = source[0] if source is not None else None
             if history.fingerprint != workflow.fingerprint or history.source != now:
                 kernel.write(log_format.Code(fingerprint=workflow.fingerprint, source=now))
-        if budget is not None and budget != history.budget:
-            kernel.write(log_format.Budget(budget=budget))
+        if budget is not None and budget != history.budget and budget != history.header.budget:
+            kernel.write(log_format.Budget(budget=budget))  # a new budget= (the one it was created with keeps a raise)
             kernel.budget = budget
+        kernel.steps.meter.on_exhausted = self.on_exhausted
         value = load_value(wire_input)
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
@@ -686,6 +691,18 @@ class Engine:
         its recorded result is used, the adoption is recorded, and the run goes on as `retry` would. A run that
         is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
         return await versioning.adopt(self.operations, run, path, on_step=on_step, wait=wait, on_run=on_run)
+
+    async def raise_budget(self, run: str, *, usd: float | None = None, tokens: float | None = None,
+                           units: float | None = None, to: bool = False, timeout: float = 30.0) -> RunState:
+        """Raise the budget of a run (by id or key) by the amounts given (`to=True`: set each kind to it), and let
+        it go on if it parked `over_budget`. A child that spends its parent's budget raises the budget it
+        spends (its nearest ancestor created with one). A run no process holds gets a `budget` record and is due
+        at once (a worker continues it; without one, run it again or `durably retry` it); a run a process holds
+        gets a ``$budget`` request, applied there at its next boundary (waited for up to `timeout` seconds).
+        Every over-budget run that spends the same budget is woken. Returns the run's state. See
+        docs/policies.md#budgets."""
+        return await budgets.raise_budget(self.operations, run, {"usd": usd, "tokens": tokens, "units": units},
+                                          to=to, timeout=timeout)
 
     async def resolve_effect(self, run: str, path: Any, *, value: Any = effects.MISSING, rerun: bool = False,
                              fail: str | bool | None = None, here: bool = True,

@@ -52,6 +52,7 @@ from .._events import StepEvent
 from .._state.advisories import AdvisoryTracker
 from .._state.history import History, path_tuple
 from ..errors import LeaseLostError, LoopLimitError, PurityError, RunCancelledError, StaleRunError, ValidationError
+from .budgets import owner_of
 from .children import Children
 from .control import CONTROL_EVERY, DEFAULT_CLEANUP, Control
 from .log import RunLog
@@ -163,6 +164,8 @@ class RunKernel:
                                    compensations=self.compensations, spent=self.spent, budget=history.budget,
                                    parks=lambda: children.parks, running=self.running)
         self.log.flight = self.steps
+        if history.budget is None and history.header.parent is not None:
+            steps.meter.owner = owner_of(storage, history.header.parent)  # a child spends its owner's budget
         self.emit = self.steps.emit
         self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
                              check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
@@ -225,6 +228,7 @@ class RunKernel:
 
     @property
     def budget(self) -> dict[str, float] | None:
+        """The run's own budget (None: none, or the budget of the ancestor it spends from: `meter.owner`)."""
         return self.steps.budget
 
     @budget.setter
@@ -698,11 +702,11 @@ class RunKernel:
 
     def park(self, rests: list[Rest]) -> Parked:
         """Record what the run parks on (a join's children, a retry's wake time) and say when it is due again."""
-        for rest in rests:
+        for rest in sorted(rests, key=lambda r: r.status == "over_budget"):  # its park last: the run's status
             if rest.record is not None:
                 self.write(rest.record)
         self.log.sync()
-        order = ("interrupted", "paused", "waiting", "sleeping")
+        order = ("interrupted", "paused", "over_budget", "waiting", "sleeping")
         first = min(rests, key=lambda r: order.index(r.status))
         times = [r.at for r in rests if r.at is not None]
         names = tuple(dict.fromkeys(r.signal for r in rests if r.signal is not None))

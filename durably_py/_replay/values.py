@@ -127,11 +127,13 @@ class Values:
         att = current_attempt.get(None)
         if att is not None and att.kernel is self.owner:
             path = f"{att.path}@{uuidlib.uuid4().hex[:12]}"
+            label = att.label
         else:
             path = "$" + self.scope().alloc()
+            label = "ctx.charge"
             if path in self.history.charges:
                 return
-        self.log.write(records.Charge(path=path, amounts=amounts, ts=time.time()))
+        self.log.write(records.Charge(path=path, amounts=amounts, label=label, ts=time.time()))
         budget = self.budget_of()
         for kind, amount in amounts.items():
             self.spent[kind] += amount

@@ -37,7 +37,7 @@ from . import forms
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
 STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled", "pending",
-            "stale", "needs_attention")
+            "stale", "needs_attention", "over_budget")
 MAX_LIMIT = 1000
 STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows

@@ -4,7 +4,7 @@
 const TOKEN = (document.querySelector('meta[name="durably-token"]') || {}).content || "";
 const ENDED = new Set(["completed", "failed", "cancelled"]);
 const STATUSES = ["running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled",
-  "pending", "stale", "needs_attention"];
+  "pending", "stale", "needs_attention", "over_budget"];
 const main = document.getElementById("main");
 const live = document.getElementById("live");
 
