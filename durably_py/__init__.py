@@ -15,8 +15,8 @@ from ._authoring.once import Once, once
 from ._authoring.policies import Retry
 from ._authoring.queues import Queue, queue
 from ._authoring.resources import Breaker, RateLimit, Resource, resource
-from ._authoring.usage import set_prices, usage_extractor
 from ._authoring.result import Err, Ok, is_ok, partition
+from ._authoring.usage import set_prices, usage_extractor
 from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
 from ._engine.engine import Engine, create_engine, durably, engine_for, run, run_async

@@ -84,6 +84,9 @@ class RestateKernel:
         if not callable(fn):
             raise not_callable(fn)
         name, opts = step_options(fn, **options)
+        if opts.reserve is not None or opts.charge not in (None, False):
+            raise unsupported("reserve= and charge= (budgets)", NO_BUDGETS,
+                              "Leave them out on Restate: a step's result is not metered there.")
         if opts.concurrency_key is not None:
             raise unsupported("concurrency_key=", "Restate has no step concurrency limits shared across runs")
         if opts.uses is not None:
