@@ -127,10 +127,10 @@ class Values:
         att = current_attempt.get(None)
         if att is not None and att.kernel is self.owner:
             path = f"{att.path}@{uuidlib.uuid4().hex[:12]}"
-            label = att.label
+            label: str | None = att.label
         else:
             path = "$" + self.scope().alloc()
-            label = "ctx.charge"
+            label = None  # `History.spent_by` names it ctx.charge by its path
             if path in self.history.charges:
                 return
         self.log.write(records.Charge(path=path, amounts=amounts, label=label, ts=time.time()))

@@ -687,7 +687,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
             state.steps.append(StepState(path_tuple(park.path), "limit", "waiting", 1, output=waiting))
         else:  # a retried step whose next attempt waits for the limit
             known.status, known.output = "waiting", waiting
-    elif park is not None and park.until is None and park.path not in history.done:
+    elif park is not None and park.until is None and park.budget is None and park.path not in history.done:
         state.steps.append(StepState(path_tuple(park.path), "ctx.join", "waiting", 1,
                                      output={"children": list(park.children or ()), "count": park.count}))
     state.steps.sort(key=lambda s: s.path)
