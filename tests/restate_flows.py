@@ -243,7 +243,9 @@ async def features(ctx) -> list:
              "uses": lambda: ctx.step(add, 1, 1, uses="api"),
              "concurrency_key": lambda: ctx.step(add, 1, 1, concurrency_key="k", concurrency_limit=1),
              "graph": lambda: ctx.graph({}),
-             "annotate": lambda: ctx.annotate(note=1)}
+             "annotate": lambda: ctx.annotate(note=1),
+             "reserve": lambda: ctx.step(add, 1, 1, reserve={"usd": 0.1}),
+             "charge": lambda: ctx.step(add, 1, 1, charge=lambda r: {"units": 1})}
     out = []
     for name, call in tries.items():
         try:
