@@ -200,7 +200,7 @@ def test_run_wait_false_parks_with_a_hint_and_resumes_once_raised(tmp_path: Path
     assert final.spent["tokens"] == 5000 and final.budget == {"tokens": 7500} and len(CALLS) == STEPS
 
 
-def test_run_waits_over_budget_until_the_cli_raises_it(tmp_path: Path) -> None:
+def test_run_waits_over_budget_until_the_cli_raises_it(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     state_dir = tmp_path / ".durably"
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(run(agent, STEPS, budget={"tokens": 2500}, dir=state_dir)))
@@ -217,6 +217,8 @@ def test_run_waits_over_budget_until_the_cli_raises_it(tmp_path: Path) -> None:
         assert engine.storage.held(run_id)  # waiting in its own process, as run() waits for a signal
         time.sleep(0.5)
         assert CALLS == ["model0", "model1", "model2"]
+        said = capfd.readouterr().err
+        assert f"run {run_id} is over budget before step 'model'" in said and f"durably budget {run_id} --raise" in said
         done = durably("budget", run_id, "--raise", "tokens=5000", "--json", "--dir", str(state_dir), check=True)
         assert json.loads(done.stdout)["action"] == "raised"
     finally:
@@ -326,12 +328,12 @@ FLOW = textwrap.dedent('''
 
 
 def test_a_worker_parks_it_holding_no_slot_survives_a_sigkill_and_finishes_once_raised(tmp_path: Path) -> None:
-    (tmp_path / "flow.py").write_text(FLOW)
+    (tmp_path / "budget_flow.py").write_text(FLOW)
     state_dir = tmp_path / ".durably"
     sys.path.insert(0, str(tmp_path))
     os.environ["BUDGETS"] = str(tmp_path)
     try:
-        import flow  # type: ignore[import-not-found]
+        import budget_flow as flow  # type: ignore[import-not-found]
         storage = FileStorage(state_dir)
         handle = asyncio.run(Engine(storage).enqueue(flow.agent, 6, budget={"tokens": 3500}))
     finally:
@@ -340,8 +342,8 @@ def test_a_worker_parks_it_holding_no_slot_survives_a_sigkill_and_finishes_once_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "BUDGETS": str(tmp_path)}
 
     def worker() -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--import", "flow.py", "--lease",
-                                 "2", "--poll", "0.05", "--dir", str(state_dir)], cwd=tmp_path, env=env,
+        return subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--import", "budget_flow.py", "--lease",
+                                 "2", "--poll", "0.05", "-c", "1", "--dir", str(state_dir)], cwd=tmp_path, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def oks() -> int:
@@ -365,6 +367,9 @@ def test_a_worker_parks_it_holding_no_slot_survives_a_sigkill_and_finishes_once_
         assert not storage.held(run_id)  # parked: no worker slot, no lease
         entry = storage.entry(run_id)
         assert entry is not None and entry.at is None
+        other = asyncio.run(Engine(storage).enqueue(flow.agent, 1, key="other")).run_id
+        wait_until(lambda: asyncio.run(Engine(storage).inspect(other)).status == "completed", seconds=60)
+        assert asyncio.run(Engine(storage).inspect(run_id)).status == "over_budget"  # the one slot was free for it
         done = durably("budget", run_id, "--raise", "tokens=5000", "--dir", str(state_dir))
         assert done.returncode == 0, done.stderr
         wait_until(lambda: asyncio.run(Engine(storage).inspect(run_id)).status == "completed", seconds=60)
