@@ -268,7 +268,8 @@ class WorkflowContext:
         return self._kernel.loop(initial, iterate, snapshot_every, max_iterations)
 
     def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Handle[RunHandle]:
-        """Start a child run of `wf` (its own durable run, retries and budget); join it with `ctx.join`."""
+        """Start a child run of `wf` (its own durable run and retries, spending this run's budget); join it with
+        `ctx.join`."""
         return self._kernel.spawn(wf, input, detached)
 
     def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Handle[list[RunHandle]]:
