@@ -174,6 +174,15 @@ def test_on_exhausted_raise_keeps_budget_exceeded_error() -> None:
     assert "durably budget" in caught.value.hint
     with pytest.raises(ValidationError, match="on_exhausted="):
         create_engine(MemoryStorage(), on_exhausted="stop")
+    parking = create_engine(MemoryStorage())
+
+    async def twice() -> None:  # per call: the second run, in the same task, parks again
+        with pytest.raises(BudgetExceededError):
+            await parking.run(agent, STEPS, budget={"tokens": 2500}, on_exhausted="raise")
+        with pytest.raises(RunParkedError):
+            await parking.run(agent, STEPS, budget={"tokens": 2500}, key="second", wait=False)
+
+    asyncio.run(twice())
 
 
 def test_run_wait_false_parks_with_a_hint_and_resumes_once_raised(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ sets the limits instead. See docs/policies.md#budgets.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import secrets
 import time
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 DOCS = "docs/policies.md#budgets"
 POLL = 0.05
 EXHAUSTED = ("park", "raise")
+ON_EXHAUSTED: contextvars.ContextVar[str | None] = contextvars.ContextVar("durably_on_exhausted", default=None)
+"""`run(..., on_exhausted=)` for the runs this call's task executes (its in-process child runs included)."""
 
 
 def check_exhausted(value: Any) -> str:

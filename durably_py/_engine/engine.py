@@ -244,11 +244,23 @@ class Engine:
                   advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
                   on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                   run_id: str | None = None,
-                  on_run: Callable[[str], Any] | None = None) -> Any:
+                  on_run: Callable[[str], Any] | None = None, on_exhausted: str | None = None) -> Any:
         """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
+
+        `on_exhausted` ("park" or "raise"; None: the engine's) says what the run does when its budget runs out
+        (docs/policies.md#budgets).
 
         `on_run` is called with the run id as soon as the run is found or created (before any step runs).
         """
+        if on_exhausted is not None:  # for this call (and the child runs it runs here), then as before
+            token = budgets.ON_EXHAUSTED.set(budgets.check_exhausted(on_exhausted))
+            try:
+                return await self.run(wf, input, key=key, fresh=fresh, budget=budget,
+                                      checkpoint_every=checkpoint_every, advisories=advisories,
+                                      on_advisory=on_advisory, on_step=on_step, wait=wait, run_id=run_id,
+                                      on_run=on_run)
+            finally:
+                budgets.ON_EXHAUSTED.reset(token)
         workflow = as_workflow(wf)
         budget = check_budget(budget) if budget is not None else self.budget
         checkpoint_every = check_checkpoint(checkpoint_every) or self.checkpoint_every
@@ -579,7 +591,7 @@ class Engine:
         if budget is not None and budget != history.budget and budget != history.header.budget:
             kernel.write(log_format.Budget(budget=budget))  # a new budget= (the one it was created with keeps a raise)
             kernel.budget = budget
-        kernel.steps.meter.on_exhausted = self.on_exhausted
+        kernel.steps.meter.on_exhausted = budgets.ON_EXHAUSTED.get() or self.on_exhausted
         value = load_value(wire_input)
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
@@ -788,22 +800,25 @@ async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh
                     budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, advisories: str | None = None,
                     on_advisory: Callable[[Advisory], Any] | None = None,
-                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                    on_exhausted: str | None = None) -> Any:
     """`run()` for code already inside an event loop."""
     return await engine_for(dir).run(wf, input, key=key, fresh=fresh, budget=budget,
                                      checkpoint_every=checkpoint_every, advisories=advisories,
-                                     on_advisory=on_advisory, on_step=on_step, wait=wait)
+                                     on_advisory=on_advisory, on_step=on_step, wait=wait, on_exhausted=on_exhausted)
 
 
 def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
         budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, advisories: str | None = None,
         on_advisory: Callable[[Advisory], Any] | None = None,
-        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+        on_exhausted: str | None = None) -> Any:
     """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off.
 
-    A run that parks (`ctx.sleep`, `ctx.wait_for`) keeps this call waiting; with `wait=False` it raises
-    `RunParkedError` instead, and a later call resumes it."""
+    A run that parks (`ctx.sleep`, `ctx.wait_for`, a budget run out) keeps this call waiting; with `wait=False`
+    it raises `RunParkedError` instead, and a later call resumes it. `on_exhausted="raise"`: a budget run out
+    fails the step with `BudgetExceededError` instead of parking the run."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -813,4 +828,4 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
                               hint="Use `await run_async(...)` inside async code.", docs="docs/running.md")
     return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
                                  checkpoint_every=checkpoint_every, advisories=advisories,
-                                 on_advisory=on_advisory, on_step=on_step, wait=wait))
+                                 on_advisory=on_advisory, on_step=on_step, wait=wait, on_exhausted=on_exhausted))
