@@ -168,8 +168,8 @@ class RunKernel:
             steps.meter.owner = owner_of(storage, history.header.parent)  # a child spends its owner's budget
         self.emit = self.steps.emit
         self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
-                             check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
-                             budget=lambda: steps.budget)
+                             check_label=self.check_label, replay_failed=self.replay_failed,
+                             record=steps.meter.record)
         children = self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
                                               busy=steps, calls=self, code_changed=self.code_changed,
                                               guard=self.guard,
