@@ -193,6 +193,7 @@ def test_run_wait_false_parks_with_a_hint_and_resumes_once_raised(tmp_path: Path
     run_id = parked.value.run_id
     listed = json.loads(durably("list", "--status", "over_budget", "--json", "--dir", str(state_dir)).stdout)
     assert [r["run_id"] for r in listed] == [run_id]
+    assert listed[0]["over_budget"]["by"] == {"model": {"tokens": 3000.0}} and listed[0]["over_budget"]["kind"] == "tokens"
     shown = json.loads(durably("budget", run_id, "--json", "--dir", str(state_dir), check=True).stdout)
     assert shown["status"] == "over_budget" and shown["spent_by"] == {"model": {"tokens": 3000.0}}
     before = durably("logs", run_id, "-o", "jsonl", "--dir", str(state_dir), check=True).stdout.splitlines()
