@@ -423,3 +423,60 @@ def test_the_console_raises_an_over_budget_run_and_it_finishes(tmp_path: Path) -
         wait_until(lambda: client.get(f"/api/runs/{run_id}").json()["status"] == "completed", seconds=30)
     final = asyncio.run(engine.inspect(run_id))
     assert final.spent["tokens"] == 5000 and final.budget == {"tokens": 7500}
+
+
+# ---- a kill loop: SIGKILLed at random points, parked and raised, the spend counted once ----------------------
+
+SCRIPT = textwrap.dedent('''
+    import sys, time
+    from durably_py import RunParkedError, run, workflow
+
+    def model(i):
+        time.sleep(0.15)
+        return {"usage": {"input_tokens": 800, "output_tokens": 200}, "text": f"t{i}"}
+
+    @workflow
+    async def agent(ctx, n):
+        return [(await ctx.step(model, i, name="model"))["text"] for i in range(n)]
+
+    if __name__ == "__main__":
+        try:
+            print(len(run(agent, 30, budget={"tokens": 15500}, dir=sys.argv[1], wait=False)))
+        except RunParkedError as parked:
+            print("parked", parked.run_id)
+''')
+
+
+@pytest.mark.slow
+def test_a_run_killed_again_and_again_and_raised_counts_each_recorded_call_once(tmp_path: Path) -> None:
+    import random
+
+    (tmp_path / "agent.py").write_text(SCRIPT)
+    state = tmp_path / ".durably"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    rng = random.Random(23)
+    kills = parks = 0
+    for _ in range(60):
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "agent.py"), str(state)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env=env, cwd=tmp_path)
+        try:
+            out, _ = proc.communicate(timeout=rng.uniform(0.4, 1.0))
+        except subprocess.TimeoutExpired:
+            proc.kill()  # SIGKILL at a random point
+            proc.communicate()
+            kills += 1
+            continue
+        if out.startswith("parked"):
+            parks += 1
+            done = durably("budget", out.split()[1], "--raise", "tokens=10000", "--dir", str(state))
+            assert done.returncode == 0, done.stderr
+            continue
+        assert out.strip() == "30"
+        break
+    else:
+        pytest.fail("the run never finished")
+    engine = create_engine(FileStorage(state))
+    final = asyncio.run(engine.inspect(asyncio.run(engine.list())[0].run_id))
+    assert final.status == "completed" and parks >= 1 and kills >= 3
+    assert final.spent["tokens"] == 30_000, final.spent  # 30 recorded calls, each charged once
+    print(f"{kills} SIGKILLs, {parks} parks raised, spent {final.spent['tokens']:g} tokens for 30 calls")
