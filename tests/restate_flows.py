@@ -231,6 +231,15 @@ def stashing() -> str:
     return "stashed"
 
 
+def emitting() -> str:
+    attempt().emit("token")
+    return "emitted"
+
+
+async def generating():
+    yield "token"
+
+
 async def turn(state: int, it) -> object:
     return it.done(state) if state >= 2 else state + 1
 
@@ -244,6 +253,8 @@ async def features(ctx) -> list:
              "concurrency_key": lambda: ctx.step(add, 1, 1, concurrency_key="k", concurrency_limit=1),
              "graph": lambda: ctx.graph({}),
              "annotate": lambda: ctx.annotate(note=1),
+             "emit": lambda: ctx.step(emitting),
+             "generator": lambda: ctx.step(generating),
              "reserve": lambda: ctx.step(add, 1, 1, reserve={"usd": 0.1}),
              "charge": lambda: ctx.step(add, 1, 1, charge=lambda r: {"units": 1})}
     out = []

@@ -20,7 +20,7 @@ def test_the_package_is_typed() -> None:
 
 
 PUBLIC_MODULES = {"__init__", "__main__", "errors", "pytest_plugin", "records", "testing"}
-PUBLIC_PACKAGES = {"cli", "restate", "storage", "ui"}
+PUBLIC_PACKAGES = {"agents", "cli", "restate", "storage", "ui"}
 
 
 def test_every_other_module_is_named_internal() -> None:

@@ -748,6 +748,41 @@ def test_sqlite_upgrades_an_older_database_to_hold_signals(tmp_path: Path) -> No
     store.close()
 
 
+def test_partials_append_read_from_any_offset_and_drop(store: Any) -> None:
+    started(store, "r1")
+    assert store.read_partials("r1", "0") == [] and store.partial_paths("r1") == {}
+    store.append_partials("r1", "0", 1, [b'"a"', b'"b"'])
+    store.append_partials("r1", "0", 2, [b'{"c":1}'])
+    store.append_partials("r1", "2.1", 1, [b"3"])
+    store.append_partials("r1", "0", 2, [])
+    assert store.read_partials("r1", "0") == [b'"a"', b'"b"', b'{"c":1}']
+    assert store.read_partials("r1", "0", 2) == [b'{"c":1}'] and store.read_partials("r1", "0", 9) == []
+    assert store.partial_paths("r1") == {"0": 3, "2.1": 1}
+    assert [r["t"] for r in store.read("r1").records] == ["run", "claim"]  # beside the log, never in it
+    store.drop_partials("r1", "0")
+    assert store.read_partials("r1", "0") == [] and store.partial_paths("r1") == {"2.1": 1}
+    store.drop_partials("r1")
+    assert store.partial_paths("r1") == {}
+
+
+def test_partials_go_with_their_run_and_refuse_bad_input(store: Any) -> None:
+    lease = started(store, "r1")
+    store.append_partials("r1", "1", 1, [b'"x"'])
+    for call in (lambda: store.append_partials("r1", "1/../x", 1, [b'"x"']),
+                 lambda: store.append_partials("r1", "1", 0, [b'"x"']),
+                 lambda: store.append_partials("r1", "1", 1, [b'"x"\n"y"']),
+                 lambda: store.append_partials("r1", "1", 1, ["x"]),
+                 lambda: store.append_partials("../r", "1", 1, [b'"x"']),
+                 lambda: store.read_partials("r1", "1", -1),
+                 lambda: store.drop_partials("r1", "")):
+        with pytest.raises(ValidationError):
+            call()
+    assert store.read_partials("r1", "1") == [b'"x"']
+    store.release(lease)
+    assert store.delete("r1")
+    assert store.read_partials("r1", "1") == [] and store.partial_paths("r1") == {}
+
+
 # -- file adapter ---------------------------------------------------------------------------------------------
 
 

@@ -350,6 +350,24 @@ def test_a_running_step_shows_its_time_and_the_process_holding_it(page: Any, ser
         proc.wait()
 
 
+def test_a_streaming_step_shows_its_live_output(page: Any, server: str, state: Path, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    proc = run_flow(state, "chatter", {"n": 3, "gate": str(gate)}, "--key", "chat-1")
+    try:
+        wait_until(lambda: exists(state, "chat-1", "running"), every=0.1)
+        page.goto(f"{server}/runs/chat-1")
+        wait_for_status(page, "running")
+        page.wait_for_selector(".wf-row[data-path='0'] [data-elapsed]", timeout=15000)
+        page.locator(".wf-row[data-path='0']").click()
+        page.wait_for_function("() => (document.querySelector('[data-live-output]') || {}).textContent"
+                               " === 'word0 word1 word2 '", timeout=15000)
+        gate.touch()
+        wait_for_status(page, "completed")
+    finally:
+        gate.touch()
+        proc.communicate(timeout=60)
+
+
 def test_a_pending_run_says_a_worker_runs_it_and_a_parked_run_stops_its_clock(page: Any, server: str,
                                                                               state: Path) -> None:
     done = subprocess.run(cli("enqueue", str(FLOWS), "-w", "slow", "-i", '{"n": 1, "delay": 0}', "--priority", "3",

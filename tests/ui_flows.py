@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -108,3 +109,18 @@ async def nested(ctx: Any, n: int) -> int:
     """`n` parallel branches of two steps each (paths 0.i.0 and 0.i.1), then one step (path 1)."""
     legs = await ctx.parallel([leg(ctx, i) for i in range(n)])
     return await ctx.step(total, [{"words": r.value} for r in legs], name="merge")
+
+
+def talk(spec: dict[str, Any]) -> str:
+    """Emit `n` words as the step's stream, then wait for the file `gate` before it completes."""
+    for i in range(spec["n"]):
+        attempt().emit(f"word{i} ")
+    while not os.path.exists(spec["gate"]):
+        time.sleep(0.02)
+    return "talked"
+
+
+@workflow
+async def chatter(ctx: Any, spec: dict[str, Any]) -> str:
+    """One streamed step whose live output a test watches."""
+    return await ctx.step(talk, spec)

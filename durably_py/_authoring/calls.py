@@ -161,10 +161,11 @@ class StepOptions:
     """Validated options of one `ctx.step` call."""
 
     __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe",
-                 "on_interrupt", "reserve", "charge")
+                 "on_interrupt", "keep_partials", "reserve", "charge")
 
     def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
-                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None) -> None:
+                 concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None,
+                 keep_partials: Any = False) -> None:
         if retry is not None and not isinstance(retry, Retry):
             raise ValidationError(f"retry= of step {label!r} must be a Retry(...), got {retry!r}",
                                   hint="Use retry=Retry(3, backoff='exponential').", docs="docs/policies.md#retry")
@@ -206,6 +207,11 @@ class StepOptions:
         self.schema = compile_schema(schema, f"schema of step {label!r}")
         self.unsafe = replay in ("manual", "unsafe")
         self.on_interrupt = on_interrupt  # None: the mode's default ("attention" here; Restate raises)
+        if not isinstance(keep_partials, bool):
+            raise ValidationError(f"keep_partials= of step {label!r} must be True or False, got {keep_partials!r}",
+                                  hint="keep_partials=True keeps a streamed step's chunks after it completes.",
+                                  docs="docs/authoring.md#streamed-steps")
+        self.keep_partials = keep_partials  # a streamed step's partials stay in the store after it completes
         self.reserve: dict[str, float] | None = None  # budget held while the step runs (`check_reserve`)
         self.charge: Any = None  # None: charged from its result's usage; False: never; a callable: its answer
 
@@ -250,7 +256,8 @@ _OPTIONS: dict[tuple[Any, ...], StepOptions] = {}  # validated options by call s
 def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any = None, timeout: float | None = None,
                  compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
                  concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
-                 replay: str = "safe", on_interrupt: str | None = None, reserve: Any = None, charge: Any = None,
+                 replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False,
+                 reserve: Any = None, charge: Any = None,
                  **unknown: Any) -> tuple[str | None, StepOptions]:
     """The step name and validated options of a `ctx.step` call with keywords (validated once per call shape)."""
     if unknown:
@@ -260,22 +267,23 @@ def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any 
                  "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
     if (retry is None and timeout is None and compensate is None and concurrency_key is None
             and concurrency_limit is None and uses is None and schema is None and replay in ("safe", "idempotent")
-            and on_interrupt is None and reserve is None and charge is None):
+            and on_interrupt is None and keep_partials is False and reserve is None and charge is None):
         return name, PLAIN
     label = name or label_of(fn)
     if reserve is not None or charge is not None:  # neither is hashable for sure: validated every call
         metered = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
-                              replay, on_interrupt)
+                              replay, on_interrupt, keep_partials)
         metered.reserve, metered.charge = check_reserve(reserve, label), check_charge(charge, label)
         return name, metered
-    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay, on_interrupt)
+    key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay, on_interrupt,
+           keep_partials)
     try:
         opts = _OPTIONS.get(key)
     except TypeError:
         key, opts = None, None  # type: ignore[assignment]
     if opts is None:
         opts = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
-                           replay, on_interrupt)
+                           replay, on_interrupt, keep_partials)
         if key is not None and compensate is None:
             if len(_OPTIONS) >= 4096:
                 _OPTIONS.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar, cast, overload
 
@@ -82,6 +82,15 @@ class Kernel(Protocol):
     def charge(self, amounts: dict[str, float]) -> None: ...
     def annotate(self, values: dict[str, Any]) -> None: ...
     def stash(self, path: str, value: Any) -> Any: ...
+    def stream(self, path: str) -> StepStream: ...
+
+
+class StepStream(Protocol):
+    """What `attempt().emit` and `attempt().partials` use of the stream of the step at a path (the local kernel's
+    `_replay.streams.StepStream`)."""
+
+    def emit(self, chunk: Any, number: int) -> None: ...
+    def partials(self, number: int) -> list[Any]: ...
 
 
 _EVENT_LOCK = threading.Lock()
@@ -90,7 +99,7 @@ _EVENT_LOCK = threading.Lock()
 class AttemptContext:
     """The running attempt of one step: its number, stash, idempotency key and cancellation flag."""
 
-    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event", "label")
+    __slots__ = ("kernel", "path", "number", "_stashed", "did_stash", "_cancelled", "_event", "label", "_stream")
 
     label: str  # the step's label, set by the kernel as the attempt starts
 
@@ -102,6 +111,7 @@ class AttemptContext:
         self.did_stash = False
         self._cancelled = False
         self._event: threading.Event | None = None
+        self._stream: StepStream | None = None
 
     @property
     def stashed(self) -> Any:
@@ -112,6 +122,23 @@ class AttemptContext:
         """Record partial progress durably now; the next attempt of this step starts from it."""
         self._stashed = self.kernel.stash(self.path, value)
         self.did_stash = True
+
+    def emit(self, chunk: Any) -> None:
+        """Stream `chunk` (a JSON value, usually a str: a model's next tokens) as this step's output so far: kept
+        as a partial in the store, readable live (`engine.stream`, `durably logs --follow`, the console), and
+        handed to the next attempt as `partials` if this one is cut off. Written in batches, never fsynced."""
+        if self._stream is None:
+            self._stream = self.kernel.stream(self.path)
+        self._stream.emit(chunk, self.number)
+
+    @property
+    def partials(self) -> list[Any]:
+        """The chunks this step streamed before this attempt started (an attempt that was cut off, in this
+        process or a killed one), in order; [] when none. A model call continues after them instead of starting
+        over; what this attempt emits or yields is added after them."""
+        if self._stream is None:
+            self._stream = self.kernel.stream(self.path)
+        return self._stream.partials(self.number)
 
     @property
     def operation_id(self) -> str:
@@ -219,22 +246,32 @@ class WorkflowContext:
         return from_iso(tick) if tick is not None else None
 
     @overload
+    def step(self, fn: Callable[..., AsyncIterator[Any] | Iterator[Any]], /, *args: Any,
+             name: str | None = None, retry: Any = None, timeout: float | None = None,
+             compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
+             concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
+             replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False) -> Handle[Any]: ...
+
+    @overload
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
              retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: None = None, replay: str = "safe", on_interrupt: str | None = None) -> Handle[T]: ...
+             schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
-             schema: Any, replay: str = "safe", on_interrupt: str | None = None) -> Handle[Any]: ...
+             schema: Any, replay: str = "safe", on_interrupt: str | None = None,
+             keep_partials: bool = False) -> Handle[Any]: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.

@@ -10,7 +10,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -52,6 +52,7 @@ from .queue import (
     queue_infos,
 )
 from .runs import PruneReport, Runs, check_retention
+from .streams import StreamReader, interleave
 
 __all__ = ["Engine", "RunHook", "add_run_hook", "create_engine", "durably", "engine_for", "remove_run_hook",
            "run", "run_async", "run_hooks", "set_run_hook"]
@@ -106,6 +107,7 @@ class Engine:
                  on_exhausted: str = "park") -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
+        self.streams = StreamReader(self.storage, self.runs.resolve, self.runs.read)
         self.retention = check_retention(retention)
         self.cleanup = check_cleanup(cleanup)
         self.concurrency = check_concurrency(concurrency)
@@ -214,10 +216,21 @@ class Engine:
         """A run's log (by id or key) as plain JSON objects, header first, exactly as recorded."""
         return await self.runs.records(run)
 
-    def follow(self, run: str, *, poll: float = 0.2) -> AsyncIterator[dict[str, Any]]:
+    def follow(self, run: str, *, poll: float = 0.2, chunks: bool = False) -> AsyncIterator[dict[str, Any]]:
         """A run's records (by id or key) as plain JSON objects, then each record appended later by any
-        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused)."""
+        process, until the run ends (completed, failed, cancelled) or parks (waiting, sleeping, paused). With
+        `chunks`, the chunks its streamed steps write meanwhile come in between, as
+        ``{"t": "chunks", "path": [..], "offset": n, "chunks": [...]}``."""
+        if chunks:
+            return interleave(self.runs.follow(run, poll=poll), self.streams.chunks(run))
         return self.runs.follow(run, poll=poll)
+
+    def stream(self, run: str, path: Any, *, offset: int = 0, follow: bool = False) -> AsyncGenerator[Any, None]:
+        """The chunks the streamed step at `path` (``3``, ``(2, 0)`` or ``"2.0"``) of run `run` (by id or key)
+        emitted, from index `offset`, each once and in order; with `follow`, then each new chunk as it is
+        written (within ~0.1 s), until the step completes or fails or the run ends. A completed step whose
+        partials were folded into its record reads from its result (docs/authoring.md#streamed-steps)."""
+        return self.streams.stream(run, path, offset=offset, follow=follow)
 
     async def graph(self, run: str) -> builtins.list[GraphState]:
         """The task graphs of a run (by id or key): each node's child run, status, and why it waits."""

@@ -548,6 +548,8 @@ class Operations:
                 raise ValidationError(f"run {run_id} is running in another process", run_id=run_id,
                                       hint=f"Wait for it, or stop it first with `durably cancel {run_id}`.",
                                       docs="docs/operations.md#retry")
+            for path in self.reset_paths(history, from_step):  # a step run again streams anew (keep_partials)
+                self.storage.drop_partials(run_id, path)
         # Unlike running it again, a retry reopens a run killed while it was failing (its compensations had
         # begun) as it does a failed one, and resumes each failed (or failing) child it joins once.
         self.retries.add(run_id)

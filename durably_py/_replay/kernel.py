@@ -60,6 +60,7 @@ from .ports import EngineServices, Hooks, Observer, Selector, Spawned, observing
 from .stale import stale_hint
 from .steps import Steps
 from .stops import ABANDONED, CANCEL_MSG, CANCELLED_TYPE, CLEANUP_OVER, CUT_OFF, Crash, Parked, Rest
+from .streams import StepStream, Streams
 from .tasks import current_task, get_ident, make_task, running_task
 from .turns import Turns, current_turns, discard, install_factory
 from .upgrade import UpgradeGuard, code_changed
@@ -164,6 +165,7 @@ class RunKernel:
                                    compensations=self.compensations, spent=self.spent, budget=history.budget,
                                    parks=lambda: children.parks, running=self.running)
         self.log.flight = self.steps
+        self.streams = steps.streams = Streams(storage, self.run_id)
         if history.budget is None and history.header.parent is not None:
             steps.meter.owner = owner_of(storage, history.header.parent)  # a child spends its owner's budget
         self.emit = self.steps.emit
@@ -810,6 +812,13 @@ class RunKernel:
     def sleep(self, seconds: float) -> Handle[None]:
         """`ctx.sleep`: wake `seconds` after the run clock's now."""
         return self.sleep_until(self.clock.now() + timedelta(seconds=seconds))
+
+    def stream(self, path: str) -> StepStream:
+        """`attempt().emit` and `.partials`: the stream of the step at `path` (`streams.Streams`)."""
+        streams = self.streams
+        if streams.loop is None and self.root is not None:
+            streams.loop = self.root.get_loop()
+        return streams.stream(path)
 
     def stash(self, path: str, value: Any) -> Any:
         """`attempt().stash`: record the partial progress of the step at `path`; return it as its next attempt

@@ -48,6 +48,7 @@ from .control import Control
 from .limits import Limiter
 from .log import DEFAULT_SYNC_SECONDS, RunLog
 from .stops import CUT_OFF, Crash, Parked, Rest, is_run_cancel
+from .streams import Streams, streamed, streaming
 from .tasks import current_task, get_ident, running_task
 from .turns import Turns
 from .watchdog import Watchdog
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from .._threads import SyncPlacement
     from .ports import Hooks
 
+GENERATORS = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR  # a generator step streams (`streams`)
 PLAIN_RESULTS = frozenset({dict, list, tuple, str, int, float, bool, type(None)})  # never awaitable
 YIELD_EVERY = 0.05  # a run of steps that never suspend still lets the loop in this often (Ctrl-C, cancellation)
 PARK_BACKOFF = 5.0
@@ -102,6 +104,7 @@ class Steps:
     """The live steps of one execution of a run: what runs now, and how each attempt's outcome is recorded."""
 
     live = 0  # kernels running in this process (a sync step runs on the loop thread only while it is the only one)
+    streams: Streams  # the run's streamed steps, set by the kernel
 
     def __init__(self, *, log: RunLog, control: Control, turns: Turns, clock: Clock, placement: SyncPlacement,
                  gates: Gates, executor: Executor, new_attempt: Callable[[str, int, Any], Attempt],
@@ -170,8 +173,10 @@ class Steps:
         control = self.control
         try:
             history = self.history
+            code = getattr(fn, "__code__", None)
             if opts is not PLAIN or self.hooks is not None or self.on_step is not None \
-                    or path in history.fails or path in history.stashes:
+                    or path in history.fails or path in history.stashes \
+                    or code is not None and code.co_flags & GENERATORS:
                 return await self._execute(h, scope, path, label, fn, args, opts)
             if control.stopping is not None and control.stopping():
                 await control.interrupted()
@@ -182,7 +187,6 @@ class Steps:
             meter = self.meter
             if meter.owner is not None or meter.budget is not None:
                 await meter.admit(path, label, None)
-            code = getattr(fn, "__code__", None)
             is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else is_async_callable(fn)
             running = self.running
             # `alone(scope)` before this step is registered as running
@@ -269,6 +273,8 @@ class Steps:
         delivering a cancellation such as Ctrl-C): the caller then yields once."""
         log = self.log
         log.write(records.Ok(path=path, label=label, value=wire, attempt=number, ms=ms, ts=time.time()))
+        if self.streams.open:
+            self.streams.finished(path, opts.keep_partials)
         now = time.monotonic()
         log.unsynced += 1  # `log.step_done()` written out, sharing its clock reading with the yield below
         if log.unsynced >= log.sync_every or (log.sync_by_time and now - log.last_sync >= DEFAULT_SYNC_SECONDS):
@@ -361,6 +367,8 @@ class Steps:
 
     async def _attempts(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
                         args: tuple[Any, ...], opts: StepOptions, number: int) -> Any:
+        if streaming(fn):
+            fn = streamed(fn)
         is_async = is_async_callable(fn)
         control = self.control
         meter = self.meter
@@ -490,6 +498,8 @@ class Steps:
         """Record a failed attempt; wait out the backoff and return to retry, or raise (in its turn) to fail
         the step."""
         log = self.log
+        if self.streams.open:
+            self.streams.flush(path)
         retry: Retry | None = opts.retry
         storm = self.storm.record(failed=True, retry=number > 1)
         if storm is not None:

@@ -32,6 +32,13 @@ from .render import (
 DEFAULT_PAGE = 20
 
 
+def chunks_line(rec: dict[str, Any]) -> Text:
+    """A batch of chunks a streamed step wrote (`Engine.follow(chunks=True)`): its text, or its chunks as JSON."""
+    chunks = rec["chunks"]
+    body = "".join(chunks) if all(isinstance(c, str) for c in chunks) else " ".join(map(repr, chunks))
+    return Text.assemble(("  ▸ ", "dim"), (f"{path_text(tuple(rec['path']))} ", "cyan"), body)
+
+
 def parse_when(text: str, option: str) -> datetime:
     """A `--since`/`--until` value: a duration meaning that long ago (`2h`, `1d`), or an ISO 8601 time."""
     try:
@@ -198,12 +205,13 @@ LogsJsonOption = Annotated[bool, typer.Option("--json", help="The records as one
 def logs(
     run: RunArgument,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing records as any process appends "
-                                                                 "them, until the run ends or parks with no "
+                                                                 "them, and the chunks streamed steps write, "
+                                                                 "until the run ends or parks with no "
                                                                  "process waiting on it.")] = False,
     opts: Options = OPTIONS,
 ) -> None:
     """Print a run's log as a timeline (steps, attempts, waits, sleeps, the end), then the signals waiting unread
-    in its inbox; --follow tails it live."""
+    in its inbox; --follow tails it live, with the chunks its streamed steps write as they come."""
     with opts.guard():
         mode = opts.mode()
         engine = opts.engine()
@@ -211,7 +219,9 @@ def logs(
         kept: list[dict[str, Any]] = []
 
         def show(rec: dict[str, Any]) -> None:
-            if mode == "table":
+            if mode == "table" and rec.get("t") == "chunks":  # a streamed step's output so far (--follow)
+                console.print(chunks_line(rec), soft_wrap=True)
+            elif mode == "table":
                 console.print(record_line(rec), soft_wrap=True)
             elif mode == "jsonl":
                 opts.emit(rec, mode)
@@ -220,7 +230,7 @@ def logs(
 
         async def tail() -> None:
             if follow:
-                async for rec in engine.follow(run):
+                async for rec in engine.follow(run, chunks=True):
                     show(rec)
             else:
                 for rec in await engine.records(run):

@@ -36,6 +36,8 @@ from .unsupported import unsupported
 PATCH_HINT = ("Register the changed code as a new Restate deployment: invocations already running stay on the "
               "deployment that started them, new ones take the new code (docs/restate.md#what-does-not-map).")
 NO_BUDGETS = "budgets are not journaled on Restate"
+NO_PARTIALS = ("Restate journals a step's result only, with nowhere to keep the chunks it streams while it runs "
+               "(stream partials)")
 
 
 class _Header:
@@ -84,6 +86,8 @@ class RestateKernel:
         if not callable(fn):
             raise not_callable(fn)
         name, opts = step_options(fn, **options)
+        if opts.keep_partials or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            raise unsupported("streamed steps (a generator step, keep_partials=)", NO_PARTIALS)
         if opts.reserve is not None or opts.charge not in (None, False):
             raise unsupported("reserve= and charge= (budgets)", NO_BUDGETS,
                               "Leave them out on Restate: a step's result is not metered there.")
@@ -217,6 +221,9 @@ class RestateKernel:
 
     def annotate(self, values: dict[str, Any]) -> NoReturn:
         raise unsupported("ctx.annotate", "run annotations are not stored on Restate")
+
+    def stream(self, path: str) -> NoReturn:
+        raise unsupported("attempt().emit() and attempt().partials (streamed steps)", NO_PARTIALS)
 
     def stash(self, path: str, value: Any) -> NoReturn:
         raise unsupported("attempt().stash()", "a step cannot journal progress inside itself on Restate",

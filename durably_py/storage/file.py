@@ -95,6 +95,7 @@ from .filelocks import write_all as _write_all  # looked up here at each call, s
 from .filequeue import FileQueue
 from .fileworkers import FileWorkers
 from .front import StorageFront
+from .partials import FilePartials
 from .wakeup import LocalWakeups
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class FileStorage(StorageFront):
     ) -> None:
         self.dir = Path(os.path.abspath(dir))
         self.runs_dir = self.dir / "runs"
+        self._partials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
         self._runs_path = str(self.runs_dir)
         self._index_path_str = str(self.index_dir)
@@ -726,12 +728,26 @@ class FileStorage(StorageFront):
                 inbox.rmdir()
             except FileNotFoundError:
                 pass
+            freed += self._partials.drop(run_id, None)
             self._signal_ids.pop(run_id, None)
             self._indexed(lambda catalog: catalog.remove(run_id))
             Path(lock.path).unlink(missing_ok=True)
             return freed
         finally:
             lock.release()
+
+    # ---- stream partials (`partials.FilePartials`: beside the log, never in it) ---------------------
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        self._partials.append(run_id, path, attempt, chunks)
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        return self._partials.read(run_id, path, offset)
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        self._partials.drop(run_id, path)
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        return self._partials.paths(run_id)
 
     def _unbind(self, identity: str, run_id: str) -> None:
         """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""

@@ -55,6 +55,7 @@ from .base import (
     validate_workflows,
 )
 from .catalog import validate_page
+from .partials import PartialsFront
 from .roles import LimitUpdate
 
 __all__ = ["StorageFront"]
@@ -112,7 +113,7 @@ def _limit_step(key: str, update: LimitUpdate, where: str) -> LimitStep:
     return step
 
 
-class StorageFront:
+class StorageFront(PartialsFront):
     """The checked public methods of an adapter; a subclass implements each `_do_<method>`."""
 
     # ---- RunLogs -----------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class MemoryStorage(StorageFront):
         self._index: dict[str, str] = {}
         self._workers: dict[str, tuple[bytes, float]] = {}  # owner -> (advertisement, expiry on the monotonic clock)
         self._limits: dict[str, bytes] = {}  # limit key -> its document's JSON bytes
+        self._partials: dict[tuple[str, str], list[bytes]] = {}  # (run, step path) -> its stream's chunks
         self._blobs: dict[str, bytes] = {}  # sha256 -> bytes kept under it (`keep_blob`)
         self._lock = threading.Lock()
         self._order = itertools.count()
@@ -302,6 +303,7 @@ class MemoryStorage(StorageFront):
                 return None
             del self._runs[run_id]
             self._queue.pop(run_id, None)
+            self._drop_partials(run_id, None)
             for identity in [i for i, bound in self._index.items() if bound == run_id]:
                 del self._index[identity]
             return len(run.data) + sum(len(line) for _, line in run.signals)
@@ -475,6 +477,27 @@ class MemoryStorage(StorageFront):
         """The documents whose key starts with `prefix`."""
         with self._lock:
             return {key: data for key, data in self._limits.items() if key.startswith(prefix)}
+
+    # ---- stream partials -----------------------------------------------------------------------
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        with self._lock:
+            self._partials.setdefault((run_id, path), []).extend(chunks)
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        with self._lock:
+            return self._partials.get((run_id, path), [])[offset:]
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        with self._lock:
+            self._drop_partials(run_id, path)
+
+    def _drop_partials(self, run_id: str, path: str | None) -> None:
+        for key in [key for key in self._partials if key[0] == run_id and path in (None, key[1])]:
+            del self._partials[key]
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        with self._lock:
+            return {path: len(chunks) for (run, path), chunks in self._partials.items() if run == run_id and chunks}
 
     # ---- blobs ----------------------------------------------------------------------------------
     def _do_keep_blob(self, digest: str, data: bytes) -> None:

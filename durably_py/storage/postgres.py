@@ -67,6 +67,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
+from .partials import PostgresPartials
 
 if TYPE_CHECKING:
     import psycopg
@@ -265,6 +266,7 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
+        self._partials = PostgresPartials(self.schema, self._cursor)
         self._blobs = f"{s}.blobs"
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
@@ -791,6 +793,7 @@ class PostgresStorage(StorageFront):
             freed += int(cur.fetchone()[0])  # type: ignore[index]
             for table in (self._records, self._signals, self._queue, self._identities, self._runs):
                 cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
+            self._partials.delete(cur, run_id)
         return freed
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
@@ -1131,6 +1134,19 @@ class PostgresStorage(StorageFront):
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
+
+    # ---- stream partials (`partials.PostgresPartials`) -------------------------------------------
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        self._partials.append(run_id, path, attempt, chunks)
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        return self._partials.read(run_id, path, offset)
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        self._partials.drop(run_id, path)
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        return self._partials.paths(run_id)
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""

@@ -1,6 +1,6 @@
 """The storage protocol, as the roles a service names (`RunLogs`, `Identities`, `Catalog`, `Inbox`, `DueQueue`,
-`Fleet`, `Limits`, `Blobs`) and `Storage`, their union, which every adapter implements. See `base` for what a run is to
-storage."""
+`Fleet`, `Limits`, `Blobs`, `Partials`) and `Storage`, their union, which every adapter implements. See `base` for
+what a run is to storage."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
-__all__ = ["Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "RunLogs",
-           "Storage"]
+__all__ = ["Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits", "Partials",
+           "RunLogs", "Storage"]
 
 LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
 """What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
@@ -279,5 +279,27 @@ class Blobs(Protocol):
 
 
 @runtime_checkable
-class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Blobs, Protocol):
+class Partials(Protocol):
+    """Stream partials: the chunks a streaming step emitted while it runs, beside its run's log (never in it), read
+    live by followers and by the step's next attempt (`storage.partials` says where each adapter keeps them).
+    Only the run's lease holder appends; anyone reads. Appends are batched by the caller and not fsynced: they
+    survive a killed process, a machine crash may lose the last ones."""
+
+    def append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        """Add `chunks` (each one chunk's JSON bytes, no newline) after the stored chunks of the step at `path`,
+        written by `attempt`, in order, without an fsync."""
+
+    def read_partials(self, run_id: str, path: str, offset: int = 0) -> list[bytes]:
+        """The step's stored chunks from index `offset` on, in append order ([] when none are stored)."""
+
+    def drop_partials(self, run_id: str, path: str | None = None) -> None:
+        """Remove the stored chunks of the step at `path` (of every step of the run when None); `delete` of a run
+        removes them too."""
+
+    def partial_paths(self, run_id: str) -> dict[str, int]:
+        """The paths of the run's steps that have stored chunks, with how many each has."""
+
+
+@runtime_checkable
+class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Blobs, Partials, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""

@@ -65,6 +65,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront
+from .partials import SQLITE_TABLE
 from .wakeup import LocalWakeups
 
 SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
@@ -576,7 +577,50 @@ class SqliteStorage(StorageFront):
                                 (run_id,)).fetchone()[0]
             for table in ("records", "signals", "queue", "identities", "runs"):
                 db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+            self._partials_table(db)
+            db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
         return int(freed)
+
+    # ---- stream partials (`partials.SQLITE_TABLE`, created on first use) -------------------------
+    def _partials_table(self, db: sqlite3.Connection) -> None:
+        """Create the partials table once per connection (call with the lock held)."""
+        if getattr(self, "_partials_made", None) is not db:
+            for statement in SQLITE_TABLE.split(";"):
+                db.execute(statement)
+            self._partials_made = db
+
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            with _transaction(db):  # synchronous=NORMAL: no fsync
+                db.executemany("INSERT INTO partials (run_id, path, attempt, data) VALUES (?, ?, ?, ?)",
+                               [(run_id, path, attempt, chunk) for chunk in chunks])
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            rows = db.execute("SELECT data FROM partials WHERE run_id = ? AND path = ? ORDER BY seq LIMIT -1 OFFSET ?",
+                              (run_id, path, offset)).fetchall()
+        return [bytes(row[0]) for row in rows]
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            if path is None:
+                db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
+            else:
+                db.execute("DELETE FROM partials WHERE run_id = ? AND path = ?", (run_id, path))
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        with self._lock:
+            db = self._db()
+            self._partials_table(db)
+            rows = db.execute("SELECT path, count(*) FROM partials WHERE run_id = ? GROUP BY path",
+                              (run_id,)).fetchall()
+        return {path: int(n) for path, n in rows}
 
     def _require(self, db: sqlite3.Connection, run_id: str) -> None:
         """Raise `RunNotFoundError` unless the run exists."""

@@ -387,6 +387,41 @@ class Console:
                     quiet = time.monotonic()
         return self._stream(events())
 
+    async def step_stream(self, request: Request) -> Response:
+        """The chunks of a streamed step as server-sent `chunk` events (id: the chunk's offset, so a reconnecting
+        browser resumes after the last one it got; `?offset=N` starts there), then `end` when the step completed,
+        failed or its run ended (`Engine.stream`)."""
+        refused = self.guard(request, mutating=False)
+        if refused is not None:
+            return refused
+        try:
+            last = request.headers.get("last-event-id")
+            offset = int(last) + 1 if last and last.isdigit() else int(request.query_params.get("offset", "0"))
+        except ValueError:
+            return _refuse(400, "offset must be an integer", "Ask /api/runs/RUN/stream/PATH?offset=0.")
+        try:
+            run_id = await anyio.to_thread.run_sync(lambda: self.engine.resolve(request.path_params["run"]))
+            chunks = self.engine.stream(run_id, request.path_params["path"], offset=offset, follow=True)
+            first = await anext(chunks, _END)
+        except DurablyError as exc:
+            return _error(exc)
+
+        async def events() -> AsyncIterator[str]:
+            n, chunk = offset, first
+            try:
+                while chunk is not _END:
+                    yield f"id: {n}\nevent: chunk\ndata: {_dumps(chunk)}\n\n"
+                    n += 1
+                    if await request.is_disconnected() or self.stopping():
+                        return
+                    chunk = await anext(chunks, _END)
+                yield "event: end\ndata: {}\n\n"
+            except DurablyError as exc:
+                yield f"event: failure\ndata: {_dumps(error_body(exc))}\n\n"
+            finally:
+                await chunks.aclose()
+        return self._stream(events())
+
     async def runs_events(self, request: Request) -> Response:
         refused = self.guard(request, mutating=False)
         if refused is not None:
@@ -578,6 +613,9 @@ def parse_selector(value: Any) -> Any:
                           docs="docs/operations.md#retry-from-a-step")
 
 
+_END = object()  # what `anext` gives once a stream has no more chunks
+
+
 def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> Starlette:
     """The Starlette application of a console over `engine`."""
     console = Console(engine, token, loopback, poll)
@@ -594,6 +632,7 @@ def build(engine: Engine, *, token: str | None, loopback: bool, poll: float) -> 
         Route("/api/runs/{run}/graph", console.graph),
         Route("/api/runs/{run}/log", console.log),
         Route("/api/runs/{run}/events", console.run_events),
+        Route("/api/runs/{run}/stream/{path}", console.step_stream),
         Route("/api/runs/{run}/{op}", console.operate, methods=["POST"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any, assert_type
 
-from durably_py import WorkflowContext, workflow
+from durably_py import WorkflowContext, attempt, workflow
 
 
 def count(text: str) -> int:
@@ -35,3 +36,25 @@ async def knows_itself(ctx: WorkflowContext) -> None:
     assert_type(ctx.scheduled_at, datetime | None)
     assert_type(ctx.engine, EngineAPI)
     await ctx.step(count, "x", retry=Retry(None, backoff="constant", give_up_on=NonRetryableError, deadline=60))
+
+
+async def tokens(prompt: str) -> AsyncGenerator[str, None]:
+    yield prompt
+
+
+def rows(n: int) -> Iterator[dict[str, int]]:
+    yield {"n": n}
+
+
+def emitting(text: str) -> str:
+    attempt().emit(text)
+    partials: list[Any] = attempt().partials
+    return text + str(len(partials))
+
+
+@workflow
+async def streams(ctx: WorkflowContext) -> None:
+    joined = await ctx.step(tokens, "hi", keep_partials=True)
+    assert_type(joined, Any)  # a str when every chunk is one, else the list of chunks
+    assert_type(await ctx.step(rows, 2), Any)
+    assert_type(await ctx.step(emitting, "x", keep_partials=False), str)

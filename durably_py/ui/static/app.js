@@ -497,6 +497,24 @@ function runPage(runRef) {
   }
 
   // ---- detail of the selected step ---------------------------------------------------------------
+  // The output a streamed step emitted so far, live while it runs (its chunks as server-sent events).
+  function liveOutput(row, st) {
+    if (view.live && view.live.key !== row.key) { view.live.source.close(); view.live = null; }
+    const running = st.status === "running" || st.status === "retrying";
+    if (!view.live && running && row.path.length) {
+      const pre = h("pre", { class: "json", "data-live-output": "" });
+      const source = new EventSource(`/api/runs/${encodeURIComponent(view.snap.run.run_id)}/stream/${pathText(row.path)}`);
+      view.live = { key: row.key, pre, source };
+      source.addEventListener("chunk", (e) => {
+        const chunk = JSON.parse(e.data);
+        pre.textContent += typeof chunk === "string" ? chunk : JSON.stringify(chunk) + "\n";
+      });
+      source.addEventListener("end", () => source.close());
+      source.addEventListener("failure", () => source.close());
+    }
+    return view.live && st.status !== "ok" ? [h("div", { class: "muted" }, "live output"), view.live.pre] : null;
+  }
+
   function renderDetail() {
     const row = waterfall.all.find((r) => r.key === view.selected);
     if (!row) { fill(parts.detail, h("h2", {}, "Step"), h("p", { class: "muted" }, "Select a step to see its output, error and attempts.")); return; }
@@ -517,6 +535,7 @@ function runPage(runRef) {
       st.status === "ok" || st.status === "compensated" ? [h("div", { class: "muted" }, "output"), h("pre", { class: "json" }, json(st.output))] : null,
       st.status === "waiting" || st.status === "sleeping" ? h("pre", { class: "json" }, json(st.output)) : null,
       st.stashed !== null && st.stashed !== undefined ? [h("div", { class: "muted" }, "stash"), h("pre", { class: "json" }, json(st.stashed))] : null,
+      liveOutput(row, st),
       row.spans.length ? [h("div", { class: "muted", style: "margin-top: 8px" }, "timeline"), h("ol", {}, row.spans.map((x) =>
         h("li", {}, `${x.kind}${x.kind === "attempt" ? " " + x.attempt : ""} · ${x.status} · `,
           x.end === null ? `since ${new Date(x.start * 1000).toLocaleTimeString()}` : fmtDuration(x.end - x.start), x.detail ? ` · ${x.detail}` : "")))] : null);
