@@ -58,3 +58,10 @@ async def streams(ctx: WorkflowContext) -> None:
     assert_type(joined, Any)  # a str when every chunk is one, else the list of chunks
     assert_type(await ctx.step(rows, 2), Any)
     assert_type(await ctx.step(emitting, "x", keep_partials=False), str)
+
+
+@workflow
+async def metered(ctx: WorkflowContext, url: str) -> None:
+    reserved = await ctx.step(fetch, url, reserve={"usd": 0.2}, charge=lambda r: {"units": 1})
+    assert_type(reserved, dict[str, str])  # budget options keep the step's result type
+    assert_type(await ctx.step(count, url, charge=False), int)
