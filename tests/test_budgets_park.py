@@ -265,6 +265,9 @@ def test_a_reservation_that_does_not_fit_waits_and_the_actual_charge_replaces_it
     assert RUNNING["most"] == 1  # 600 + 600 > 1000: one call at a time; each charged 100, not 600
     state = asyncio.run(engine.inspect(list_one(engine)))
     assert state.spent["tokens"] == 300 and len(CALLS) == 3
+    RUNNING.update(now=0, most=0)  # a run that may park (wait=False) waits for a reservation, it does not park
+    assert asyncio.run(engine.run(reserved, budget={"tokens": 1000}, key="parkable", wait=False)) == 3
+    assert RUNNING["most"] == 1 and len(CALLS) == 6
 
     @workflow
     async def big(ctx: Any) -> Any:

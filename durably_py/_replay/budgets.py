@@ -238,8 +238,9 @@ class Meter:
         money = f"${need:.2f} of ${limit:.2f}" if kind == "usd" else f"{need:g} of {limit:g} {kind}"
         detail = f"over budget before step {label!r}: {money}"
         park = records.Park(path=path, budget=summary, ts=time.time())
-        rest = Rest("over_budget", detail, parkable=not control.wait, signal=REQUEST, record=park, path=path,
-                    label=label)
+        # held reservations of steps running now come back when they end: no park for those, only a wait
+        rest = Rest("over_budget", detail, parkable=not control.wait and not any(self.reserved.values()),
+                    signal=REQUEST, record=park, path=path, label=label)
         marked = False
         if control.wait:  # waits here: the log says so at once, for `list` and the console
             self.log.write(park)
@@ -254,6 +255,7 @@ class Meter:
                 await control.boundary(force=True)
                 if self.short(reserve) is None:
                     break
+                rest.parkable = not control.wait and not any(self.reserved.values())
                 control.turns.wake()
                 await control.clock.sleep(control.poll)
         if marked and self.history.over_budget is not None:
