@@ -325,6 +325,34 @@ def test_two_children_spend_their_parents_budget(tmp_path: Path) -> None:
     assert next(s for s in states if s.parent is None).budget == {"tokens": 13_500}
 
 
+def test_queued_children_park_holding_no_worker_and_go_on_once_their_parent_is_raised(tmp_path: Path) -> None:
+    async def main() -> tuple[list[str], Any, int]:
+        engine = create_engine(FileStorage(tmp_path / ".durably"))
+        handle = await engine.enqueue(mom, budget={"tokens": 3500})
+        await engine.start(poll=0.05)
+        try:
+            for _ in range(600):
+                kids = [r for r in await engine.list() if r.parent is not None]
+                if len(kids) == 2 and all(r.status in ("over_budget", "completed") for r in kids) \
+                        and any(r.status == "over_budget" for r in kids):
+                    break
+                await asyncio.sleep(0.05)
+            parked = sorted(r.status for r in await engine.list())
+            assert not any(engine.storage.held(r.run_id) for r in await engine.list())  # no slot held
+            await engine.raise_budget(handle.run_id, tokens=10_000)
+            result = await asyncio.wait_for(engine.join(handle), 60)
+            spent = 0.0
+            for state in await engine.list():
+                spent += (await engine.inspect(state.run_id)).spent["tokens"]
+            return parked, result, int(spent)
+        finally:
+            await engine.stop()
+
+    parked, result, spent = asyncio.run(main())
+    assert "over_budget" in parked and "waiting" in parked  # the parent waits in its join, the child over budget
+    assert result == [4, 4] and spent == 8000 and len(CALLS) == 8
+
+
 # ---- a durably worker process, SIGKILLed, parked, raised from the CLI -------------------------------------
 
 FLOW = textwrap.dedent('''
