@@ -73,7 +73,10 @@ def owner_of(storage: Storage, parent: str | None) -> str | None:
     run: Any = parent
     while isinstance(run, str) and run not in seen:
         seen.add(run)
-        info = storage.info(run)
+        try:
+            info = storage.info(run)
+        except Exception:  # noqa: BLE001 - a damaged ancestor never fails a run: it spends no shared budget
+            info = None
         if info is None:
             break
         if info.header.get("budget"):
