@@ -17,6 +17,7 @@ from ._authoring.policies import Retry
 from ._authoring.queues import Queue, queue
 from ._authoring.resources import Breaker, RateLimit, Resource, resource
 from ._authoring.result import Err, Ok, is_ok, partition
+from ._authoring.usage import set_prices, usage_extractor
 from ._authoring.workflow import Workflow, workflow
 from ._clock import Clock, FakeClock
 from ._engine.awakeables import AwakeableResolution
@@ -169,5 +170,7 @@ __all__ = [
     "run",
     "run_async",
     "schedule",
+    "set_prices",
+    "usage_extractor",
     "workflow",
 ]

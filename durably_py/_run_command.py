@@ -51,7 +51,7 @@ COLOURS = {
     "ok": "green", "completed": "green", "replayed": "green", "failed": "red", "retrying": "yellow",
     "running": "cyan", "interrupted": "magenta", "cancelled": "bright_black", "waiting": "blue",
     "sleeping": "blue", "paused": "blue", "corrupt": "red", "pending": "bright_black", "stale": "red",
-    "needs_attention": "magenta",
+    "needs_attention": "magenta", "over_budget": "yellow",
     "compensated": "yellow",
 }
 USAGE_ERRORS = (ValidationError, RunNotFoundError, KeyConflictError, NotSupportedError)

@@ -317,13 +317,17 @@ class Park(_Base, tag="park"):
     """The run parked holding no process (a worker served it): in the join at `path` until its child runs
     end (`count` of them, the first ids in `children`), in the retry backoff of the step at `path` until
     `until` (ISO 8601), or (`limit`, e.g. "tenant:alice concurrency 2/2") waiting for a limit to let the step
-    at `path` start, until a permit comes back or `until` at the latest. The next claim of the run ends the park."""
+    at `path` start, until a permit comes back or `until` at the latest. With `budget` the run is over its budget
+    before the step at `path`: ``{"limit": {kind: n}, "spent": {kind: n}, "by": {label: {kind: n}}, "owner": run
+    id}`` (what it spent, and on what); a raise of the budget (a `budget` record) ends that park, as does the next
+    claim of the run for any park."""
 
     path: str = msgspec.field(name="p")
     children: list[str] | None = None
     count: int | None = None
     until: str | None = None
     limit: str | None = None
+    budget: dict[str, Any] | None = None
     ts: float | None = None
 
 
@@ -345,10 +349,12 @@ class Snap(_Base, tag="snap"):
 
 
 class Charge(_Base, tag="charge"):
-    """Spend recorded at a step, per budget kind."""
+    """Spend recorded at a step, per budget kind; `label` names what it was spent on (the step's label, or
+    ``ctx.charge``), and logs written before it existed have none."""
 
     path: str = msgspec.field(name="p")
     amounts: dict[str, float] = msgspec.field(name="c")
+    label: str | None = msgspec.field(default=None, name="l")
     ts: float | None = None
 
 

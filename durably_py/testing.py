@@ -61,10 +61,11 @@ from .storage.base import parse_log
 __all__ = ["Crash", "ReplayDivergenceError", "ReplayReport", "ShadowReplayError", "SyncTestEngine", "TestEngine",
            "TestRunResult", "TestStep", "assert_replays", "inject_crash", "load_history", "replay_check"]
 
-RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused", "needs_attention"]
+RunStatus = Literal["completed", "failed", "crashed", "waiting", "sleeping", "paused", "needs_attention",
+                    "over_budget"]
 StepListener = Callable[[StepEvent], Any]
 HistorySource = str | os.PathLike[str] | bytes
-UNFINISHED = ("pending", "running", "interrupted", "needs_attention", "waiting", "sleeping", "paused", "stale",
+UNFINISHED = ("pending", "running", "interrupted", "needs_attention", "over_budget", "waiting", "sleeping", "paused", "stale",
               "corrupt")
 
 
@@ -444,6 +445,12 @@ class TestEngine:
         """Reject an awakeable (`Engine.reject_awakeable`): the next `resume` raises `AwakeableRejectedError`."""
         return await self.engine.reject_awakeable(awakeable, error)
 
+    async def raise_budget(self, run_id: str, **amounts: Any) -> TestRunResult:
+        """Raise the budget of a run parked over it (`Engine.raise_budget`: `usd=`, `tokens=`, `units=`, `to=`)
+        and continue it until it ends or parks again."""
+        await self.engine.raise_budget(run_id, **amounts)
+        return await self._continue(run_id)
+
     def schedule(self, wf: Any, cron: str, *, input: Any = None, name: str | None = None) -> Schedule:
         """Start `wf(input)` on every tick of `cron` (UTC) that `fire_schedules` finds due (`Engine.schedule`)."""
         return self.engine.schedule(wf, cron, input=input, name=name)
@@ -692,6 +699,10 @@ class SyncTestEngine:
     def fire_schedules(self) -> list[TestRunResult]:
         """`TestEngine.fire_schedules` from synchronous code."""
         return _block(self._engine.fire_schedules())
+
+    def raise_budget(self, run_id: str, **amounts: Any) -> TestRunResult:
+        """`TestEngine.raise_budget`, run to its end."""
+        return _block(self._engine.raise_budget(run_id, **amounts))
 
     def inspect(self, run_id: str) -> RunState:
         """`TestEngine.inspect` from synchronous code."""

@@ -276,7 +276,9 @@ async def features(ctx) -> list:
              "annotate": lambda: ctx.annotate(note=1),
              "emit": lambda: ctx.step(emitting),
              "generator": lambda: ctx.step(generating),
-             "transaction": lambda: ctx.transaction(add, 1, 1)}
+             "transaction": lambda: ctx.transaction(add, 1, 1),
+             "reserve": lambda: ctx.step(add, 1, 1, reserve={"usd": 0.1}),
+             "charge": lambda: ctx.step(add, 1, 1, charge=lambda r: {"units": 1})}
     out = []
     for name, call in tries.items():
         try:

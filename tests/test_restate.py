@@ -178,7 +178,7 @@ def test_features_that_cannot_map_each_fail_loudly_at_their_call(env: RestateEnv
     assert done.returncode == 0, done.stderr
     outcomes = dict(json.loads(done.stdout))
     assert outcomes.keys() == {"stash", "snapshot", "uses", "concurrency_key", "graph", "annotate", "emit", "generator",
-                              "transaction"}
+                              "transaction", "reserve", "charge"}
     for name, outcome in outcomes.items():
         assert isinstance(outcome, str) and outcome.startswith("NotSupportedError: "), (name, outcome)
         assert "is not supported in Restate mode" in outcome, (name, outcome)

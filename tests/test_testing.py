@@ -265,8 +265,14 @@ def test_budget_option_and_advisories_are_reported(engine: TestEngine) -> None:
             ctx.charge(usd=1)
 
     res = engine.sync.run(spender, budget={"usd": 1.5})
-    assert res.status == "failed" and isinstance(res.error, BudgetExceededError)
+    assert res.status == "over_budget" and res.error is None  # parked until its budget is raised
     assert [s.label for s in res.steps] == ["call", "call"]
+    engine.engine.on_exhausted = "raise"  # the opt-in to the error instead
+    try:
+        res = engine.sync.run(spender, budget={"usd": 1.5}, key="raising")
+    finally:
+        engine.engine.on_exhausted = "park"
+    assert res.status == "failed" and isinstance(res.error, BudgetExceededError)
 
     @workflow
     async def chatty(ctx):

@@ -161,7 +161,8 @@ class StepOptions:
     """Validated options of one `ctx.step` call."""
 
     __slots__ = ("retry", "timeout", "compensate", "concurrency_key", "concurrency_limit", "uses", "schema", "unsafe",
-                 "on_interrupt", "keep_partials", "transactional")
+                 "on_interrupt", "keep_partials", "transactional", "reserve",
+                 "charge")
 
     def __init__(self, label: str, retry: Any, timeout: Any, compensate: Any, concurrency_key: Any,
                  concurrency_limit: Any, uses: Any, schema: Any, replay: Any, on_interrupt: Any = None,
@@ -213,6 +214,34 @@ class StepOptions:
                                   docs="docs/authoring.md#streamed-steps")
         self.keep_partials = keep_partials  # a streamed step's partials stay in the store after it completes
         self.transactional = False  # `ctx.transaction`: the attempt runs in the storage's transaction
+        self.reserve: dict[str, float] | None = None  # budget held while the step runs (`check_reserve`)
+        self.charge: Any = None  # None: charged from its result's usage; False: never; a callable: its answer
+
+
+def check_reserve(reserve: Any, label: str) -> dict[str, float] | None:
+    """`ctx.step(reserve=)`: the budget a step holds while it runs, kind -> non-negative amount."""
+    if reserve is None:
+        return None
+    if not isinstance(reserve, dict) or not reserve:
+        raise ValidationError(f"reserve= of step {label!r} must be a dict like {{'usd': 0.2}}, got {reserve!r}",
+                              hint="reserve={'usd': 0.2, 'tokens': 4000} holds that much of the budget while the "
+                                   "step runs.", docs="docs/policies.md#reservations")
+    for kind, amount in reserve.items():
+        check_budget_kind(kind)
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not 0 <= amount < float("inf"):
+            raise ValidationError(f"reserve {kind}={amount!r} of step {label!r} must be a finite number >= 0",
+                                  hint="reserve={'usd': 0.2}", docs="docs/policies.md#reservations")
+    return {k: float(v) for k, v in reserve.items()}
+
+
+def check_charge(charge: Any, label: str) -> Any:
+    """`ctx.step(charge=)`: False (never charge the step's result), True (the default reading) or a callable of
+    the step's result returning its charges."""
+    if charge is None or charge is True or charge is False or callable(charge):
+        return charge
+    raise ValidationError(f"charge= of step {label!r} must be a function of the step's result, True or False, got "
+                          f"{charge!r}", hint="charge=lambda r: {'tokens': r['tokens_used']}",
+                          docs="docs/policies.md#budgets")
 
 
 REPLAY_POLICIES = ("safe", "idempotent", "manual", "unsafe")
@@ -230,6 +259,7 @@ def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any 
                  compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
                  concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
                  replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False,
+                 reserve: Any = None, charge: Any = None,
                  **unknown: Any) -> tuple[str | None, StepOptions]:
     """The step name and validated options of a `ctx.step` call with keywords (validated once per call shape)."""
     if unknown:
@@ -239,9 +269,14 @@ def step_options(fn: Callable[..., Any], /, name: str | None = None, retry: Any 
                  "wrap it: ctx.step(functools.partial(fn, x=1)) or a lambda.", docs="docs/errors.md#argumenterror")
     if (retry is None and timeout is None and compensate is None and concurrency_key is None
             and concurrency_limit is None and uses is None and schema is None and replay in ("safe", "idempotent")
-            and on_interrupt is None and keep_partials is False):
+            and on_interrupt is None and keep_partials is False and reserve is None and charge is None):
         return name, PLAIN
     label = name or label_of(fn)
+    if reserve is not None or charge is not None:  # neither is hashable for sure: validated every call
+        metered = StepOptions(label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema,
+                              replay, on_interrupt, keep_partials)
+        metered.reserve, metered.charge = check_reserve(reserve, label), check_charge(charge, label)
+        return name, metered
     key = (label, retry, timeout, compensate, concurrency_key, concurrency_limit, uses, schema, replay, on_interrupt,
            keep_partials)
     try:

@@ -253,28 +253,32 @@ class WorkflowContext:
              name: str | None = None, retry: Any = None, timeout: float | None = None,
              compensate: Callable[[Any], Any] | None = None, concurrency_key: str | None = None,
              concurrency_limit: int | None = None, uses: str | None = None, schema: Any = None,
-             replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False) -> Handle[Any]: ...
+             replay: str = "safe", on_interrupt: str | None = None, keep_partials: bool = False,
+             reserve: dict[str, float] | None = None, charge: Any = None) -> Handle[Any]: ...
 
     @overload
     def step(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any, name: str | None = None,
              retry: Any = None, timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
              schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
-             keep_partials: bool = False) -> Handle[T]: ...
+             keep_partials: bool = False, reserve: dict[str, float] | None = None,
+             charge: Any = None) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., T], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
              schema: None = None, replay: str = "safe", on_interrupt: str | None = None,
-             keep_partials: bool = False) -> Handle[T]: ...
+             keep_partials: bool = False, reserve: dict[str, float] | None = None,
+             charge: Any = None) -> Handle[T]: ...
 
     @overload
     def step(self, fn: Callable[..., Any], /, *args: Any, name: str | None = None, retry: Any = None,
              timeout: float | None = None, compensate: Callable[[Any], Any] | None = None,
              concurrency_key: str | None = None, concurrency_limit: int | None = None, uses: str | None = None,
              schema: Any, replay: str = "safe", on_interrupt: str | None = None,
-             keep_partials: bool = False) -> Handle[Any]: ...
+             keep_partials: bool = False, reserve: dict[str, float] | None = None,
+             charge: Any = None) -> Handle[Any]: ...
 
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """Run `fn(*args)` once, durably; its path is fixed when this is called, its result when it returns.
@@ -339,7 +343,8 @@ class WorkflowContext:
         return self._kernel.loop(initial, iterate, snapshot_every, max_iterations)
 
     def spawn(self, wf: Any, input: Any = None, *, detached: bool = False) -> Handle[RunHandle]:
-        """Start a child run of `wf` (its own durable run, retries and budget); join it with `ctx.join`."""
+        """Start a child run of `wf` (its own durable run and retries, spending this run's budget); join it with
+        `ctx.join`."""
         return self._kernel.spawn(wf, input, detached)
 
     def spawn_all(self, definitions: Iterable[Any], *, detached: bool = False) -> Handle[list[RunHandle]]:

@@ -34,7 +34,7 @@ from .._worker.worker import Worker, check_concurrency
 from ..errors import LeaseLostError, RunParkedError, StaleRunError, ValidationError
 from ..storage import FileStorage, Storage, validate_key
 from ..storage.url import open_storage, parse_storage_url
-from . import effects, upgrades, versioning
+from . import budgets, effects, upgrades, versioning
 from .awakeables import MISSING as NO_VALUE
 from .awakeables import AwakeableResolution, Awakeables, open_awakeables
 from .children import ChildRuns, joined
@@ -106,7 +106,7 @@ class Engine:
                  lease: float = 30.0, heartbeat: float | None = None, clock: Clock | None = None,
                  resources: list[Resource] | tuple[Resource, ...] = (), sync_steps: str = "auto",
                  retention: float | None = None, cleanup: float = DEFAULT_CLEANUP,
-                 callback_url: str | None = None) -> None:
+                 callback_url: str | None = None, on_exhausted: str = "park") -> None:
         self.storage: Storage = storage if storage is not None else FileStorage(".durably")
         self.runs = Runs(self.storage)
         self.streams = StreamReader(self.storage, self.runs.resolve, self.runs.read)
@@ -115,6 +115,7 @@ class Engine:
         self.concurrency = check_concurrency(concurrency)
         self.checkpoint_every = check_checkpoint(checkpoint_every)
         self.budget = check_budget(budget)
+        self.on_exhausted = budgets.check_exhausted(on_exhausted)
         self.on_run_failed = on_run_failed
         self.clock = clock or Clock()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -260,11 +261,23 @@ class Engine:
                   advisories: str | None = None, on_advisory: Callable[[Advisory], Any] | None = None,
                   on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
                   run_id: str | None = None,
-                  on_run: Callable[[str], Any] | None = None) -> Any:
+                  on_run: Callable[[str], Any] | None = None, on_exhausted: str | None = None) -> Any:
         """Run `wf(input)` to its end under the identity and resume rules; return its value or raise its error.
+
+        `on_exhausted` ("park" or "raise"; None: the engine's) says what the run does when its budget runs out
+        (docs/policies.md#budgets).
 
         `on_run` is called with the run id as soon as the run is found or created (before any step runs).
         """
+        if on_exhausted is not None:  # for this call (and the child runs it runs here), then as before
+            token = budgets.ON_EXHAUSTED.set(budgets.check_exhausted(on_exhausted))
+            try:
+                return await self.run(wf, input, key=key, fresh=fresh, budget=budget,
+                                      checkpoint_every=checkpoint_every, advisories=advisories,
+                                      on_advisory=on_advisory, on_step=on_step, wait=wait, run_id=run_id,
+                                      on_run=on_run)
+            finally:
+                budgets.ON_EXHAUSTED.reset(token)
         workflow = as_workflow(wf)
         budget = check_budget(budget) if budget is not None else self.budget
         checkpoint_every = check_checkpoint(checkpoint_every) or self.checkpoint_every
@@ -366,6 +379,8 @@ class Engine:
             return (f"Check whether the step's effect happened (`durably inspect {run_id}` shows its operation id, "
                     f"input and start), then `durably resolve {run_id} --path {path or 'PATH'}` with --value JSON (it "
                     "happened: its result), --rerun (run it again) or --fail; nothing runs it meanwhile.")
+        if status == "over_budget":
+            return budgets.parked_hint(self.storage, run_id)
         if status == "sleeping":
             return "Run it again after its wake time (`durably inspect` shows it); nothing is lost meanwhile."
         try:
@@ -595,9 +610,10 @@ class Engine:
             now = source[0] if source is not None else None
             if history.fingerprint != workflow.fingerprint or history.source != now:
                 kernel.write(log_format.Code(fingerprint=workflow.fingerprint, source=now))
-        if budget is not None and budget != history.budget:
-            kernel.write(log_format.Budget(budget=budget))
+        if budget is not None and budget != history.budget and budget != history.header.budget:
+            kernel.write(log_format.Budget(budget=budget))  # a new budget= (the one it was created with keeps a raise)
             kernel.budget = budget
+        kernel.steps.meter.on_exhausted = budgets.ON_EXHAUSTED.get() or self.on_exhausted
         value = load_value(wire_input)
         if workflow.input_schema is not None:
             value = workflow.input_schema.convert(value, "input")
@@ -710,6 +726,18 @@ class Engine:
         is not stale is a `ValidationError`. See docs/versioning.md#adopt."""
         return await versioning.adopt(self.operations, run, path, on_step=on_step, wait=wait, on_run=on_run)
 
+    async def raise_budget(self, run: str, *, usd: float | None = None, tokens: float | None = None,
+                           units: float | None = None, to: bool = False, timeout: float = 30.0) -> RunState:
+        """Raise the budget of a run (by id or key) by the amounts given (`to=True`: set each kind to it), and let
+        it go on if it parked `over_budget`. A child that spends its parent's budget raises the budget it
+        spends (its nearest ancestor created with one). A run no process holds gets a `budget` record and is due
+        at once (a worker continues it; without one, run it again or `durably retry` it); a run a process holds
+        gets a ``$budget`` request, applied there at its next boundary (waited for up to `timeout` seconds).
+        Every over-budget run that spends the same budget is woken. Returns the run's state. See
+        docs/policies.md#budgets."""
+        return await budgets.raise_budget(self.operations, run, {"usd": usd, "tokens": tokens, "units": units},
+                                          to=to, timeout=timeout)
+
     async def resolve_effect(self, run: str, path: Any, *, value: Any = effects.MISSING, rerun: bool = False,
                              fail: str | bool | None = None, here: bool = True,
                              on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
@@ -821,22 +849,25 @@ async def run_async(wf: Any, input: Any = None, *, key: str | None = None, fresh
                     budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, advisories: str | None = None,
                     on_advisory: Callable[[Advisory], Any] | None = None,
-                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+                    on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+                    on_exhausted: str | None = None) -> Any:
     """`run()` for code already inside an event loop."""
     return await engine_for(dir).run(wf, input, key=key, fresh=fresh, budget=budget,
                                      checkpoint_every=checkpoint_every, advisories=advisories,
-                                     on_advisory=on_advisory, on_step=on_step, wait=wait)
+                                     on_advisory=on_advisory, on_step=on_step, wait=wait, on_exhausted=on_exhausted)
 
 
 def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = False,
         budget: dict[str, float] | None = None, dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, advisories: str | None = None,
         on_advisory: Callable[[Advisory], Any] | None = None,
-        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True) -> Any:
+        on_step: Callable[[StepEvent], Any] | None = None, wait: bool = True,
+        on_exhausted: str | None = None) -> Any:
     """Run a workflow durably to its end and return its value: resumes it if an earlier process was cut off.
 
-    A run that parks (`ctx.sleep`, `ctx.wait_for`) keeps this call waiting; with `wait=False` it raises
-    `RunParkedError` instead, and a later call resumes it."""
+    A run that parks (`ctx.sleep`, `ctx.wait_for`, a budget run out) keeps this call waiting; with `wait=False`
+    it raises `RunParkedError` instead, and a later call resumes it. `on_exhausted="raise"`: a budget run out
+    fails the step with `BudgetExceededError` instead of parking the run."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -846,4 +877,4 @@ def run(wf: Any, input: Any = None, *, key: str | None = None, fresh: bool = Fal
                               hint="Use `await run_async(...)` inside async code.", docs="docs/running.md")
     return asyncio.run(run_async(wf, input, key=key, fresh=fresh, budget=budget, dir=dir,
                                  checkpoint_every=checkpoint_every, advisories=advisories,
-                                 on_advisory=on_advisory, on_step=on_step, wait=wait))
+                                 on_advisory=on_advisory, on_step=on_step, wait=wait, on_exhausted=on_exhausted))

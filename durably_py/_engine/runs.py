@@ -37,9 +37,9 @@ from ..storage import RunInfo, Storage, validate_run_id
 from ..storage.catalog import ENDED, OPEN
 
 CORRUPT = "corrupt"  # the status `list` gives a run whose log does not validate
-FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", CORRUPT)
+FOLLOW_STOPS = ("completed", "failed", "cancelled", "waiting", "sleeping", "paused", "over_budget", CORRUPT)
 ENDS = ("completed", "failed", "cancelled", CORRUPT)  # `follow` stops at these; at a park only when no process waits
-STATUSES = ("pending", "running", "sleeping", "waiting", "paused", "stale", "needs_attention", "interrupted", "completed", "failed",
+STATUSES = ("pending", "running", "sleeping", "waiting", "paused", "stale", "needs_attention", "over_budget", "interrupted", "completed", "failed",
             "cancelled", CORRUPT)
 _PAGE = 500  # catalog rows read at a time when statuses must be checked against the logs
 EXACT = frozenset({"completed", "cancelled"})  # statuses the catalog's state alone decides (a failed run may be

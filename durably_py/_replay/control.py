@@ -71,6 +71,7 @@ class Control:
         self.cleanup = DEFAULT_CLEANUP  # seconds a cancelled workflow may clean up for (the engine's setting)
         self.cleanup_timer: asyncio.TimerHandle | None = None
         self.cut: Callable[[asyncio.Task[Any] | None], None] = lambda here: None  # cuts the run's work for a cancel
+        self.requests: dict[str, Callable[[dict[str, Any]], None]] = {}  # other `$` requests, by name, and who acts
 
     # ---- the inbox: cancel, pause and resume requests -------------------------------------------
     def control(self, force: bool = False) -> None:
@@ -93,6 +94,9 @@ class Control:
             elif name == "$cancel":
                 self.storage.ack(self.run_id, message["id"])
                 self.request_cancel(message.get("payload"))
+            elif name in self.requests:
+                self.storage.ack(self.run_id, message["id"])
+                self.requests[name](message)
         if self.history.paused:
             self.next_control = float("-inf")
 

@@ -53,6 +53,7 @@ from .._state.advisories import AdvisoryTracker
 from .._state.history import History, path_tuple
 from ..errors import LeaseLostError, LoopLimitError, PurityError, RunCancelledError, StaleRunError, ValidationError
 from .awakeables import Awakeables
+from .budgets import owner_of
 from .children import Children
 from .control import CONTROL_EVERY, DEFAULT_CLEANUP, Control
 from .log import RunLog
@@ -167,14 +168,16 @@ class RunKernel:
                                    parks=lambda: children.parks, running=self.running)
         self.log.flight = self.steps
         self.streams = steps.streams = Streams(storage, self.run_id)
+        if history.budget is None and history.header.parent is not None:
+            steps.meter.owner = owner_of(storage, history.header.parent)  # a child spends its owner's budget
         self.emit = self.steps.emit
         self.awakeables = Awakeables(storage=storage, log=self.log, control=self.control, turns=self.turns,
                                      clock=clock, replay_next=self.replay_next, op=self.op,
                                      base_url=lambda: engine.callback_url)
         self.awakeable = self.awakeables.create
         self.values = Values(log=self.log, turns=self.turns, clock=clock, owner=self, scope=self.scope,
-                             check_label=self.check_label, replay_failed=self.replay_failed, spent=self.spent,
-                             budget=lambda: steps.budget)
+                             check_label=self.check_label, replay_failed=self.replay_failed,
+                             record=steps.meter.record)
         children = self.child_runs = Children(engine=engine, log=self.log, control=self.control, turns=self.turns,
                                               busy=steps, calls=self, code_changed=self.code_changed,
                                               guard=self.guard,
@@ -234,6 +237,7 @@ class RunKernel:
 
     @property
     def budget(self) -> dict[str, float] | None:
+        """The run's own budget (None: none, or the budget of the ancestor it spends from: `meter.owner`)."""
         return self.steps.budget
 
     @budget.setter
@@ -707,11 +711,11 @@ class RunKernel:
 
     def park(self, rests: list[Rest]) -> Parked:
         """Record what the run parks on (a join's children, a retry's wake time) and say when it is due again."""
-        for rest in rests:
+        for rest in sorted(rests, key=lambda r: r.status == "over_budget"):  # its park last: the run's status
             if rest.record is not None:
                 self.write(rest.record)
         self.log.sync()
-        order = ("interrupted", "paused", "waiting", "sleeping")
+        order = ("interrupted", "paused", "over_budget", "waiting", "sleeping")
         first = min(rests, key=lambda r: order.index(r.status))
         times = [r.at for r in rests if r.at is not None]
         names = tuple(dict.fromkeys(r.signal for r in rests if r.signal is not None))

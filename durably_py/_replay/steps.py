@@ -31,19 +31,20 @@ from .._authoring.calls import (
 from .._authoring.handles import Handle, set_result
 from .._authoring.paths import Scope
 from .._authoring.policies import Retry
+from .._authoring.usage import EXTRACTORS
 from .._clock import Clock
 from .._codec import dump_error, dump_output, dump_value, from_iso, load_value, to_iso
 from .._events import StepEvent
 from .._state.advisories import RetryStormWindow
 from .._state.history import path_tuple
 from ..errors import (
-    BudgetExceededError,
     CircuitOpenError,
     SerializationError,
     StepInterruptedError,
     StepTimeoutError,
 )
 from . import transactions
+from .budgets import Meter
 from .control import Control
 from .limits import Limiter
 from .log import DEFAULT_SYNC_SECONDS, RunLog
@@ -124,7 +125,7 @@ class Steps:
         self.on_step = on_step
         self.compensations = compensations  # path -> (compensation, value, label) of the steps that completed
         self.spent = spent
-        self.budget = budget
+        self.meter = Meter(log=log, control=control, storage=log.storage, spent=spent, budget=budget)
         self.parks = parks  # whether a worker serves the run (a long backoff may park it)
         self.hooks: Hooks | None = None
         self.executions: dict[str, int] = {}
@@ -149,16 +150,14 @@ class Steps:
         except Exception:  # noqa: BLE001 - listeners must never fail the run
             pass
 
-    def check_budget(self) -> None:
-        if self.budget is None:
-            return
-        for kind, limit in self.budget.items():
-            if self.spent[kind] > limit:
-                raise BudgetExceededError(
-                    f"run {self.run_id} spent {self.spent[kind]:g} {kind}, over its budget of {limit:g}",
-                    hint=f"Resume with a larger budget=, e.g. run(..., budget={{{kind!r}: {limit * 2:g}}}); "
-                         "the spend so far is kept.",
-                    kind=kind, spent=self.spent[kind], limit=limit)
+    @property
+    def budget(self) -> dict[str, float] | None:
+        """The run's own budget (`Meter.budget`)."""
+        return self.meter.budget
+
+    @budget.setter
+    def budget(self, budget: dict[str, float] | None) -> None:
+        self.meter.budget = budget
 
     def alone(self, scope: Scope) -> bool:
         """True when the calling step is the only work of any run in this process that could want the loop now:
@@ -186,8 +185,9 @@ class Steps:
             if now >= control.next_control:
                 await control.boundary()
                 now = time.monotonic()
-            if self.budget is not None:
-                self.check_budget()
+            meter = self.meter
+            if meter.owner is not None or meter.budget is not None:
+                await meter.admit(path, label, None)
             is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else is_async_callable(fn)
             running = self.running
             # `alone(scope)` before this step is registered as running
@@ -252,6 +252,8 @@ class Steps:
             turns = self.turns
             if not (turns.solo and turns.head >= len(turns.order) and not turns.ready) and not turns.live_now():
                 await turns.live(time.time())
+            if type(value) is dict and "usage" in value or EXTRACTORS:
+                meter.charge_result(path, label, value)
             if self._recorded(h, path, label, wire, value, 1, ms, opts):
                 await asyncio.sleep(0)
             return value
@@ -308,7 +310,6 @@ class Steps:
             await control.interrupted()
         if time.monotonic() >= control.next_control:
             await control.boundary()
-        self.check_budget()
         prior = self.history.fails.get(path)
         number = prior.attempt + 1 if prior else 1
         if prior is not None:
@@ -373,7 +374,10 @@ class Steps:
             fn = streamed(fn)
         is_async = is_async_callable(fn)
         control = self.control
+        meter = self.meter
         while True:
+            if meter.owner is not None or meter.budget is not None or opts.reserve is not None:
+                await meter.admit(path, label, opts.reserve)
             stash = self.history.stashes.get(path)
             att = self.new_attempt(path, number, load_value(stash.value) if stash else None)
             att.label = label
@@ -444,6 +448,7 @@ class Steps:
                 outcome = True
                 if self.hooks is not None:
                     self.hooks.step_ran(path, label, False)
+                raw = value
                 wire = None
                 if not opts.transactional:
                     wire = dump_value(value if opts.schema is None else opts.schema.to_builtins(value), "output")
@@ -467,6 +472,7 @@ class Steps:
                 if not self.running:
                     self.step_running_since = None
                 current_attempt.reset(token)
+                meter.release(opts.reserve)
                 if limits:
                     self.limiter.leave(limits, path, outcome)
             if error is not None:
@@ -477,6 +483,9 @@ class Steps:
                 continue
             if not opts.transactional:
                 await control.live_turn()
+            if opts.charge is not False and (opts.charge is not None or EXTRACTORS or (
+                    type(raw) is dict and "usage" in raw) or type(raw) not in PLAIN_RESULTS and hasattr(raw, "usage")):
+                meter.charge_result(path, label, raw, opts.charge)
             if self._recorded(h, path, label, wire, value, number, ms, opts, opts.transactional):
                 await asyncio.sleep(0)
             return value

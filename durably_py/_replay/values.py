@@ -30,7 +30,7 @@ class Values:
     def __init__(self, *, log: RunLog, turns: Turns, clock: Clock, owner: object, scope: Callable[[], Scope],
                  check_label: Callable[[str, Any, str], None],
                  replay_failed: Callable[[PurityError | StaleRunError], PurityError | StaleRunError],
-                 spent: dict[str, float], budget: Callable[[], dict[str, float] | None]) -> None:
+                 record: Callable[[str, str | None, dict[str, float]], None]) -> None:
         self.log = log
         self.history = log.history
         self.done = log.history.done
@@ -41,8 +41,7 @@ class Values:
         self.scope = scope
         self.check_label = check_label
         self.replay_failed = replay_failed
-        self.spent = spent
-        self.budget_of = budget
+        self.record_charge = record  # `budgets.Meter.record`: writes the charge and counts it
         self.hooks: Hooks | None = None
         self.annotations: dict[str, int] = {}  # `ctx.annotate` calls made so far in this process, per strand
 
@@ -127,17 +126,13 @@ class Values:
         att = current_attempt.get(None)
         if att is not None and att.kernel is self.owner:
             path = f"{att.path}@{uuidlib.uuid4().hex[:12]}"
+            label: str | None = att.label
         else:
             path = "$" + self.scope().alloc()
+            label = None  # `History.spent_by` names it ctx.charge by its path
             if path in self.history.charges:
                 return
-        self.log.write(records.Charge(path=path, amounts=amounts, ts=time.time()))
-        budget = self.budget_of()
-        for kind, amount in amounts.items():
-            self.spent[kind] += amount
-            if budget and kind in budget and budget[kind] > 0:
-                self.log.advise("BUDGET_NEAR", self.spent[kind] / budget[kind],
-                                f"spent {self.spent[kind]:g} of the {budget[kind]:g} {kind} budget")
+        self.record_charge(path, label, amounts)
 
     def annotate(self, values: dict[str, Any]) -> None:
         """Attach JSON values to the run (shown by inspect); the latest value of a name wins.

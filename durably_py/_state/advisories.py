@@ -163,16 +163,16 @@ CODES: dict[str, AdvisoryCode] = {
         AdvisoryCode(
             code="BUDGET_NEAR",
             trigger=(
-                "The run has spent most of one budget kind (cost, tokens, steps...). At 100% the next step "
-                "raises BudgetExceededError."
+                "The run has spent most of one budget kind (cost, tokens, steps...). At 100% the run parks "
+                "over_budget before its next step (or raises BudgetExceededError with on_exhausted='raise')."
             ),
             measure="fraction of the budget kind spent (0.0-1.0)",
             info_at=BUDGET_NEAR_INFO,
             warn_at=BUDGET_NEAR_WARN,
             message="{pct}% of the {kind} budget spent ({spent} of {limit})",
             hint=(
-                "Raise `budget=` now if the run needs more, or spend less per step; at 100% the run stops "
-                "before its next step with BudgetExceededError."
+                "Raise it now (`durably budget RUN --raise usd=N`) if the run needs more, or spend less per step; "
+                "at 100% the run parks over_budget before its next step until the budget is raised."
             ),
         ),
         AdvisoryCode(

@@ -170,6 +170,8 @@ class History:
 
     def _budget(self, rec: r.Budget) -> None:
         self.budget = rec.budget
+        if self.park is not None and self.park.budget is not None:
+            self.park = None  # raised: the run is no longer over budget (its next claim checks again)
 
     def _end(self, rec: r.End) -> None:
         self.end = rec
@@ -278,9 +280,11 @@ class History:
         """"waiting" while a wait has no result yet or the run parked in a join or for a limit, "sleeping" while a sleep has
         no result yet or the run parked in a retry backoff, else None."""
         park = self.park
+        if park is not None and park.budget is not None:
+            park = None  # over budget: `run_status` tells it
         if any(p not in self.done for p in self.waits) or any(p not in self.done for p in self.awakeables) or (park is not None and (park.until is None or park.limit)):
             return "waiting"
-        if any(p not in self.done for p in self.wakes) or self.park is not None:
+        if any(p not in self.done for p in self.wakes) or park is not None:
             return "sleeping"
         return None
 
@@ -291,6 +295,27 @@ class History:
             for kind, amount in rec.amounts.items():
                 totals[kind] = totals.get(kind, 0.0) + amount
         return totals
+
+    def spent_by(self) -> dict[str, dict[str, float]]:
+        """The charges per label (what they were spent on: a step's label, ``ctx.charge``), each per kind; a
+        charge recorded without a label counts under the label of the step at its path, else ``"?"``."""
+        out: dict[str, dict[str, float]] = {}
+        for path, rec in self.charges.items():
+            label = rec.label
+            if label is None:
+                step = self.done.get(path.lstrip("$").partition("@")[0])
+                label = step.label if step is not None else "ctx.charge" if path.startswith("$") else "?"
+            totals = out.setdefault(label, {})
+            for kind, amount in rec.amounts.items():
+                totals[kind] = totals.get(kind, 0.0) + amount
+        return out
+
+    @property
+    def over_budget(self) -> dict[str, Any] | None:
+        """What the run spent and on what when it parked over its budget (the park record's `budget`), while
+        no raise has ended that park; else None."""
+        park = self.park
+        return park.budget if park is not None and park.budget is not None else None
 
     def recorded_from(self, bounds: tuple[tuple[str, int], ...]) -> bool:
         """True when any step, sleep, wait, retry, stash, graph, snapshot or charge is recorded at a path
@@ -500,6 +525,8 @@ class RunState:
     children: list[str] = field(default_factory=list)
     budget: dict[str, float] | None = None
     spent: dict[str, float] = field(default_factory=dict)
+    spent_by: dict[str, dict[str, float]] = field(default_factory=dict)  # the spend per step label, per kind
+    over_budget: dict[str, Any] | None = None  # an over-budget run's park: limit, spent, by label, budget owner
     warnings: list[str] = field(default_factory=list)
     patches: dict[str, bool] = field(default_factory=dict)
     stale: dict[str, Any] | None = None
@@ -547,11 +574,14 @@ def lineage(forked_from: dict[str, Any]) -> dict[str, Any]:
 def run_status(history: History, held: bool) -> str:
     """completed / failed / cancelled from the end record; paused; stale (its replay no longer matches the code);
     needs_attention (an unsafe "manual" step was cut off: an operator decides, `Engine.resolve_effect`);
-    waiting, sleeping; running while held; pending until first claimed; else interrupted."""
+    over_budget (it parked over its budget: `Engine.raise_budget` lets it go on); waiting, sleeping; running while
+    held; pending until first claimed; else interrupted."""
     if history.paused and (not history.end or history.end.status == "failed"):
         return "paused"
     if history.end:
         return history.end.status
+    if history.park is not None and history.park.budget is not None:
+        return "over_budget"
     if history.stale and not held:
         return "stale"
     if not held and history.starts and history.attention():
@@ -598,6 +628,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
         created_at=_created(header), updated_at=_ts(history.updated),
         attempt=history.attempt, advisories=list(history.advisories.values()), annotations=dict(history.notes),
         script=header.script, parent=header.parent, budget=history.budget, spent=history.spent(),
+        spent_by=history.spent_by() if history.charges else {}, over_budget=history.over_budget,
         warnings=warnings or [], patches={change: rec.value for change, rec in history.patches.items()},
     )
     if header.forked_from is not None:
@@ -669,7 +700,7 @@ def describe(history: History, *, held: bool, warnings: list[str] | None = None,
             state.steps.append(StepState(path_tuple(park.path), "limit", "waiting", 1, output=waiting))
         else:  # a retried step whose next attempt waits for the limit
             known.status, known.output = "waiting", waiting
-    elif park is not None and park.until is None and park.path not in history.done:
+    elif park is not None and park.until is None and park.budget is None and park.path not in history.done:
         state.steps.append(StepState(path_tuple(park.path), "ctx.join", "waiting", 1,
                                      output={"children": list(park.children or ()), "count": park.count}))
     state.steps.sort(key=lambda s: s.path)

@@ -281,6 +281,9 @@ def parked_detail(state: RunState) -> str | None:
     when what it waited for came, that it is ready to continue."""
     if state.status == "paused":
         return "paused"
+    if state.status == "over_budget":
+        over = state.over_budget or {}
+        return f"over budget: raise it with `durably budget {over.get('owner') or state.run_id} --raise KIND=N`"
     if state.ready:
         return f"ready: {state.ready}; a worker or `durably retry {state.run_id}` continues it"
     if state.status == "waiting":

@@ -117,6 +117,13 @@ def _awake(rec: dict[str, Any]) -> list[Segment]:
 
 
 def _park(rec: dict[str, Any]) -> list[Segment]:
+    over = rec.get("budget")
+    if isinstance(over, dict):
+        kind = over.get("kind") or "usd"
+        need, limit = over.get("needed"), _dict(over.get("limit")).get(kind)
+        amount = f" ({money(kind, need)} of {money(kind, limit)})" if need is not None and limit is not None \
+            else ""
+        return [(f"over budget{amount}: parked until its budget is raised (durably budget RUN --raise)", "yellow")]
     if rec.get("until"):
         return [(f"parked in its retry backoff until {when_text(rec['until'])} (no process holds it)", "blue")]
     children = list(rec.get("children") or [])

@@ -291,7 +291,8 @@ class _Durability(AbstractCapability[Any]):
     async def model_step(self, send: Callable[[], Any]) -> ModelResponse:
         """Send (or replay) one model request as a step, and charge its usage to the run's budget."""
         recorded = await self.broker.call(
-            lambda: self.ctx.step(send, name=f"{self.name}: model request", **self.model_options))
+            lambda: self.ctx.step(send, name=f"{self.name}: model request", charge=False,  # charged below, once
+                                  **self.model_options))
         response = _load_response(recorded)
         usage = response.usage
         usd = 0.0

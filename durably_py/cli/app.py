@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from .._run_command import EXIT_INTERRUPTED, EXIT_TERMINATED, Output, direct_run, on_sigterm
-from . import admin, awakeables, operate, queue, runs
+from . import admin, awakeables, budget, operate, queue, runs
 from .run import RunCommand, run
 
 HELP = """Local-first durable execution: run scripts so they resume where they stopped, and look at their runs.
@@ -61,6 +61,7 @@ app.command()(operate.restart)
 app.command()(operate.adopt)
 app.command()(operate.resolve)
 app.command("resolve-awakeable")(awakeables.resolve_awakeable)
+app.command()(budget.budget)
 app.command()(admin.ui)
 app.command()(runs.logs)
 app.command()(runs.export)

@@ -37,7 +37,7 @@ from .._state.history import RunState
 from ..errors import DurablyError, ValidationError
 from .target import LocalTarget, Target, engine_at, target_for
 
-STATUSES = ("pending", "running", "interrupted", "needs_attention", "stale", "completed", "failed", "cancelled", "waiting", "sleeping",
+STATUSES = ("pending", "running", "interrupted", "needs_attention", "over_budget", "stale", "completed", "failed", "cancelled", "waiting", "sleeping",
             "paused", "corrupt")
 OUTPUTS = ("table", "json", "jsonl")
 

@@ -255,6 +255,10 @@ def next_move(state: RunState) -> str | None:
         where = ".".join(map(str, state.attention[0]["path"]))
         return (f"check whether the effect happened, then durably resolve {run_id} --path {where} with --value JSON "
                 "(its result), --rerun or --fail")
+    if state.status == "over_budget":
+        over = state.over_budget or {}
+        return (f"durably budget {over.get('owner') or run_id} --raise {over.get('kind') or 'usd'}=N lets it go on; "
+                f"durably budget {over.get('owner') or run_id} --cancel gives up")
     if state.status == "stale" and state.stale and state.stale.get("patch") is None and state.stale.get("called"):
         return (f"durably adopt {run_id} if {state.stale['called']!r} is {state.stale['recorded']!r} renamed; "
                 f"else restore the old code, or durably restart {run_id}")
@@ -325,6 +329,11 @@ def run_header(state: RunState) -> Text:
                                          for k, limit in state.budget.items())))
     elif spent:
         rows.append(("spent", ", ".join(money(k, v) for k, v in spent.items())))
+    if len(state.spent_by) > 1 or state.over_budget:
+        rows.append(("spent on", "\n".join(f"{label}: {', '.join(money(k, v) for k, v in kinds.items())}"
+                                           for label, kinds in state.spent_by.items())))
+    if state.over_budget and state.over_budget.get("owner") not in (None, state.run_id):
+        rows.append(("budget of", str(state.over_budget["owner"])))
     for name, value in state.annotations.items():
         rows.append((f"· {name}", preview(value, 200)))
     if state.patches:

@@ -103,6 +103,9 @@ class RestateKernel:
         name, opts = step_options(fn, **options)
         if opts.keep_partials or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             raise unsupported("streamed steps (a generator step, keep_partials=)", NO_PARTIALS)
+        if opts.reserve is not None or opts.charge not in (None, False):
+            raise unsupported("reserve= and charge= (budgets)", NO_BUDGETS,
+                              "Leave them out on Restate: a step's result is not metered there.")
         if opts.concurrency_key is not None:
             raise unsupported("concurrency_key=", "Restate has no step concurrency limits shared across runs")
         if opts.uses is not None:

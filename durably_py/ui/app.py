@@ -37,7 +37,7 @@ from . import forms
 STATIC = Path(__file__).parent / "static"
 COOKIE = "durably_ui_token"
 STATUSES = ("running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled", "pending",
-            "stale", "needs_attention")
+            "stale", "needs_attention", "over_budget")
 MAX_LIMIT = 1000
 STEPS_CACHE = 20_000  # runs whose completed-step count is remembered
 MAX_CHILDREN = 200  # child runs whose status a run page shows
@@ -564,10 +564,12 @@ class Console:
                 return await self._resolve(run, body)
             if op == "submit":
                 return await self._submit(run, body)
+            if op == "budget":
+                return await self._budget(run, body)
         except DurablyError as exc:
             return _error(exc)
         return Json({"error": "NotFound", "message": f"no operation {op!r}", "hint":
-                     "Operations: signal, submit, cancel, pause, resume, retry, restart, resolve.",
+                     "Operations: signal, submit, cancel, pause, resume, retry, restart, resolve, budget.",
                      "docs": "docs/ui.md#json-api"}, status_code=404)
 
     async def _submit(self, run: str, body: dict[str, Any]) -> Response:
@@ -602,6 +604,26 @@ class Console:
             return Json({"run_id": state.run_id, "status": state.status, "resolved": True})
         return await self._start(lambda found: self.engine.resolve_effect(run, path, value=value, rerun=rerun,
                                                                           fail=fail, on_run=found))
+
+    async def _budget(self, run: str, body: dict[str, Any]) -> Response:
+        """`POST /api/runs/{run}/budget` with {"raise": {"usd": 5}} (by that much) or {"set": {"usd": 20}}: raise
+        the budget the run spends (`Engine.raise_budget`); a run then due that no process holds continues in this
+        server's process unless {"continue": false} (a worker would continue it too)."""
+        how = "set" if "set" in body else "raise"
+        amounts = body.get(how)
+        if not isinstance(amounts, dict) or not amounts:
+            raise ValidationError("budget needs the amounts to raise by (or set to)",
+                                  hint='Send {"raise": {"usd": 5}} or {"set": {"tokens": 200000}}.',
+                                  docs="docs/ui.md#json-api")
+        unknown = [k for k in amounts if k not in ("usd", "tokens", "units")]
+        if unknown:
+            raise ValidationError(f"unknown budget kind {unknown[0]!r}", hint="Use usd, tokens or units.",
+                                  docs="docs/policies.md#budgets")
+        state = await self.engine.raise_budget(run, to=how == "set", timeout=self._timeout(body), **amounts)
+        if body.get("continue", True) is not False and state.status == "interrupted" \
+                and not self.engine.storage.held(state.run_id):
+            return await self._start(lambda found: self.engine.retry(state.run_id, on_run=found))
+        return Json({"run_id": state.run_id, "status": state.status, "budget": state.budget, "raised": True})
 
     async def _start(self, begin: Callable[[Callable[[str], None]], Awaitable[Any]]) -> Response:
         """Start a retry or restart in this server's process; answer once it runs (or failed to start)."""

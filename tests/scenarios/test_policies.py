@@ -269,6 +269,7 @@ def test_a_crash_during_compensation_resumes_the_unfinished_ones(engine: TestEng
 # ---- budgets -------------------------------------------------------------------------------------
 
 def test_budget_charges_and_the_error_before_the_next_step(engine: TestEngine) -> None:
+    engine.engine.on_exhausted = "raise"  # the opt-in; by default the run parks over_budget
     seen: list[tuple[float, float]] = []
 
     def model_call(prompt: str) -> str:

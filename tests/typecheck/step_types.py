@@ -75,3 +75,10 @@ async def transactional(ctx: WorkflowContext, sku: str) -> int:
     many = await ctx.transaction(reserve_async, sku, retry=None)
     assert_type(many, list[int])
     return left + len(many)
+
+
+@workflow
+async def metered(ctx: WorkflowContext, url: str) -> None:
+    reserved = await ctx.step(fetch, url, reserve={"usd": 0.2}, charge=lambda r: {"units": 1})
+    assert_type(reserved, dict[str, str])  # budget options keep the step's result type
+    assert_type(await ctx.step(count, url, charge=False), int)

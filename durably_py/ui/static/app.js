@@ -4,7 +4,7 @@
 const TOKEN = (document.querySelector('meta[name="durably-token"]') || {}).content || "";
 const ENDED = new Set(["completed", "failed", "cancelled"]);
 const STATUSES = ["running", "waiting", "sleeping", "paused", "interrupted", "completed", "failed", "cancelled",
-  "pending", "stale", "needs_attention"];
+  "pending", "stale", "needs_attention", "over_budget"];
 const main = document.getElementById("main");
 const live = document.getElementById("live");
 
@@ -323,7 +323,7 @@ function runPage(runRef) {
       (run.signals || []).length ? h("div", { class: "signals", "data-signals": "" }, h("h2", { style: "margin-top: 10px" }, "Unread signals"),
         run.signals.map((sg) => h("div", { class: "advice", "data-signal": sg.name }, h("code", {}, sg.name), ` sent ${fmtTime(sg.at)}, unread: it waits in the run's inbox`,
           sg.payload === null || sg.payload === undefined ? null : h("div", { class: "muted" }, `payload ${JSON.stringify(sg.payload)}`)))) : null,
-      awakeables(run), waitForms(run, formKit), attention(run), operations(run), view.opBanner);
+      awakeables(run), waitForms(run, formKit), attention(run), overBudget(run), operations(run), view.opBanner);
   }
 
   // ---- awakeables waiting for an outside system ------------------------------------------------
@@ -335,6 +335,26 @@ function runPage(runRef) {
         a.deadline ? ` · deadline ${fmtTime(a.deadline)}` : " · no deadline",
         h("div", { class: "muted" }, "resolve it with ", h("code", {}, `durably resolve-awakeable ${a.id} JSON`),
           " or a POST to its callback URL"))));
+  }
+
+  // ---- a run parked over its budget --------------------------------------------------------------
+  function overBudget(run) {
+    const over = run.status === "over_budget" ? run.over_budget || {} : null;
+    if (!over) return null;
+    const kind = over.kind || "usd";
+    const money = (k, v) => k === "usd" ? `$${Number(v).toFixed(2)}` : `${v} ${k}`;
+    const rows = Object.entries(over.by || {}).map(([label, kinds]) =>
+      h("div", { "data-spent-on": label }, h("code", {}, label), " ", Object.entries(kinds).map(([k, v]) => money(k, v)).join(", ")));
+    const amount = h("input", { name: "amount", value: String((over.limit || {})[kind] || 1), inputmode: "decimal", autocomplete: "off" });
+    return h("div", { class: "banner bad", "data-over-budget": "" },
+      h("h2", { style: "margin-top: 0" }, "Over budget"),
+      h("p", {}, `spent ${money(kind, over.needed)} of ${money(kind, (over.limit || {})[kind])}` + (over.owner && over.owner !== run.run_id ? ` (the budget of ${over.owner})` : "") + "; nothing runs until the budget is raised"),
+      rows,
+      h("div", { class: "ops" }, h("label", { class: "field" }, `raise ${kind} by`, amount),
+        h("button", { type: "button", class: "primary", "data-op": "budget-raise",
+          onclick: () => send("budget", { raise: { [kind]: Number(amount.value) } }) }, "Raise budget"),
+        h("button", { type: "button", class: "danger", "data-op": "budget-cancel",
+          onclick: () => confirmOp("cancel", `Cancel ${run.run_id}?`, "The run ends cancelled instead of spending more.", {}, true) }, "Cancel run")));
   }
 
   // ---- effects that need attention -------------------------------------------------------------
@@ -444,6 +464,7 @@ function runPage(runRef) {
     if (op === "retry") return `retrying ${r.run_id}: ${r.status}`;
     if (op === "restart") return `restarted as ${r.run_id}: ${r.status}`;
     if (op === "resolve") return `resolved ${r.run_id}: ${r.status}`;
+    if (op === "budget") return `raised the budget of ${r.run_id}: ${r.status}`;
     return JSON.stringify(r);
   }
   function confirmOp(op, title, text, body, danger) {
