@@ -56,6 +56,7 @@ from .base import (
 )
 from .catalog import validate_page
 from .roles import LimitUpdate
+from .valuestore import LINE_MIN, enabled, externalise
 
 __all__ = ["StorageFront"]
 
@@ -145,10 +146,22 @@ class StorageFront:
         """True while a live owner holds the run (`RunLogs.held`)."""
         return self._do_held(validate_run_id(run_id))
 
+    values_once: bool | None = None
+    """Whether long lines keep their large and repeated values once, as blobs of the run (`valuestore`); None:
+    as `DURABLY_VALUES_ONCE` says (on unless it is 0). Set by each adapter's `values_once=` argument."""
+
     def append(self, lease: Lease, data: bytes) -> None:
-        """Append complete record lines (`RunLogs.append`)."""
+        """Append complete record lines (`RunLogs.append`); a long line's large or repeated values are kept once
+        (`valuestore.externalise`), before the line that refers to them."""
         if type(data) is not bytes or not data.endswith(b"\n"):  # once per step: the common case checks inline
             data = validate_lines(data)
+        if len(data) >= LINE_MIN and enabled(self.values_once):
+            kept = lease.state.setdefault("kept_values", set())
+            data, blobs = externalise(data, kept)
+            if blobs:
+                self._do_append_values(lease, data, blobs)
+                kept.update(blobs)
+                return
         self._do_append(lease, data)
 
     def size(self, run_id: str) -> int:
@@ -157,7 +170,14 @@ class StorageFront:
 
     def rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the whole log (`RunLogs.rewrite`)."""
-        self._do_rewrite(lease, validate_rewrite(lease.run_id, data))
+        data = validate_rewrite(lease.run_id, data)
+        if len(data) >= LINE_MIN and enabled(self.values_once):
+            kept = lease.state.setdefault("kept_values", set())
+            data, blobs = externalise(data, kept)
+            if blobs:
+                self._do_keep_values(lease, blobs)
+                kept.update(blobs)
+        self._do_rewrite(lease, data)
 
     # ---- Identities --------------------------------------------------------------------------------------
     def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
@@ -323,6 +343,16 @@ class StorageFront:
 
     def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         raise NotImplementedError
+
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values (digest -> bytes) where its log's readers find them, before the lines
+        that refer to them are written: made durable no later than the log's next sync."""
+        raise NotImplementedError
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Append `data` whose lines refer to `blobs`, kept first (adapters with transactions keep both in one)."""
+        self._do_keep_values(lease, blobs)
+        self._do_append(lease, data)
 
     def _do_held(self, run_id: str) -> bool:
         raise NotImplementedError
