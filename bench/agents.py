@@ -9,7 +9,10 @@ run_blobs rows), with values stored once (the default) and with it off (`values_
 bytes of the distinct messages (each message's JSON once).
 
 Per-step cost: a fresh run of `--steps` no-op steps returning a small dict on files, on and off, interleaved
-`--repeat` times; the min and median microseconds per step.
+`--repeat` times; the min and median microseconds per step. Per-append cost: 20,000 appends of a small `ok`
+line to one claimed run on files (`FileStorage.append`, the path every step's record takes), on and off. Run
+the same script with PYTHONPATH pointing at an older tree of durably-py for a before/after comparison (its
+per-append and per-step rows need no `values_once`: an older tree ignores the setting, which is then off).
 """
 
 from __future__ import annotations
@@ -74,17 +77,23 @@ def store_bytes(kind: str, root: Path, run_id: str) -> tuple[int, int]:
         return (root / "runs" / f"{run_id}.jsonl").stat().st_size, blobs.stat().st_size if blobs.exists() else 0
     db = sqlite3.connect(root / "runs.db")
     log = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE run_id = ?", (run_id,)).fetchone()[0]
-    values = db.execute("SELECT coalesce(sum(length(data)) + 64 * count(*), 0) FROM run_blobs WHERE run_id = ?",
-                        (run_id,)).fetchone()[0]
+    try:
+        values = db.execute("SELECT coalesce(sum(length(data)) + 64 * count(*), 0) FROM run_blobs WHERE run_id = ?",
+                            (run_id,)).fetchone()[0]
+    except sqlite3.OperationalError:  # an older tree: no such table
+        values = 0
     db.close()
     return int(log), int(values)
 
 
 def storage(kind: str, root: Path, values_once: bool) -> Any:
-    """A fresh store of `kind`."""
-    if kind == "file":
-        return FileStorage(root, values_once=values_once)
-    return SqliteStorage(root / "runs.db", values_once=values_once)
+    """A fresh store of `kind` (an older tree, without the setting, stores every value inline)."""
+    try:
+        if kind == "file":
+            return FileStorage(root, values_once=values_once)
+        return SqliteStorage(root / "runs.db", values_once=values_once)
+    except TypeError:
+        return FileStorage(root) if kind == "file" else SqliteStorage(root / "runs.db")
 
 
 def loop_size(kind: str, turns: int, values_once: bool) -> tuple[int, int, float]:
@@ -105,13 +114,37 @@ def loop_size(kind: str, turns: int, values_once: bool) -> tuple[int, int, float
 def step_cost(steps: int, values_once: bool) -> float:
     """Microseconds per small step of a fresh run on files."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = FileStorage(tmp, values_once=values_once)
+        try:
+            store = FileStorage(tmp, values_once=values_once)
+        except TypeError:  # an older tree, without the setting
+            store = FileStorage(tmp)
         engine = Engine(store)
         started = time.perf_counter()
         asyncio.run(engine.run(small, steps, advisories="silent"))
         elapsed = time.perf_counter() - started
         store.close()
         return elapsed / steps * 1e6
+
+
+def append_cost(values_once: bool, appends: int = 20_000) -> float:
+    """Microseconds per append of a small `ok` line to one claimed run on files (best of 5 batches)."""
+    line = b'{"t":"ok","p":"12","l":"noop","v":{"i":12},"a":1,"ms":0.01,"ts":1796432209.8569725}\n'
+    best = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            store = FileStorage(tmp, values_once=values_once)
+        except TypeError:  # an older tree, without the setting
+            store = FileStorage(tmp)
+        store.create("r1", b'{"t":"run","v":1,"run_id":"r1","workflow":"w"}\n')
+        lease = store.claim("r1", "bench", 30)
+        assert lease is not None
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(appends):
+                store.append(lease, line)
+            best.append((time.perf_counter() - started) / appends * 1e6)
+        store.close()
+    return min(best)
 
 
 def main() -> None:
@@ -130,15 +163,19 @@ def main() -> None:
             total = log + values
             print(f"| {kind} | {'on' if on else 'off'} | {log:,} | {values:,} | {total:,} | "
                   f"{total / distinct:.2f} | {seconds:.2f} |")
-    print(f"\nsmall steps on files, {args.steps} steps, {args.repeat} interleaved rounds (us per step):\n")
-    rounds: dict[bool, list[float]] = {True: [], False: []}
+    print(f"\nsmall values on files, {args.repeat} interleaved rounds: us per step of a fresh {args.steps}-step run, "
+          "us per append of a small line\n")
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    appends: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.repeat):
         for on in (True, False):
-            rounds[on].append(step_cost(args.steps, on))
-    print("| values once | min | median |")
-    print("| --- | ---: | ---: |")
+            steps[on].append(step_cost(args.steps, on))
+            appends[on].append(append_cost(on))
+    print("| values once | step min | step median | append min | append median |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for on in (True, False):
-        print(f"| {'on' if on else 'off'} | {min(rounds[on]):.2f} | {statistics.median(rounds[on]):.2f} |")
+        print(f"| {'on' if on else 'off'} | {min(steps[on]):.2f} | {statistics.median(steps[on]):.2f} | "
+              f"{min(appends[on]):.3f} | {statistics.median(appends[on]):.3f} |")
 
 
 if __name__ == "__main__":

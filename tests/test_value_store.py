@@ -167,6 +167,8 @@ def test_export_inspect_logs_fork_and_console_show_the_values(tmp_path: Path) ->
     forked = asyncio.run(engine.fork(run_id, from_step=(3,), set_output=edited))
     assert forked == {"messages": [flows.message(50), *(flows.message(t) for t in range(4, 12))]}
     fork_id = next(r.run_id for r in storage.list_runs() if r.run_id != run_id)
+    copied = (state / "runs" / f"{fork_id}.jsonl").read_bytes()
+    assert flows.message(1)["content"].encode() not in copied  # the copied history refers to values too
     assert storage.delete(run_id)
     assert not (state / "runs" / f"{run_id}.blobs").exists()
     records = asyncio.run(engine.records(fork_id))

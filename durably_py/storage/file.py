@@ -97,7 +97,7 @@ from .filelocks import write_all as _write_all  # looked up here at each call, s
 from .filequeue import FileQueue
 from .filevalues import read_values, sync_values, values_path, write_values
 from .fileworkers import FileWorkers
-from .front import StorageFront
+from .front import StorageFront, amended_values
 from .valuestore import resolve_line
 from .wakeup import LocalWakeups
 
@@ -307,6 +307,7 @@ class FileStorage(StorageFront):
             records, good, _ = parse_log(data, str(log), self._values(run_id))
             line = choose(checked(records, str(log), check), str(log))
             if line is not None:
+                self._keep_amended(run_id, amended_values(choose))
                 try:
                     if good < len(data):
                         os.ftruncate(held.fd, good)
@@ -414,6 +415,17 @@ class FileStorage(StorageFront):
         if write_values(values_path(self._runs_path, lease.run_id), blobs):
             lease.state["values_new"] = True
         lease.state["values_dirty"] = True
+
+    def _keep_amended(self, run_id: str, blobs: dict[str, bytes]) -> None:
+        """Keep the stored values an `amend`'s lines refer to, durably, before the lines are written."""
+        if blobs:
+            path = values_path(self._runs_path, run_id)
+            new = write_values(path, blobs)
+            sync_values(path)
+            self.fsyncs += 1
+            if new:
+                fsync_dir(self.runs_dir)
+                self.fsyncs += 1
 
     def _sync_values(self, lease: Lease) -> None:
         """fsync the run's stored values written since its last sync (and their new file's directory entry)."""

@@ -58,17 +58,34 @@ from .catalog import validate_page
 from .roles import LimitUpdate
 from .valuestore import LINE_MIN, enabled, externalise
 
-__all__ = ["StorageFront"]
+__all__ = ["StorageFront", "amended_values"]
 
 
-def _checked_choose(choose: Choose) -> Choose:
-    """`choose` whose lines are checked before an `amend` appends them."""
+class _Checked:
+    """`choose` whose lines are checked before an `amend` appends them, and (`values_once`) their large and
+    repeated values replaced by references: the adapter keeps `values` with the lines, in the same step."""
 
-    def lines(records: list[Any], where: str) -> bytes | None:
-        line = choose(records, where)
-        return None if line is None else validate_lines(line)
+    __slots__ = ("choose", "once", "values")
 
-    return lines
+    def __init__(self, choose: Choose, once: bool) -> None:
+        self.choose = choose
+        self.once = once
+        self.values: dict[str, bytes] = {}
+
+    def __call__(self, records: list[Any], where: str) -> bytes | None:
+        line = self.choose(records, where)
+        if line is None:
+            return None
+        line = validate_lines(line)
+        if self.once and len(line) >= LINE_MIN:
+            line, self.values = externalise(line, set())
+        return line
+
+
+def amended_values(choose: Choose) -> dict[str, bytes]:
+    """The stored values the lines an `amend`'s `choose` returned refer to (`_Checked`), for its adapter to
+    keep with them."""
+    return choose.values if isinstance(choose, _Checked) else {}
 
 
 def _full(full: object) -> frozenset[str]:
@@ -136,7 +153,7 @@ class StorageFront:
 
     def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
         """Append what `choose` returns to an unheld run (`RunLogs.amend`); its lines are checked too."""
-        return self._do_amend(validate_run_id(run_id), _checked_choose(choose), check)
+        return self._do_amend(validate_run_id(run_id), _Checked(choose, enabled(self.values_once)), check)
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease (`RunLogs.heartbeat`)."""

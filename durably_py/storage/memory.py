@@ -43,7 +43,7 @@ from .base import (
     sync_each,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
 from .valuestore import resolve_line
 
 
@@ -151,6 +151,7 @@ class MemoryStorage(StorageFront):
             records, good, _ = parse_log(bytes(run.data), where, lambda: run.values)
             line = choose(checked(records, where, check), where)
             if line is not None:
+                run.values.update(amended_values(choose))
                 del run.data[good:]
                 run.owner = None
                 self._touch(run, line)

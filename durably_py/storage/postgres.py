@@ -67,7 +67,7 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
 from .valuestore import resolve_line
 
 if TYPE_CHECKING:
@@ -543,6 +543,8 @@ class PostgresStorage(StorageFront):
             if line is None:
                 return True
             self._cut_torn(cur, run_id, data, good)
+            if amended_values(choose):
+                self._keep_values(cur, run_id, amended_values(choose))
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
                 " last = %s, size = %s, state = %s WHERE run_id = %s",

@@ -66,7 +66,7 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
 from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
@@ -326,6 +326,8 @@ class SqliteStorage(StorageFront):
                 if line is None:
                     return True
                 _cut_torn(db, run_id, data, good)
+                db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
+                               [(run_id, digest, value) for digest, value in amended_values(choose).items()])
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
                 db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
                            " state = ? WHERE run_id = ?",
