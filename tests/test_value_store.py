@@ -145,6 +145,24 @@ def test_an_agent_loop_killed_mid_loop_resumes(kind: str, tmp_path: Path, reques
     assert info is not None and info.last["result"] == flows.conversation(60)
 
 
+def test_a_worker_process_stores_values_once(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    url = storage_url("sqlite", tmp_path, request)
+    engine = Engine(open_storage(url))
+    handle = asyncio.run(engine.enqueue(flows.agent, 40, key="queued"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    worker = subprocess.Popen([sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--poll", "0.05",
+                               "-q", "--import", str(FLOWS)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: engine.storage.info(handle.run_id).ended, seconds=60)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.communicate(timeout=30)
+    run_id = handle.run_id
+    assert asyncio.run(engine.inspect(run_id)).result == flows.conversation(40)
+    log, values = stored_bytes(engine.storage, run_id)
+    assert values > 0 and log + values < 2 * sum(len(msgspec.json.encode(flows.message(t))) for t in range(40)) + 20_000
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_export_inspect_logs_fork_and_console_show_the_values(tmp_path: Path) -> None:
     state = tmp_path / "state"
@@ -187,13 +205,19 @@ def test_export_inspect_logs_fork_and_console_show_the_values(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("kind", ["file", "sqlite"])
-def test_deleting_a_run_removes_its_stored_values(kind: str, tmp_path: Path) -> None:
+def test_deleting_or_pruning_a_run_removes_its_stored_values(kind: str, tmp_path: Path) -> None:
     storage = storage_of(kind, tmp_path)
-    asyncio.run(Engine(storage).run(flows.agent, 10, key="gone", advisories="silent"))
-    run_id = Engine(storage).resolve("gone")
+    engine = Engine(storage)
+    asyncio.run(engine.run(flows.agent, 10, key="gone", advisories="silent"))
+    run_id = engine.resolve("gone")
     assert stored_bytes(storage, run_id)[1] > 0
-    freed = storage.delete(run_id)
-    assert freed and freed > 10_000
+    if kind == "file":
+        report = asyncio.run(engine.prune(older_than=0))
+        assert run_id in json.dumps(msgspec.to_builtins(report), default=str)
+    else:
+        freed = storage.delete(run_id)
+        assert freed and freed > 10_000
+    assert storage.info(run_id) is None
     if kind == "file":
         assert not (storage.runs_dir / f"{run_id}.blobs").exists()
     else:
