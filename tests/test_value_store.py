@@ -336,3 +336,60 @@ def test_externalise_and_resolve_are_inverse() -> None:
         assert again == out and more == {}  # the same line again: nothing new to keep
     short = b'{"t":"ok","v":"' + b"y" * 100 + b'"}\n'
     assert valuestore.externalise(short, set()) == (short, {})
+
+
+def test_a_test_engine_run_crashed_mid_loop_resumes_with_its_values() -> None:
+    from durably_py.testing import TestEngine
+
+    engine = TestEngine()
+    crashed = asyncio.run(engine.run(flows.agent, 20, crash_after=(12,)))
+    assert crashed.status == "crashed"
+    done = asyncio.run(engine.resume(crashed.run_id))  # shadow replay checks the replayed history too
+    assert done.status == "completed" and done.result == flows.conversation(20)
+    assert [s.executions for s in done.steps] == [1] * 20  # across both processes: none ran twice
+    assert done.step((19,)).output == flows.conversation(20)
+    log = engine.storage.read(crashed.run_id)
+    assert log is not None and engine.storage.size(crashed.run_id) < len(msgspec.json.encode(done.result)) * 2
+
+
+def test_stored_values_are_fsynced_before_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = FileStorage(tmp_path / "state")
+    storage.create("r1", b'{"t":"run","v":1,"run_id":"r1","workflow":"w"}\n')
+    lease = storage.claim("r1", "me", 30)
+    assert lease is not None
+    storage.sync(lease)
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    line = msgspec.json.encode({"t": "ok", "p": "0", "l": "x", "v": flows.conversation(4), "a": 1}) + b"\n"
+    storage.append(lease, line)
+    storage.sync(lease)
+    assert synced[0] == "r1.blobs" and synced.index("r1.blobs") < synced.index("r1.jsonl")
+    synced.clear()
+    storage.append(lease, line)  # nothing new to keep: only the log is written and synced
+    storage.sync(lease)
+    assert synced == ["r1.jsonl"]
+    assert storage.read("r1").records[-1]["v"] == flows.conversation(4)
+
+
+def test_a_values_line_cut_short_is_ignored_and_never_joined(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "state")
+    storage.create("r1", b'{"t":"run","v":1,"run_id":"r1","workflow":"w"}\n')
+    lease = storage.claim("r1", "me", 30)
+    assert lease is not None
+
+    def line(turns: int) -> bytes:
+        return msgspec.json.encode({"t": "ok", "p": str(turns), "l": "x", "v": flows.conversation(turns), "a": 1}) + b"\n"
+
+    storage.append(lease, line(3))
+    values = storage.runs_dir / "r1.blobs"
+    with open(values, "ab") as f:
+        f.write(b"ab" * 32 + b' "cut sho')  # a write a crash cut short
+    storage.append(lease, line(5))  # new values: written on a line of their own
+    assert b'"cut sho\n' in values.read_bytes()
+    assert [r["v"] for r in storage.read("r1").records[2:]] == [flows.conversation(3), flows.conversation(5)]
