@@ -322,6 +322,7 @@ def test_externalise_and_resolve_are_inverse() -> None:
         {"a": big, "b": [big] * 9, "c": {"d": big, "e": [1, 2, 3]}},
         {"list": [{"k": i, "v": big + str(i)} for i in range(70)]},
         {"esc": {"$esc": {"$esc": {"deep": [big] * 5}}}, "s": '{"$blob":"' + "a" * 64 + '"}' + big},
+        {"$esc": big, "other": [big] * 5}, {"x": {"$esc": [big] * 9, "y": 1}, "z": {"$esc": {"$blob": "b" * 64}}},
         {"ints": list(range(3000)), "nested": [[[big]]], "unicode": "é😀" * 300},
     ]
     for case in cases:

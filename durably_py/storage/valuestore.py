@@ -109,11 +109,8 @@ class _Walk:
 
     def value(self, value: Any) -> Any:
         """`value` with its large members and elements (and blocks of long arrays) replaced by tokens."""
-        if type(value) is dict:
-            if len(value) == 1 and "$esc" in value:  # a token right there would read as user data
-                inner = value["$esc"]
-                return {"$esc": self.value(inner) if type(inner) is dict else inner}
-            return {key: self.child(item) for key, item in value.items()}
+        if type(value) is dict:  # never a token right after "$esc": it would read as user data
+            return {key: self.value(item) if key == "$esc" else self.child(item) for key, item in value.items()}
         if type(value) is list:
             items = [self.child(item) for item in value]
             return self.blocks(items) if len(items) >= BLOCK else items
