@@ -46,7 +46,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -257,7 +257,7 @@ class FileStorage(StorageFront):
         records, _, torn = parse_log(data, str(log), self._values(run_id))
         return Log(records, torn, str(log))
 
-    def _values(self, run_id: str) -> Callable[[], dict[str, bytes]]:
+    def _values(self, run_id: str) -> Callable[[], Mapping[str, bytes]]:
         """The run's stored values, read when a log line refers to one (`filevalues`)."""
         return lambda: read_values(values_path(self._runs_path, run_id))
 
@@ -1041,7 +1041,7 @@ def _read_signal(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _last_record(f: Any, size: int, values: Callable[[], dict[str, bytes]]) -> dict[str, Any] | None:
+def _last_record(f: Any, size: int, values: Callable[[], Mapping[str, bytes]]) -> dict[str, Any] | None:
     """The last complete line of `f` that is a record (its stored values resolved), read backwards from the end
     in growing chunks."""
     chunk = 4096

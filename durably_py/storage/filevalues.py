@@ -22,8 +22,8 @@ def values_path(runs_dir: str, run_id: str) -> str:
     return os.path.join(runs_dir, f"{run_id}.blobs")
 
 
-def read_values(path: str) -> dict[str, bytes]:
-    """The stored values kept at `path`, by digest ({} when there are none)."""
+def read_values(path: str) -> Mapping[str, bytes]:
+    """The stored values kept at `path`, by digest (none when the file is missing)."""
     try:
         with open(path, "rb") as f:
             return parse_blob_lines(f.read())

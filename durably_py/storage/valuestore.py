@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -179,17 +179,39 @@ def resolve_line(line: bytes, blobs: Blobs) -> bytes:
     return resolve(line, blobs)[0] if TOKEN in line else line
 
 
-def parse_blob_lines(data: bytes) -> dict[str, bytes]:
-    """The blobs of a file sidecar: lines ``<digest> <bytes>``; a line whose bytes are not its digest's (cut
-    short by a crash) is left out."""
-    table: dict[str, bytes] = {}
-    for line in data.split(b"\n")[:-1]:
-        digest, _, value = line.partition(b" ")
-        if len(digest) == 64:
-            name = digest.decode("ascii", "replace")
-            if name not in table and hashlib.sha256(value).hexdigest() == name:
-                table[name] = value
-    return table
+def parse_blob_lines(data: bytes) -> Mapping[str, bytes]:
+    """The blobs of a file sidecar: lines ``<digest> <bytes>``; a line whose bytes are not its digest's (cut short
+    by a crash) is left out. Each value is checked against its digest when first looked up, so a reader that
+    resolves one line hashes only what that line refers to."""
+    return _SidecarValues(data)
+
+
+class _SidecarValues(Mapping[str, bytes]):
+    """Sidecar lines by digest, each checked against its digest on first lookup (`parse_blob_lines`)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._lines: dict[str, list[bytes]] = {}
+        self._good: dict[str, bytes] = {}
+        for line in data.split(b"\n")[:-1]:
+            digest, _, value = line.partition(b" ")
+            if len(digest) == 64:
+                self._lines.setdefault(digest.decode("ascii", "replace"), []).append(value)
+
+    def __getitem__(self, digest: str) -> bytes:
+        found = self._good.get(digest)
+        if found is None:
+            found = next((value for value in self._lines.get(digest, ())
+                          if hashlib.sha256(value).hexdigest() == digest), None)
+            if found is None:
+                raise KeyError(digest)
+            self._good[digest] = found
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return (digest for digest in self._lines if digest in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def blob_lines(blobs: Mapping[str, bytes]) -> bytes:
