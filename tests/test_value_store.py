@@ -180,6 +180,8 @@ def test_export_inspect_logs_fork_and_console_show_the_values(tmp_path: Path) ->
     assert last in json.dumps(inspected) and "$blob" not in json.dumps(inspected)
     logs = durably("logs", run_id, "--dir", str(state), columns=400, check=True).stdout
     assert "turn 0:" in logs and "$blob" not in logs  # values shown truncated, from their start
+    followed = durably("logs", run_id, "--follow", "--dir", str(state), columns=400, check=True).stdout
+    assert followed == logs
     # a fork copies resolved values into a log (and stored values) of its own: deleting the original keeps it whole
     edited = {"messages": [flows.message(50)]}
     forked = asyncio.run(engine.fork(run_id, from_step=(3,), set_output=edited))
