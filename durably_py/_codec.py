@@ -1,7 +1,8 @@
 """The durable boundary's data codec: JSON plus aware datetimes, canonical input identity, and errors as data.
 
 Wire form: plain JSON values where a `datetime` is ``{"$dt": "<isoformat>"}`` and a user dict whose only key is
-``"$dt"`` or ``"$esc"`` is wrapped as ``{"$esc": {...}}``, so user data never reads back as a tag.
+``"$dt"``, ``"$esc"`` or ``"$blob"`` is wrapped as ``{"$esc": {...}}``, so user data never reads back as a tag (nor
+as a storage's reference to a stored value, ``{"$blob": "<sha256>"}``: `storage/valuestore.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
 
 DT_TAG = "$dt"
 ESC_TAG = "$esc"
+BLOB_TAG = "$blob"  # a storage's reference to a value stored once; user data with it alone is escaped
+_TAGS = frozenset({DT_TAG, ESC_TAG, BLOB_TAG})
 
 _datetime = _dt.datetime
 _SCALARS = frozenset({str, int, bool, type(None)})
@@ -185,7 +188,7 @@ def _walk_container(v: Any, t: type, depth: int, seen: set[int] | None) -> Any:
             if isinstance(k, str):
                 exc.segments.append(_key_segment(k))
             raise
-        if len(out) == 1 and (DT_TAG in out or ESC_TAG in out):
+        if len(out) == 1 and not _TAGS.isdisjoint(out):
             return {ESC_TAG: out}
         return out
     kinds = set(map(type, v))
@@ -293,7 +296,7 @@ def dump_output(value: Any) -> tuple[Any, Any]:
             if type(k) is not str or tx not in scalars or (tx is int and not -_INT_BOUND < x < _INT_BOUND):
                 break
         else:
-            if len(value) != 1 or (DT_TAG not in value and ESC_TAG not in value):
+            if len(value) != 1 or _TAGS.isdisjoint(value):
                 return value.copy(), value.copy()
     elif t is str or t is bool or value is None or (t is int and -_INT_BOUND < value < _INT_BOUND):
         return value, value
@@ -394,7 +397,7 @@ def _canon(w: Any) -> Any:
             if ESC_TAG in w:
                 w = w[ESC_TAG]
         out = {k: _canon(w[k]) for k in sorted(w) if w[k] is not None}
-        if len(out) == 1 and (DT_TAG in out or ESC_TAG in out):
+        if len(out) == 1 and not _TAGS.isdisjoint(out):
             return {ESC_TAG: out}
         return out
     if t is list:

@@ -94,7 +94,8 @@ def test_tables_live_in_their_own_schema(postgres_storage: Machines, postgres_ds
             "SELECT table_name FROM information_schema.tables WHERE table_schema = %s ORDER BY 1",
             (machines[0].schema,),
         ).fetchall()
-    assert [t[0] for t in tables] == ["identities", "joins", "limits", "queue", "records", "runs", "signals", "workers"]
+    assert [t[0] for t in tables] == ["blobs", "identities", "joins", "limits", "queue", "records", "run_blobs", "runs",
+                                      "signals", "workers"]
 
 
 def test_concurrent_claims_from_many_machines_get_distinct_epochs(postgres_storage: Machines) -> None:

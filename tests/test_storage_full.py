@@ -135,7 +135,7 @@ BIG: list[int] = []
 
 def big(i: int) -> str:
     BIG.append(i)
-    return "x" * 20_000
+    return f"{i} " + "x" * 20_000  # distinct: a value repeated would be stored once
 
 
 @workflow

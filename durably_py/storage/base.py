@@ -39,6 +39,7 @@ from ..errors import CorruptLogError, RunNotFoundError, StorageFullError, Valida
 from ..records import LOG_VERSION, Claim, Header, decode_fast, end_status, kind_of
 from ..records import encode as encode_record
 from .roles import Catalog, DueQueue, Fleet, Identities, Inbox, RunLogs, Storage
+from .valuestore import TOKEN, Blobs, resolve
 
 __all__ = [
     "LOG_VERSION", "Catalog", "Check", "Choose", "DueQueue", "Fleet", "Identities", "Inbox", "Lease", "Log",
@@ -118,6 +119,7 @@ def validate_limit_prefix(prefix: object) -> str:
 
 
 BLOBS_DOCS = "docs/storage.md#blobs"
+VALUES_DOCS = "docs/storage.md#values-stored-once"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -308,8 +310,11 @@ def validate_header(run_id: str, header: object) -> dict[str, Any]:
     return record
 
 
-def parse_log(data: bytes, where: str) -> tuple[list[Any], int, str | None]:
+def parse_log(data: bytes, where: str, blobs: Blobs | None = None) -> tuple[list[Any], int, str | None]:
     """Decode a log into (records, bytes of good lines, torn-tail message or None).
+
+    With `blobs` (the run's stored values, `valuestore`), a log holding reference tokens is read with each token
+    replaced by its value (`_parse_resolved`); the length of good lines is still counted in stored bytes.
 
     Records are typed (`durably_py.records`) when every line is a valid record of this log version, the
     fast path a run's own log takes; otherwise they are plain JSON objects, left for `records.load` to
@@ -319,6 +324,8 @@ def parse_log(data: bytes, where: str) -> tuple[list[Any], int, str | None]:
     Any bad line before the last raises `CorruptLogError` naming `where` and the 1-based line number.
     Blank lines are skipped. Nothing is modified: callers decide whether to truncate to the good length.
     """
+    if blobs is not None and TOKEN in data:
+        return _parse_resolved(data, where, blobs)
     good = data.rfind(b"\n") + 1
     tail = len(data) - good
     typed = decode_fast(data if tail == 0 else data[:good])
@@ -335,6 +342,40 @@ def parse_log(data: bytes, where: str) -> tuple[list[Any], int, str | None]:
         return records, good, None
     line_no = data.count(b"\n", 0, good) + 1
     return records, good, f"dropped a torn last line ({tail} bytes) at line {line_no} of {where}"
+
+
+def _parse_resolved(data: bytes, where: str, blobs: Blobs) -> tuple[list[Any], int, str | None]:
+    """`parse_log` of a log whose lines refer to stored values: each token replaced by its value. A last line
+    whose value was never stored (its write cut short by a machine crash) is dropped as torn; one before it is
+    damage (`CorruptLogError`)."""
+    good = data.rfind(b"\n") + 1
+    body, missing = resolve(data[:good], blobs)
+    torn_line: str | None = None
+    if missing:
+        starts = [0, *(i + 1 for i, byte in enumerate(data[:good]) if byte == 10)]
+        for number in range(1, len(starts)):
+            line = data[starts[number - 1]:starts[number]]
+            lost = next((digest for digest in missing if digest.encode() in line), None)
+            if lost is None:
+                continue
+            if number < len(starts) - 1:
+                raise CorruptLogError(
+                    f"line {number} of {where} refers to a stored value ({lost[:12]}...) the run does not hold",
+                    path=where, line=number, field=None,
+                    hint="The run's stored values were removed or damaged outside durably; restore them from a "
+                         "backup, or delete the run.", docs=VALUES_DOCS)
+            torn_line = (f"dropped the last line (line {number} of {where}): it refers to a stored value "
+                         f"({lost[:12]}...) that was never made durable")
+            good = starts[number - 1]
+            body, _ = resolve(data[:good], blobs)
+            break
+    records, resolved_good, torn = parse_log(body + data[good:] if torn_line is None else body, where)
+    if resolved_good < len(body):  # a damaged last line: count the good ones in stored bytes
+        lines = body.count(b"\n", 0, resolved_good)
+        good = 0
+        for _ in range(lines):
+            good = data.index(b"\n", good) + 1
+    return records, good, torn_line or torn
 
 
 def _parse_slowly(data: bytes, good: int, where: str) -> tuple[list[dict[str, Any]], int, str | None]:

@@ -24,6 +24,8 @@ Layout under ``dir``::
     joins/<run_id>/<child>  one empty file per child run a run parked in a join still waits for (`join_wait`);
                           the child's end removes its file (under the queue flock) and the last one makes the
                           run due, before the child's own queue entry goes, so a crash in between is redone
+    runs/<run_id>.blobs   the run's stored values (`valuestore`, `filevalues.py`): lines "<sha256> <bytes>",
+                          appended before the log line that refers to them, fsynced before the log is
     blobs/<sha256>        bytes kept once under their sha256 (`keep_blob`: the source files runs started with):
                           written as a hidden temp file, fsynced, renamed in
     limits/<sha256>.json  a flow-control document (`limit`, `limits`): {"key": key, "doc": document}, replaced
@@ -44,7 +46,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -93,8 +95,10 @@ from .filelocks import (
 )
 from .filelocks import write_all as _write_all  # looked up here at each call, so a test can stand in for the disk
 from .filequeue import FileQueue
+from .filevalues import read_values, sync_values, values_path, write_values
 from .fileworkers import FileWorkers
-from .front import StorageFront
+from .front import StorageFront, amended_values
+from .valuestore import resolve_line
 from .partials import FilePartials
 from .wakeup import LocalWakeups
 
@@ -113,9 +117,11 @@ class FileStorage(StorageFront):
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
 
     def __init__(
-        self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576
+        self, dir: str | os.PathLike[str] = ".durably", *, compact_above_bytes: int | None = 1_048_576,
+        values_once: bool | None = None,
     ) -> None:
         self.dir = Path(os.path.abspath(dir))
+        self.values_once = values_once
         self.runs_dir = self.dir / "runs"
         self._partials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
@@ -250,8 +256,12 @@ class FileStorage(StorageFront):
                 data = f.read()
         except FileNotFoundError:
             return None
-        records, _, torn = parse_log(data, str(log))
+        records, _, torn = parse_log(data, str(log), self._values(run_id))
         return Log(records, torn, str(log))
+
+    def _values(self, run_id: str) -> Callable[[], Mapping[str, bytes]]:
+        """The run's stored values, read when a log line refers to one (`filevalues`)."""
+        return lambda: read_values(values_path(self._runs_path, run_id))
 
     def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
@@ -296,9 +306,10 @@ class FileStorage(StorageFront):
                 raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id) from None
             with open(held.fd, "rb", closefd=False) as f:
                 data = f.read()
-            records, good, _ = parse_log(data, str(log))
+            records, good, _ = parse_log(data, str(log), self._values(run_id))
             line = choose(checked(records, str(log), check), str(log))
             if line is not None:
+                self._keep_amended(run_id, amended_values(choose))
                 try:
                     if good < len(data):
                         os.ftruncate(held.fd, good)
@@ -329,7 +340,7 @@ class FileStorage(StorageFront):
         self._unlink(f"{held.log}.tmp")
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
-        records, good, torn = parse_log(data, str(held.log))
+        records, good, torn = parse_log(data, str(held.log), self._values(held.run_id))
         records = checked(records, str(held.log), check)
         if not reopen and ended(records):
             return None
@@ -401,6 +412,32 @@ class FileStorage(StorageFront):
                 raise storage_full(exc, "append to", str(held.log)) from exc
             held.size += len(data)
 
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Append the run's new stored values to its runs/<id>.blobs, fsynced by the log's next sync, first."""
+        if write_values(values_path(self._runs_path, lease.run_id), blobs):
+            lease.state["values_new"] = True
+        lease.state["values_dirty"] = True
+
+    def _keep_amended(self, run_id: str, blobs: dict[str, bytes]) -> None:
+        """Keep the stored values an `amend`'s lines refer to, durably, before the lines are written."""
+        if blobs:
+            path = values_path(self._runs_path, run_id)
+            new = write_values(path, blobs)
+            sync_values(path)
+            self.fsyncs += 1
+            if new:
+                fsync_dir(self.runs_dir)
+                self.fsyncs += 1
+
+    def _sync_values(self, lease: Lease) -> None:
+        """fsync the run's stored values written since its last sync (and their new file's directory entry)."""
+        if lease.state.pop("values_dirty", False):
+            sync_values(values_path(self._runs_path, lease.run_id))
+            self.fsyncs += 1
+            if lease.state.pop("values_new", False):
+                fsync_dir(self.runs_dir)
+                self.fsyncs += 1
+
     def _undo_partial_write(self, held: Held) -> None:
         """After a failed write, cut the log back to its last whole line, or give the lease up if that fails."""
         try:
@@ -415,6 +452,7 @@ class FileStorage(StorageFront):
             raise lost(lease)
         with held.mutex:
             held.check()
+            self._sync_values(lease)
             if held.synced != held.size:
                 self._fsync(held.fd)
                 held.synced = held.size
@@ -433,6 +471,7 @@ class FileStorage(StorageFront):
                 raise lost(lease)
             with held.mutex:
                 held.check()
+                self._sync_values(lease)
                 if held.synced != held.size or not held.dir_synced:
                     todo.append((held, held.size))
         if not todo:
@@ -462,6 +501,7 @@ class FileStorage(StorageFront):
             raise lost(lease)
         with held.mutex:
             held.check()
+            self._sync_values(lease)
             tmp = held.log.with_name(held.log.name + ".tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -717,7 +757,8 @@ class FileStorage(StorageFront):
                 self.queue.discard(run_id)
             freed = 0
             inbox = self.runs_dir / f"{run_id}.inbox"
-            paths = [log, *(inbox / name for name in _listdir(inbox)), self.runs_dir / f"{run_id}.owner"]
+            paths = [log, *(inbox / name for name in _listdir(inbox)), self.runs_dir / f"{run_id}.owner",
+                     Path(values_path(self._runs_path, run_id))]
             for path in paths:
                 try:
                     freed += path.stat().st_size
@@ -776,7 +817,7 @@ class FileStorage(StorageFront):
             with open(self.runs_dir / f"{run_id}.jsonl", "rb") as f:
                 st = os.fstat(f.fileno())
                 header = decode_record(f.readline()) or {}
-                last = _last_record(f, st.st_size) or header
+                last = _last_record(f, st.st_size, self._values(run_id)) or header
         except FileNotFoundError:
             return None
         return RunInfo(run_id, header, last, probe(self._lock_path(run_id)), st.st_mtime,
@@ -1016,8 +1057,9 @@ def _read_signal(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _last_record(f: Any, size: int) -> dict[str, Any] | None:
-    """The last complete line of `f` that is a record, read backwards from the end in growing chunks."""
+def _last_record(f: Any, size: int, values: Callable[[], Mapping[str, bytes]]) -> dict[str, Any] | None:
+    """The last complete line of `f` that is a record (its stored values resolved), read backwards from the end
+    in growing chunks."""
     chunk = 4096
     while True:
         start = max(0, size - chunk)
@@ -1025,7 +1067,7 @@ def _last_record(f: Any, size: int) -> dict[str, Any] | None:
         buf = f.read(size - start)
         lines = buf[: buf.rfind(b"\n") + 1].split(b"\n")[:-1]
         for line in reversed(lines[1:] if start else lines):
-            record = decode_record(line)
+            record = decode_record(resolve_line(line, values))
             if record is not None:
                 return record
         if start == 0:

@@ -57,18 +57,36 @@ from .base import (
 from .catalog import validate_page
 from .partials import PartialsFront
 from .roles import LimitUpdate
+from .valuestore import LINE_MIN, enabled, externalise
 
-__all__ = ["StorageFront"]
+__all__ = ["StorageFront", "amended_values"]
 
 
-def _checked_choose(choose: Choose) -> Choose:
-    """`choose` whose lines are checked before an `amend` appends them."""
+class _Checked:
+    """`choose` whose lines are checked before an `amend` appends them, and (`values_once`) their large and
+    repeated values replaced by references: the adapter keeps `values` with the lines, in the same step."""
 
-    def lines(records: list[Any], where: str) -> bytes | None:
-        line = choose(records, where)
-        return None if line is None else validate_lines(line)
+    __slots__ = ("choose", "once", "values")
 
-    return lines
+    def __init__(self, choose: Choose, once: bool) -> None:
+        self.choose = choose
+        self.once = once
+        self.values: dict[str, bytes] = {}
+
+    def __call__(self, records: list[Any], where: str) -> bytes | None:
+        line = self.choose(records, where)
+        if line is None:
+            return None
+        line = validate_lines(line)
+        if self.once and len(line) >= LINE_MIN:
+            line, self.values = externalise(line, set())
+        return line
+
+
+def amended_values(choose: Choose) -> dict[str, bytes]:
+    """The stored values the lines an `amend`'s `choose` returned refer to (`_Checked`), for its adapter to
+    keep with them."""
+    return choose.values if isinstance(choose, _Checked) else {}
 
 
 def _full(full: object) -> frozenset[str]:
@@ -136,7 +154,7 @@ class StorageFront(PartialsFront):
 
     def amend(self, run_id: str, choose: Choose, *, check: Check | None = None) -> bool:
         """Append what `choose` returns to an unheld run (`RunLogs.amend`); its lines are checked too."""
-        return self._do_amend(validate_run_id(run_id), _checked_choose(choose), check)
+        return self._do_amend(validate_run_id(run_id), _Checked(choose, enabled(self.values_once)), check)
 
     def heartbeat(self, lease: Lease, ttl: float) -> bool:
         """Extend the lease (`RunLogs.heartbeat`)."""
@@ -146,10 +164,22 @@ class StorageFront(PartialsFront):
         """True while a live owner holds the run (`RunLogs.held`)."""
         return self._do_held(validate_run_id(run_id))
 
+    values_once: bool | None = None
+    """Whether long lines keep their large and repeated values once, as blobs of the run (`valuestore`); None:
+    as `DURABLY_VALUES_ONCE` says (on unless it is 0). Set by each adapter's `values_once=` argument."""
+
     def append(self, lease: Lease, data: bytes) -> None:
-        """Append complete record lines (`RunLogs.append`)."""
+        """Append complete record lines (`RunLogs.append`); a long line's large or repeated values are kept once
+        (`valuestore.externalise`), before the line that refers to them."""
         if type(data) is not bytes or not data.endswith(b"\n"):  # once per step: the common case checks inline
             data = validate_lines(data)
+        if len(data) >= LINE_MIN and enabled(self.values_once):
+            kept = lease.state.setdefault("kept_values", set())
+            data, blobs = externalise(data, kept)
+            if blobs:
+                self._do_append_values(lease, data, blobs)
+                kept.update(blobs)
+                return
         self._do_append(lease, data)
 
     def size(self, run_id: str) -> int:
@@ -158,7 +188,14 @@ class StorageFront(PartialsFront):
 
     def rewrite(self, lease: Lease, data: bytes) -> None:
         """Replace the whole log (`RunLogs.rewrite`)."""
-        self._do_rewrite(lease, validate_rewrite(lease.run_id, data))
+        data = validate_rewrite(lease.run_id, data)
+        if len(data) >= LINE_MIN and enabled(self.values_once):
+            kept = lease.state.setdefault("kept_values", set())
+            data, blobs = externalise(data, kept)
+            if blobs:
+                self._do_keep_values(lease, blobs)
+                kept.update(blobs)
+        self._do_rewrite(lease, data)
 
     # ---- Identities --------------------------------------------------------------------------------------
     def bind(self, identity: str, run_id: str, expect: str | None = None) -> bool:
@@ -324,6 +361,16 @@ class StorageFront(PartialsFront):
 
     def _do_heartbeat(self, lease: Lease, ttl: float) -> bool:
         raise NotImplementedError
+
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values (digest -> bytes) where its log's readers find them, before the lines
+        that refer to them are written: made durable no later than the log's next sync."""
+        raise NotImplementedError
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Append `data` whose lines refer to `blobs`, kept first (adapters with transactions keep both in one)."""
+        self._do_keep_values(lease, blobs)
+        self._do_append(lease, data)
 
     def _do_held(self, run_id: str) -> bool:
         raise NotImplementedError

@@ -43,14 +43,15 @@ from .base import (
     sync_each,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
+from .valuestore import resolve_line
 
 
 class _Run:
     """One run's log bytes, lease state and signal inbox."""
 
     __slots__ = ("data", "epoch", "owner", "expires", "updated", "order", "synced", "signals", "state", "fields",
-                 "place")
+                 "place", "values")
 
     def __init__(self, data: bytes, order: int) -> None:
         self.data = bytearray(data)
@@ -65,6 +66,7 @@ class _Run:
         header = decode_record(data)
         self.fields = header_fields(header)  # workflow, key, parent
         self.place = queue_fields(header)  # the queue and partition its entries are in
+        self.values: dict[str, bytes] = {}  # the run's stored values by digest (`valuestore`)
 
 
 def _kept(entry: QueueEntry) -> bool:
@@ -75,9 +77,11 @@ def _kept(entry: QueueEntry) -> bool:
 class MemoryStorage(StorageFront):
     """Runs in a dict, guarded by one lock; nothing survives the process."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
-        """`clock`: the store's clock for limits (epoch seconds; `TestEngine` passes its fake clock's)."""
+    def __init__(self, *, clock: Callable[[], float] = time.time, values_once: bool | None = None) -> None:
+        """`clock`: the store's clock for limits (epoch seconds; `TestEngine` passes its fake clock's);
+        `values_once`: keep large and repeated values once (`valuestore`; None: as `DURABLY_VALUES_ONCE` says)."""
         self.clock = clock
+        self.values_once = values_once
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
         self._runs: dict[str, _Run] = {}
@@ -112,7 +116,8 @@ class MemoryStorage(StorageFront):
             if run is None:
                 return None
             data = bytes(run.data)
-        records, _, torn = parse_log(data, f"memory run {run_id}")
+            values = run.values  # only ever added to: every token `data` holds is found
+        records, _, torn = parse_log(data, f"memory run {run_id}", lambda: values)
         return Log(records, torn, f"memory run {run_id}")
 
     def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
@@ -123,7 +128,7 @@ class MemoryStorage(StorageFront):
             now = time.monotonic()
             if run.owner is not None and run.expires >= now:
                 return None
-            records, good, torn = parse_log(bytes(run.data), f"memory run {run_id}")
+            records, good, torn = parse_log(bytes(run.data), f"memory run {run_id}", lambda: run.values)
             records = checked(records, f"memory run {run_id}", check)
             if not reopen and ended(records):
                 self._unschedule(run_id)
@@ -144,9 +149,10 @@ class MemoryStorage(StorageFront):
             if run.owner is not None and run.expires >= time.monotonic():
                 return False
             where = f"memory run {run_id}"
-            records, good, _ = parse_log(bytes(run.data), where)
+            records, good, _ = parse_log(bytes(run.data), where, lambda: run.values)
             line = choose(checked(records, where, check), where)
             if line is not None:
+                run.values.update(amended_values(choose))
                 del run.data[good:]
                 run.owner = None
                 self._touch(run, line)
@@ -204,6 +210,18 @@ class MemoryStorage(StorageFront):
         """Append complete lines; `LeaseLostError` if `lease` is no longer current."""
         with self._lock:
             self._touch(self._current(lease), data)
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values and append the lines that refer to them, under one hold of the lock."""
+        with self._lock:
+            run = self._current(lease)
+            run.values.update(blobs)
+            self._touch(run, data)
+
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values (`valuestore`)."""
+        with self._lock:
+            self._current(lease).values.update(blobs)
 
     def sync(self, lease: Lease) -> None:
         """Count a would-be fsync if anything was appended since the last sync (memory is never durable)."""
@@ -268,7 +286,7 @@ class MemoryStorage(StorageFront):
     def _info(self, run_id: str, run: _Run, now: float) -> RunInfo:
         """A run's `RunInfo` (call with the lock held)."""
         header = decode_record(bytes(run.data[: run.data.find(b"\n") + 1])) or {}
-        last = decode_record(bytes(last_line(run.data))) or header
+        last = decode_record(resolve_line(bytes(last_line(run.data)), lambda: run.values)) or header
         return RunInfo(run_id, header, last, run.owner is not None and run.expires >= now, run.updated, run.epoch,
                        run.state)
 

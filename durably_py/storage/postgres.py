@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -66,7 +67,8 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
+from .valuestore import resolve_line
 from .partials import PostgresPartials
 
 if TYPE_CHECKING:
@@ -135,6 +137,12 @@ CREATE TABLE IF NOT EXISTS {s}.limits (
 CREATE TABLE IF NOT EXISTS {s}.blobs (
     digest TEXT PRIMARY KEY,
     data BYTEA NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.run_blobs (
+    run_id TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (run_id, digest)
 );
 CREATE INDEX IF NOT EXISTS queue_parts ON {s}.queue (queue_name, partition_name, priority, due, created, run_id)
     WHERE partition_name IS NOT NULL;
@@ -296,7 +304,7 @@ class PostgresStorage(StorageFront):
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
     def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
-                 lock_wait: float = LOCK_WAIT) -> None:
+                 lock_wait: float = LOCK_WAIT, values_once: bool | None = None) -> None:
         if not isinstance(dsn, str):
             raise ValidationError(f"a PostgreSQL dsn is a string, got {dsn!r}",
                                   hint="PostgresStorage('postgresql://user@host/db') or 'host=... dbname=...'.")
@@ -316,6 +324,7 @@ class PostgresStorage(StorageFront):
                                        "locked.", docs=BUSY_DOCS)
         _psycopg()
         self.lock_wait = float(lock_wait)
+        self.values_once = values_once
         self.dsn = dsn
         self.schema = schema
         self.compact_above_bytes = compact_above_bytes
@@ -332,6 +341,7 @@ class PostgresStorage(StorageFront):
         self._limits = f"{s}.limits"
         self._partials = PostgresPartials(self.schema, self._cursor)
         self._blobs = f"{s}.blobs"
+        self._run_blobs = f"{s}.run_blobs"  # each run's stored values (`valuestore`)
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
 
     def __repr__(self) -> str:
@@ -347,7 +357,7 @@ class PostgresStorage(StorageFront):
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")  # whatever the server's default: every commit is durable
-                if not self._exists(conn, self._limits, self._queue_parts):  # the newest: older ones upgrade here
+                if not self._exists(conn, self._limits, self._queue_parts, self._run_blobs):  # the newest: older ones upgrade here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
                         before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
@@ -524,7 +534,7 @@ class PostgresStorage(StorageFront):
         )
         if not rows:
             return None
-        records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id))
+        records, _, torn = parse_log(bytes(rows[0][0] or b""), self._where(run_id), lambda: self._values(run_id))
         return Log(records, torn, self._where(run_id))
 
     def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
@@ -611,7 +621,7 @@ class PostgresStorage(StorageFront):
             f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s", (run_id,)
         )
         data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
-        records, good, torn = parse_log(data, self._where(run_id))
+        records, good, torn = parse_log(data, self._where(run_id), lambda: self._values(run_id, cur))
         return data, checked(records, self._where(run_id), check), good, torn
 
     def _cut_torn(self, cur: psycopg.Cursor[Any], run_id: str, data: bytes, good: int) -> None:
@@ -641,6 +651,8 @@ class PostgresStorage(StorageFront):
             if line is None:
                 return True
             self._cut_torn(cur, run_id, data, good)
+            if amended_values(choose):
+                self._keep_values(cur, run_id, amended_values(choose))
             cur.execute(
                 f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL, updated = clock_timestamp(),"
                 " last = %s, size = %s, state = %s WHERE run_id = %s",
@@ -701,6 +713,46 @@ class PostgresStorage(StorageFront):
             (last_line(data), len(data), *((state,) if state else ()), lease.run_id, lease.epoch, lease.owner, data),
         ) == 0:
             raise self._lost(lease)
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
+        by the lease's epoch and owner (a lost lease keeps neither)."""
+        data = bytes(data)
+        if not self._mine(lease):
+            raise self._lost(lease)
+        with self._cursor(transaction=True) as cur:
+            state = ""
+            if may_change_state(data):
+                cur.execute(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
+                row = cur.fetchone()
+                state = state_after(row[0] if row else OPEN, data)
+            cur.execute(
+                f"UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
+                + (", state = %s" if state else "") + f" WHERE {_FENCE}",
+                (last_line(data), len(data), *((state,) if state else ()), lease.run_id, lease.epoch, lease.owner))
+            if cur.rowcount == 0:
+                raise self._lost(lease)
+            self._keep_values(cur, lease.run_id, blobs)
+            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (lease.run_id, data))
+
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values (before a `rewrite` that refers to them)."""
+        with self._cursor(transaction=True) as cur:
+            self._keep_values(cur, lease.run_id, blobs)
+
+    def _keep_values(self, cur: psycopg.Cursor[Any], run_id: str, blobs: dict[str, bytes]) -> None:
+        cur.executemany(f"INSERT INTO {self._run_blobs} (run_id, digest, data) VALUES (%s, %s, %s)"
+                        " ON CONFLICT DO NOTHING", [(run_id, digest, value) for digest, value in blobs.items()])
+
+    def _values(self, run_id: str, cur: psycopg.Cursor[Any] | None = None) -> dict[str, bytes]:
+        """The stored values of a run by digest (`valuestore`), in the transaction of `cur` when given."""
+        query, params = f"SELECT digest, data FROM {self._run_blobs} WHERE run_id = %s", (run_id,)
+        if cur is None:
+            rows = self._fetch(query, params)
+        else:
+            cur.execute(query, params)
+            rows = cur.fetchall()
+        return {digest: bytes(data) for digest, data in rows}
 
     def sync(self, lease: Lease) -> None:
         """Check the lease and count a durable commit: with ``synchronous_commit = on`` every append already is."""
@@ -897,7 +949,9 @@ class PostgresStorage(StorageFront):
             freed = int(cur.fetchone()[0])  # type: ignore[index]
             cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._signals} WHERE run_id = %s", (run_id,))
             freed += int(cur.fetchone()[0])  # type: ignore[index]
-            for table in (self._records, self._signals, self._queue, self._identities, self._runs):
+            cur.execute(f"SELECT coalesce(sum(length(data)), 0) FROM {self._run_blobs} WHERE run_id = %s", (run_id,))
+            freed += int(cur.fetchone()[0])  # type: ignore[index]
+            for table in (self._records, self._signals, self._run_blobs, self._queue, self._identities, self._runs):
                 cur.execute(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
             self._partials.delete(cur, run_id)
         return freed
@@ -911,8 +965,8 @@ class PostgresStorage(StorageFront):
         infos = []
         for run_id, header_line, last, held, updated, epoch, state in rows:
             header = decode_record(bytes(header_line)) or {}
-            infos.append(RunInfo(run_id, header, decode_record(bytes(last)) or header, bool(held), updated, epoch,
-                                 state))
+            last = resolve_line(bytes(last), partial(self._values, run_id))
+            infos.append(RunInfo(run_id, header, decode_record(last) or header, bool(held), updated, epoch, state))
         return infos
 
     # ---- the queue ------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ end or operator record; ``touched`` at every other append, so a step changes no 
 last line, log size, and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
-``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
+``run_blobs`` (each run's stored values, `valuestore`: written in the transaction of the record that first refers
+to them), ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
 ``queue`` (one row per run that has not ended: due time, priority, the signals that wake it; the due query
 reads this small table and its index, never the logs of ended runs), ``workers`` (live workers' advertisements)
 and ``limits`` (one JSON document per flow-control key, changed in one ``BEGIN IMMEDIATE`` transaction).
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,8 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
-from .front import StorageFront
+from .front import StorageFront, amended_values
+from .valuestore import TOKEN, resolve_line
 from .partials import SQLITE_TABLE
 from .wakeup import LocalWakeups
 
@@ -131,6 +134,12 @@ CREATE TABLE IF NOT EXISTS blobs (
     data BLOB NOT NULL
 );
 """
+_RUN_BLOBS = """CREATE TABLE IF NOT EXISTS run_blobs (
+    run_id TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (run_id, digest)
+)"""  # created at every open (idempotent), so it needs no schema version of its own
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
 TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
@@ -139,8 +148,10 @@ _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.3
 class SqliteStorage(StorageFront):
     """Runs as rows of one SQLite database file; the connection opens on first use."""
 
-    def __init__(self, path: str | os.PathLike[str] = ".durably/durably.db", *, timeout: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike[str] = ".durably/durably.db", *, timeout: float = 30.0,
+                 values_once: bool | None = None) -> None:
         self.path = os.fspath(path)
+        self.values_once = values_once
         self.timeout = timeout
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
@@ -173,6 +184,7 @@ class SqliteStorage(StorageFront):
                         _queue_unended(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 _ensure_catalog(conn)
+            conn.execute(_RUN_BLOBS)
             self._conn = conn
         return self._conn
 
@@ -270,7 +282,8 @@ class SqliteStorage(StorageFront):
             if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
                 return None
             data = self._log_bytes(db, run_id)
-        records, _, torn = parse_log(data, self._where(run_id))
+            values = _run_values(db, run_id) if TOKEN in data else {}
+        records, _, torn = parse_log(data, self._where(run_id), lambda: values)
         return Log(records, torn, self._where(run_id))
 
     def _where(self, run_id: str) -> str:
@@ -330,7 +343,7 @@ class SqliteStorage(StorageFront):
                      check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
         """Inside a transaction: the log's bytes, its checked records, the length of its whole lines, the torn tail."""
         data = self._log_bytes(db, run_id)
-        records, good, torn = parse_log(data, self._where(run_id))
+        records, good, torn = parse_log(data, self._where(run_id), lambda: _run_values(db, run_id))
         return data, checked(records, self._where(run_id), check), good, torn
 
     def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
@@ -352,6 +365,8 @@ class SqliteStorage(StorageFront):
                 if line is None:
                     return True
                 _cut_torn(db, run_id, data, good)
+                db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
+                               [(run_id, digest, value) for digest, value in amended_values(choose).items()])
                 db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
                 db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
                            " state = ? WHERE run_id = ?",
@@ -415,6 +430,28 @@ class SqliteStorage(StorageFront):
             self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
                          (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
+        by the lease's epoch (a lost lease keeps neither)."""
+        with self._lock, _transaction(self._db()) as db:
+            changes = may_change_state(data)
+            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone() if changes else None
+            if changes:
+                self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+                             (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
+            else:
+                self._fenced(db, lease, "touched = ?, last = ?, size = size + ?",
+                             (time.time(), last_line(data), len(data)))
+            db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
+                           [(lease.run_id, digest, value) for digest, value in blobs.items()])
+            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+
+    def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values (before a `rewrite` that refers to them)."""
+        with self._lock, _transaction(self._db()) as db:
+            db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
+                           [(lease.run_id, digest, value) for digest, value in blobs.items()])
 
     def _append_step(self, lease: Lease, data: bytes) -> None:
         """Append lines that change no catalog state as two statements, each its own commit: the fenced insert
@@ -613,7 +650,9 @@ class SqliteStorage(StorageFront):
                                (run_id,)).fetchone()[0]
             freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM signals WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
-            for table in ("records", "signals", "queue", "identities", "runs"):
+            freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM run_blobs WHERE run_id = ?",
+                                (run_id,)).fetchone()[0]
+            for table in ("records", "signals", "run_blobs", "queue", "identities", "runs"):
                 db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
             self._partials_table(db)
             db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
@@ -871,13 +910,16 @@ class SqliteStorage(StorageFront):
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
         now = time.time()
         with self._lock:
+            db = self._db()
             rows = (
-                self._db()
+                db
                 .execute("SELECT run_id, header, last, owner, lease_expires, max(updated, coalesce(touched, 0)), epoch,"
                          " state FROM runs "
                          + clause, params)
                 .fetchall()
             )
+            rows = [(run_id, header, resolve_line(last, partial(_run_values, db, run_id)), *rest)
+                    for run_id, header, last, *rest in rows]
         infos = []
         for run_id, header_line, last, owner, expires, updated, epoch, state in rows:
             header = decode_record(header_line) or {}
@@ -894,6 +936,12 @@ CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
 CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
 CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL
 """
+
+
+def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
+    """The stored values of a run by digest (`valuestore`)."""
+    return {digest: bytes(data) for digest, data in
+            db.execute("SELECT digest, data FROM run_blobs WHERE run_id = ?", (run_id,))}
 
 
 def _ensure_catalog(db: sqlite3.Connection) -> None:
