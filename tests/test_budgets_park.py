@@ -283,14 +283,14 @@ def test_a_reservation_that_does_not_fit_waits_and_the_actual_charge_replaces_it
 
 # ---- a parent's budget, shared with its children -------------------------------------------------------
 
-@workflow
+@workflow(name="budget_kid")  # a name of its own: other test modules register "kid" in the same process
 async def kid(ctx: Any, name: str) -> int:
     for i in range(4):
         await ctx.step(model, i, name=f"{name} model")
     return 4
 
 
-@workflow
+@workflow(name="budget_mom")
 async def mom(ctx: Any) -> list[int]:
     kids = [await ctx.spawn(kid, "a"), await ctx.spawn(kid, "b")]
     return [r.value for r in await ctx.join_all(kids)]

@@ -98,8 +98,8 @@ from .filequeue import FileQueue
 from .filevalues import read_values, sync_values, values_path, write_values
 from .fileworkers import FileWorkers
 from .front import StorageFront, amended_values
-from .valuestore import resolve_line
 from .partials import FilePartials
+from .valuestore import resolve_line
 from .wakeup import LocalWakeups
 
 if TYPE_CHECKING:

@@ -68,8 +68,8 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
-from .valuestore import resolve_line
 from .partials import PostgresPartials
+from .valuestore import resolve_line
 
 if TYPE_CHECKING:
     import psycopg

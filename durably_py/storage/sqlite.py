@@ -68,8 +68,8 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
-from .valuestore import TOKEN, resolve_line
 from .partials import SQLITE_TABLE
+from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
 SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
