@@ -192,7 +192,7 @@ def _rate_limit_holds(kind: str, tmp_path: Path, request: pytest.FixtureRequest,
         fleet.stop()
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_three_workers_never_start_more_than_the_rate_limit_allows_even_across_a_sigkill(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     _rate_limit_holds(kind, tmp_path, request, runs=6, per=1.2)
@@ -205,7 +205,7 @@ def test_a_sixty_second_rate_limited_fleet_never_exceeds_two_starts_in_four_seco
     _rate_limit_holds(kind, tmp_path, request, runs=30, per=4.0)
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_a_tenants_concurrency_holds_across_workers_and_a_killed_holders_permit_comes_back(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     fleet = Fleet(tmp_path, storage_url(kind, tmp_path, request))

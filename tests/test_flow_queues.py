@@ -77,7 +77,7 @@ def _peak(spans: list[tuple[float, float]]) -> int:
     return max((sum(1 for a, b in spans if a <= t < b) for t, _ in spans), default=0)
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_a_queues_concurrency_holds_across_workers_and_a_sigkill(kind: str, tmp_path: Path,
                                                                  request: pytest.FixtureRequest) -> None:
     fleet = QueueFleet(tmp_path, storage_url(kind, tmp_path, request))

@@ -200,7 +200,7 @@ FLEET_KILLS = [pytest.param(1000, 6, 3, id="short"),  # runs, SIGKILLs at most, 
 
 
 @pytest.mark.parametrize(("runs", "most", "least"), FLEET_KILLS)
-@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind: str, runs: int, most: int,
                                                                            least: int, tmp_path: Path,
                                                                            request: pytest.FixtureRequest) -> None:

@@ -117,6 +117,7 @@ def test_a_rerun_waiting_for_a_dead_process_lease_says_so_on_sqlite(project: Pat
     check_dead_lease(project, DURABLY_STORAGE=f"sqlite:{project / 'runs.db'}")
 
 
+@pytest.mark.slow  # the SQLite version runs by default
 def test_a_rerun_waiting_for_a_dead_process_lease_says_so_on_postgres(project: Path, postgres_dsn: str) -> None:
     parts = dict(item.split("=", 1) for item in postgres_dsn.split())
     schema = f"test_{uuid.uuid4().hex[:12]}"

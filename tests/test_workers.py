@@ -329,6 +329,7 @@ def pg_url(postgres_dsn: str) -> Any:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+@pytest.mark.slow  # the same fleet on files runs by default (test_three_workers_on_one_dir_survive_sigkills)
 def test_three_workers_on_postgres_survive_sigkills_and_take_over_within_the_lease(tmp_path: Path, pg_url: str,
                                                                                       capsys: Any) -> None:
     jobs, env, effects = _setup(tmp_path)
