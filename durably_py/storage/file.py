@@ -98,7 +98,7 @@ from .filequeue import FileQueue
 from .filevalues import read_values, sync_values, values_path, write_values
 from .fileworkers import FileWorkers
 from .front import StorageFront, amended_values
-from .partials import FilePartials
+from .partials import FilePartials, PartialsKeptApart
 from .valuestore import resolve_line
 from .wakeup import LocalWakeups
 
@@ -111,7 +111,7 @@ _HOST = socket.gethostname()
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 
 
-class FileStorage(StorageFront):
+class FileStorage(PartialsKeptApart, StorageFront):
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
@@ -123,7 +123,7 @@ class FileStorage(StorageFront):
         self.dir = Path(os.path.abspath(dir))
         self.values_once = values_once
         self.runs_dir = self.dir / "runs"
-        self._partials = FilePartials(self.runs_dir)
+        self._partials: FilePartials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
         self._runs_path = str(self.runs_dir)
         self._index_path_str = str(self.index_dir)
@@ -776,19 +776,6 @@ class FileStorage(StorageFront):
             return freed
         finally:
             lock.release()
-
-    # ---- stream partials (`partials.FilePartials`: beside the log, never in it) ---------------------
-    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
-        self._partials.append(run_id, path, attempt, chunks)
-
-    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
-        return self._partials.read(run_id, path, offset)
-
-    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
-        self._partials.drop(run_id, path)
-
-    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
-        return self._partials.paths(run_id)
 
     def _unbind(self, identity: str, run_id: str) -> None:
         """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""

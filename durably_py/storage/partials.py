@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ValidationError
 from .base import validate_run_id
@@ -95,6 +95,34 @@ class PartialsFront:
 
     def _do_partial_paths(self, run_id: str) -> dict[str, int]:
         raise NotImplementedError
+
+
+class PartialsStore(Protocol):
+    """Where an adapter keeps partials apart from its own code (`FilePartials`, `PostgresPartials`)."""
+
+    def append(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None: ...
+    def read(self, run_id: str, path: str, offset: int) -> list[bytes]: ...
+    def drop(self, run_id: str, path: str | None) -> object: ...
+    def paths(self, run_id: str) -> dict[str, int]: ...
+
+
+class PartialsKeptApart:
+    """The `Partials` role's `_do_...` methods of an adapter that keeps its partials in `_partials` (a
+    `PartialsStore`); listed before `StorageFront` among the adapter's bases."""
+
+    _partials: PartialsStore
+
+    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
+        self._partials.append(run_id, path, attempt, chunks)
+
+    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
+        return self._partials.read(run_id, path, offset)
+
+    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
+        self._partials.drop(run_id, path)
+
+    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
+        return self._partials.paths(run_id)
 
 
 _PREFIX = b'{"attempt":'

@@ -68,7 +68,7 @@ from .base import (
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
-from .partials import PostgresPartials
+from .partials import PartialsKeptApart, PostgresPartials
 from .valuestore import resolve_line
 
 if TYPE_CHECKING:
@@ -300,7 +300,7 @@ def _digest(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class PostgresStorage(StorageFront):
+class PostgresStorage(PartialsKeptApart, StorageFront):
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
     def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
@@ -339,7 +339,7 @@ class PostgresStorage(StorageFront):
             f"{s}.runs", f"{s}.records", f"{s}.identities", f"{s}.signals", f"{s}.queue", f"{s}.joins",
             f"{s}.workers")
         self._limits = f"{s}.limits"
-        self._partials = PostgresPartials(self.schema, self._cursor)
+        self._partials: PostgresPartials = PostgresPartials(self.schema, self._cursor)
         self._blobs = f"{s}.blobs"
         self._run_blobs = f"{s}.run_blobs"  # each run's stored values (`valuestore`)
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
@@ -1294,19 +1294,6 @@ class PostgresStorage(StorageFront):
         name = (decode_signal(line) or {}).get("name")
         if isinstance(name, str) and name:
             self.wake(run_id, name)
-
-    # ---- stream partials (`partials.PostgresPartials`) -------------------------------------------
-    def _do_append_partials(self, run_id: str, path: str, attempt: int, chunks: list[bytes]) -> None:
-        self._partials.append(run_id, path, attempt, chunks)
-
-    def _do_read_partials(self, run_id: str, path: str, offset: int) -> list[bytes]:
-        return self._partials.read(run_id, path, offset)
-
-    def _do_drop_partials(self, run_id: str, path: str | None) -> None:
-        self._partials.drop(run_id, path)
-
-    def _do_partial_paths(self, run_id: str) -> dict[str, int]:
-        return self._partials.paths(run_id)
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
         """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
