@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -65,7 +64,6 @@ from .base import (
     claim_candidates,
     claimed,
     decode_record,
-    decode_signal,
     ended,
     is_run_id,
     iso_now,
@@ -76,6 +74,7 @@ from .base import (
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields
+from .fileinbox import FileInbox
 from .filelimits import FileLimits
 from .filelocks import (
     Held,
@@ -111,7 +110,7 @@ _HOST = socket.gethostname()
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 
 
-class FileStorage(PartialsKeptApart, StorageFront):
+class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
@@ -810,62 +809,6 @@ class FileStorage(PartialsKeptApart, StorageFront):
         return RunInfo(run_id, header, last, probe(self._lock_path(run_id)), st.st_mtime,
                        sidecar_epoch(self._runs_path, run_id))
 
-    def _inbox_dir(self, run_id: str) -> Path:
-        """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown."""
-        if not self._log(run_id).exists():
-            raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
-        return self.runs_dir / f"{run_id}.inbox"
-
-    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
-        """Store one signal as its own file, fsynced then renamed into the run's inbox (no lease needed)."""
-        directory = self._inbox_dir(run_id)
-        try:
-            directory.mkdir()
-            created = True
-        except FileExistsError:
-            created = False
-        ns = self._last_signal_ns = max(time.time_ns(), self._last_signal_ns + 1)
-        tmp = self._write_tmp(directory, "signal", line, durable=True)
-        try:
-            os.replace(tmp, directory / f"{ns:020d}-{os.urandom(8).hex()}.json")
-        except BaseException:
-            self._unlink(tmp)
-            raise
-        fsync_dir(directory)
-        self.fsyncs += 1
-        if created:
-            fsync_dir(self.runs_dir)
-            self.fsyncs += 1
-        name = (decode_signal(line) or {}).get("name")
-        if isinstance(name, str) and name:
-            self.wake(run_id, name)
-
-    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's unacknowledged signals, oldest first, from one listing of its inbox (garbled files skipped)."""
-        directory = self._inbox_dir(run_id)
-        ids: dict[str, str] = {}
-        signals = []
-        for name in _signal_files(directory):
-            signal = _read_signal(directory / name)
-            if signal is not None:
-                ids[name] = signal["id"]
-                signals.append(signal)
-        self._signal_ids[run_id] = ids
-        return signals
-
-    def _do_ack(self, run_id: str, signal_id: str) -> None:
-        """Delete every inbox file holding signal `signal_id`, reading only files `inbox` has not seen."""
-        directory = self._inbox_dir(run_id)
-        known = self._signal_ids.get(run_id, {})
-        for name in _signal_files(directory):
-            found = known.get(name)
-            if found is None:
-                signal = _read_signal(directory / name)
-                found = None if signal is None else signal["id"]
-            if found == signal_id:
-                (directory / name).unlink(missing_ok=True)
-                known.pop(name, None)
-
     # ---- the queue (`filequeue.FileQueue`) ---------------------------------------------------------
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Write the run's queue entry: due at `at` (None: only when woken), woken early by `wait` signals."""
@@ -971,18 +914,19 @@ class FileStorage(PartialsKeptApart, StorageFront):
 
     # ---- blobs ---------------------------------------------------------------------------------------
     def _do_keep_blob(self, digest: str, data: bytes) -> None:
-        """Write blobs/<digest> once: a temp file, fsynced, renamed in, the folder fsynced."""
+        """Write blobs/<digest> once: a temp file, fsynced, renamed in, the folder fsynced (a full disk is a
+        `StorageFullError`, as for every write here)."""
         folder = self.dir / "blobs"
         path = folder / digest
         if path.exists():
             return
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = self._write_tmp(folder, digest, data, durable=True)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            self._unlink(tmp)
+            raise
         fsync_dir(folder)
 
     def _do_blob(self, digest: str) -> bytes | None:
@@ -1025,23 +969,6 @@ def _listdir(directory: Path) -> list[str]:
         return os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _signal_files(directory: Path) -> list[str]:
-    """The signal file names in an inbox directory, oldest first (temp files of sends in flight left out)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    return sorted(name for name in names if name.endswith(".json") and not name.startswith("."))
-
-
-def _read_signal(path: Path) -> dict[str, Any] | None:
-    """The signal stored at `path`, or None if it vanished (acked meanwhile) or is not a signal."""
-    try:
-        return decode_signal(path.read_bytes())
-    except (FileNotFoundError, IsADirectoryError):
-        return None
 
 
 def _last_record(f: Any, size: int, values: Callable[[], Mapping[str, bytes]]) -> dict[str, Any] | None:

@@ -29,13 +29,12 @@ import hashlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
-    CorruptLogError,
     LeaseLostError,
     RunNotFoundError,
     StorageBusyError,
@@ -50,8 +49,6 @@ from .base import (
     LimitStep,
     Log,
     NewRun,
-    QueueEntry,
-    QueueStats,
     RunInfo,
     bind_and_create,
     checked,
@@ -62,20 +59,21 @@ from .base import (
     ended,
     last_line,
     parse_log,
-    sorted_stats,
     sync_each,
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import PartialsKeptApart, PostgresPartials
+from .pgdriver import MAX_TTL
+from .pgdriver import psycopg_module as _psycopg
+from .pgqueue import PostgresDueQueue
 from .valuestore import resolve_line
 
 if TYPE_CHECKING:
     import psycopg
 
 SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, since intervals cannot be infinite
 LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
 BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
@@ -189,19 +187,6 @@ def _ensure_catalog(conn: Any, schema: str) -> None:
                          " WHERE run_id = %s", (*header_fields(header), state, run_id))
 
 
-def _psycopg() -> Any:
-    """The psycopg module, or a `ValidationError` saying how to install it (it is an optional dependency)."""
-    try:
-        import psycopg
-    except ImportError:
-        raise ValidationError(
-            "PostgresStorage needs psycopg 3, which is not installed",
-            hint="pip install 'durably-py[postgres]' (or pip install 'psycopg[binary]>=3.1').",
-            docs="docs/storage.md#postgresql",
-        ) from None
-    return psycopg
-
-
 FULL_SQLSTATES = {
     "53100": "Free disk space on the database server (or raise its quota or file size limit), then run the same "
              "command again: the run resumes from its last complete record.",
@@ -300,7 +285,7 @@ def _digest(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class PostgresStorage(PartialsKeptApart, StorageFront):
+class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
     def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
@@ -968,242 +953,6 @@ class PostgresStorage(PartialsKeptApart, StorageFront):
             last = resolve_line(bytes(last), partial(self._values, run_id))
             infos.append(RunInfo(run_id, header, decode_record(last) or header, bool(held), updated, epoch, state))
         return infos
-
-    # ---- the queue ------------------------------------------------------------------------------
-    def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
-        """Move the run's queue row in one statement; a run without one (queued again) gets a row in the queue
-        and partition its header names, read in a second statement (the row's insert needs the run's row)."""
-        names = list(wait)
-        if self._write(
-            f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
-            f" UPDATE {self._queue} SET due = %s, wait = %s, priority = coalesce(%s, priority) WHERE run_id = %s",
-            (run_id, at, names, priority, run_id),
-        ) == 0:
-            rows = self._fetch(f"SELECT header FROM {self._runs} WHERE run_id = %s", (run_id,))
-            if not rows or self._write(
-                f"INSERT INTO {self._queue} (run_id, due, priority, created, wait, queue_name, partition_name)"
-                f" SELECT run_id, %s, coalesce(%s, 0), %s, %s, %s, %s FROM {self._runs} WHERE run_id = %s"
-                " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait,"
-                f" priority = coalesce(%s, {self._queue}.priority)",
-                (at, priority, time.time(), names, *queue_fields(decode_record(bytes(rows[0][0]))), run_id,
-                 priority),
-            ) == 0:
-                raise self._missing(run_id)
-        self._notify()
-
-    def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
-        """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
-        now = time.time()
-        with self._cursor(transaction=True) as cur:
-            cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
-            if cur.fetchone() is None:
-                raise self._missing(run_id)
-            cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
-            # the children's rows are share-locked: a child ending now either ends first (its row is gone) or
-            # waits for this transaction and then finds the joins rows it must drop
-            cur.execute(f"SELECT run_id FROM {self._queue} WHERE run_id = ANY(%s) ORDER BY run_id FOR SHARE",
-                        (sorted(set(children)),))
-            queued = [row[0] for row in cur.fetchall()]
-            if queued:
-                cur.executemany(f"INSERT INTO {self._joins} (parent, child) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                                [(run_id, child) for child in queued])
-            waiting = bool(queued)
-            due = None if waiting else now
-            cur.execute(f"UPDATE {self._queue} SET due = %s, wait = '{{}}' WHERE run_id = %s", (due, run_id))
-            if cur.rowcount == 0:  # not queued (the run's row is share-locked by no one: read its header now)
-                cur.execute(f"SELECT header FROM {self._runs} WHERE run_id = %s", (run_id,))
-                place = queue_fields(decode_record(bytes(cur.fetchone()[0])))  # type: ignore[index]
-                cur.execute(f"INSERT INTO {self._queue} (run_id, due, priority, created, wait, queue_name,"
-                            " partition_name) VALUES (%s, %s, 0, %s, '{}', %s, %s)"
-                            " ON CONFLICT (run_id) DO UPDATE SET due = excluded.due, wait = excluded.wait",
-                            (run_id, due, now, *place))
-            if not waiting:
-                cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
-        return not waiting
-
-    def _do_unschedule(self, run_id: str) -> None:
-        """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
-        with self._cursor(transaction=True) as cur:
-            self._unschedule(cur, run_id)
-
-    def _unschedule(self, cur: psycopg.Cursor[Any], run_id: str) -> None:
-        """Inside a transaction: `unschedule` (a parent made due is notified at the commit)."""
-        now = time.time()
-        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
-        for (parent,) in cur.fetchall():
-            # children ending at once queue on the parent's row, so the last one sees the others' deletes
-            cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
-            cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
-            if cur.fetchone() is None:
-                cur.execute(f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)",
-                            (now, parent, now))
-                if cur.rowcount:
-                    cur.execute("SELECT pg_notify(%s, '')", (self._channel,))
-
-    def _do_wake(self, run_id: str, name: str | None) -> bool:
-        """Make the run due now if its row waits for `name` (None: unconditionally)."""
-        now = time.time()
-        woke = self._write(
-            f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
-            " AND (%s::text IS NULL OR %s::text = ANY(wait))",
-            (now, run_id, now, name, name),
-        ) > 0
-        if woke:
-            self._notify()
-        return woke
-
-    def _notify(self) -> None:
-        """Tell the workers listening on this schema (`watch`) that due work may have appeared."""
-        self._write("SELECT pg_notify(%s, '')", (self._channel,))
-
-    def next_due(self, now: float | None = None) -> float | None:
-        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
-        rows = self._fetch(f"SELECT min(due) FROM {self._queue} WHERE due > %s", (time.time() if now is None else now,))
-        return rows[0][0] if rows else None
-
-    def watch(self, callback: Callable[[], None]) -> Callable[[], None] | None:
-        """``LISTEN`` on this schema's channel on a connection of its own, in a thread that calls `callback`
-        at every notification (and once after reconnecting, for what it may have missed meanwhile)."""
-        psycopg = _psycopg()
-        stopped = threading.Event()
-
-        def connect() -> Any:
-            conn = psycopg.connect(self.dsn, autocommit=True)
-            conn.execute(f'LISTEN "{self._channel}"')
-            return conn
-
-        try:
-            first = connect()
-        except psycopg.Error:
-            return None
-
-        def listen() -> None:
-            conn = first
-            while not stopped.is_set():
-                try:
-                    if conn is None:
-                        conn = connect()
-                        callback()
-                    for _ in conn.notifies(timeout=0.5):
-                        if stopped.is_set():
-                            break
-                        callback()
-                except psycopg.Error:
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-                    stopped.wait(1.0)
-            if conn is not None:
-                conn.close()
-
-        threading.Thread(target=listen, name="durably-listen", daemon=True).start()
-        return stopped.set
-
-    def _do_entry(self, run_id: str) -> QueueEntry | None:
-        """The run's queue row."""
-        rows = self._fetch(f"SELECT due, priority, wait, created, queue_name, partition_name FROM {self._queue}"
-                           " WHERE run_id = %s", (run_id,))
-        if not rows:
-            return None
-        due, priority, wait, created, queue, partition = rows[0]
-        return QueueEntry(run_id, due, priority, tuple(wait), created, queue, partition)
-
-    _KEPT = ("q.due IS NOT NULL AND q.due <= %s AND (r.owner IS NULL OR r.lease_expires < clock_timestamp())"
-             " AND NOT (q.run_id = ANY(%s)) AND (%s OR r.workflow = ANY(%s)) AND (%s OR q.queue_name = ANY(%s))"
-             " AND NOT (q.queue_name = ANY(%s))"
-             " AND (q.partition_name IS NULL OR NOT (q.queue_name || '/' || q.partition_name = ANY(%s)))")
-    """What a due row of ``queue q JOIN runs r`` meets (`_kept_params`)."""
-    _PARTED = "SELECT 1 FROM {queue} WHERE partition_name IS NOT NULL LIMIT 1"
-    """Whether any queued row has a partition (one probe of the partial index ``queue_parts``)."""
-    _PLAIN = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
-              + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
-    """The due query while no row has a partition: the walk of ``queue_by_due`` in order, as before partitions."""
-    _FAIR = ("SELECT c.run_id, r.epoch FROM ("
-             "(SELECT q.run_id, q.priority, 1::bigint AS nth, q.due, q.created FROM {queue} q"
-             " JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NULL AND " + _KEPT
-             + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s)"
-             " UNION ALL (SELECT * FROM (SELECT q.run_id, q.priority, row_number() OVER (PARTITION BY q.queue_name,"
-             " q.partition_name, q.priority ORDER BY q.due, q.created, q.run_id) AS nth, q.due, q.created"
-             " FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NOT NULL AND " + _KEPT
-             + ") ranked WHERE nth <= %s)"
-             ") c JOIN {runs} r ON r.run_id = c.run_id WHERE (r.owner IS NULL OR r.lease_expires < clock_timestamp())"
-             " ORDER BY c.priority DESC, c.nth, c.due, c.created, c.run_id LIMIT %s")
-    """The due query in the queue's fair order (`base.fair_order`) once some row has a partition, in two parts:
-    the rows without a partition walk ``queue_by_due`` in order up to a number of rows; the rows with one
-    (through ``queue_parts``) are ranked in their (queue, partition, priority) by row_number(), a rank past that
-    number left out. Outside, each run's row is joined once more, so ``FOR UPDATE OF r SKIP LOCKED`` locks it
-    and re-checks its lease."""
-
-    @staticmethod
-    def _kept_params(now: float, skip: tuple[str, ...], names: frozenset[str] | None,
-                     queues: frozenset[str] | None, full: frozenset[str]) -> tuple[Any, ...]:
-        """The parameters of `_KEPT`."""
-        return (now, list(skip), names is None, sorted(names or ()), queues is None, sorted(queues or ()),
-                sorted(full), sorted(full))
-
-    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int,
-                  lock: str = "") -> list[tuple[str, int]]:
-        """(run id, epoch) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no queued row has a
-        partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each part; `lock`
-        is appended to the query."""
-        cur.execute(self._PARTED.format(queue=self._queue))
-        if cur.fetchone() is None:
-            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs) + lock, (*kept, limit))
-        else:
-            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs) + lock,
-                        (*kept, take, *kept, take, limit))
-        return cur.fetchall()
-
-    def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
-                queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
-        """Due, unheld runs (of `names` and `queues`, when given, none of `full`) from the queue table's indexes."""
-        kept = self._kept_params(time.time() if now is None else now, skip, names, queues, full)
-        psycopg = _psycopg()
-        for tries_left in (1, 0):  # as `_fetch`: once more on a new connection if the old one had broken
-            try:
-                with self._cursor() as cur:
-                    return [row[0] for row in self._due_rows(cur, kept, limit, limit)]
-            except psycopg.OperationalError:
-                if not tries_left or self._conn is not None:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
-                      names: frozenset[str] | None, queues: frozenset[str] | None,
-                      full: frozenset[str]) -> list[Lease]:
-        """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
-        claiming at once take different runs instead of queueing on the same rows (in the fair order, the due
-        query looks at `4 * limit + 32` rows of each part, so the rows other machines are claiming meanwhile,
-        locked and skipped, leave enough for this one)."""
-        ttl = min(ttl, MAX_TTL)
-        if limit == 0:
-            return []
-        leases = []
-        kept = self._kept_params(time.time(), skip, names, queues, full)
-        with self._cursor(transaction=True) as cur:
-            for run_id, epoch in self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED"):
-                try:
-                    with cur.connection.transaction():
-                        lease = self._claim_locked(cur, run_id, epoch, owner, ttl, check)
-                except CorruptLogError:
-                    continue
-                if lease is not None:
-                    leases.append(lease)
-        return leases
-
-    def _do_queue_stats(self, now: float) -> list[QueueStats]:
-        """One GROUP BY over the queue table (and each row's lease, on the database clock)."""
-        rows = self._fetch(
-            "SELECT queue_name, partition_name, count(*) FILTER (WHERE NOT held AND due <= %s),"
-            " count(*) FILTER (WHERE NOT held AND due > %s), count(*) FILTER (WHERE held),"
-            " count(*) FILTER (WHERE NOT held AND due IS NULL), min(due) FILTER (WHERE NOT held AND due <= %s)"
-            " FROM (SELECT q.queue_name, q.partition_name, q.due,"
-            " coalesce(r.owner IS NOT NULL AND r.lease_expires >= clock_timestamp(), false) AS held"
-            f" FROM {self._queue} q LEFT JOIN {self._runs} r ON r.run_id = q.run_id) entries"
-            " GROUP BY queue_name, partition_name", (now, now, now))
-        return sorted_stats(QueueStats(*row) for row in rows)
 
     # ---- workers ------------------------------------------------------------------------------
     def _do_advertise(self, owner: str, line: bytes, ttl: float) -> None:
