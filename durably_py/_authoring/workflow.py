@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 from collections.abc import Awaitable, Callable
@@ -28,15 +29,20 @@ def _fingerprint(fn: Callable[..., Any]) -> str:
 _SOURCES: dict[str, tuple[str, bytes] | None] = {}  # source file -> as this process first read it
 
 
-def source_of(fn: Callable[..., Any]) -> tuple[str, bytes] | None:
-    """The sha256 (hex) and bytes of the source file defining `fn` as this process first read it (when its first
-    workflow was declared, so as it was imported), None where there is no file (code built by `exec`): what a
-    run's header records as its `source` and the store keeps once (docs/versioning.md#upgrades)."""
+def source_file(fn: Callable[..., Any]) -> str | None:
+    """The absolute path of the file defining `fn` (None where there is none, as for code built by `exec`)."""
     try:
         path = inspect.getsourcefile(fn)
     except TypeError:
         return None
-    if not path:
+    return os.path.abspath(path) if path else None
+
+
+def source_of(path: str | None) -> tuple[str, bytes] | None:
+    """The sha256 (hex) and bytes of the source file at `path` as this process first read it (when its first
+    workflow was declared, so as it was imported), None where there is no file: what a run's header records as
+    its `source` and the store keeps once (docs/versioning.md#upgrades)."""
+    if path is None:
         return None
     try:
         return _SOURCES[path]
@@ -78,7 +84,8 @@ class Workflow:
         self.name = name or fn.__qualname__
         self.takes_input = len(params) == 2
         self.fingerprint = _fingerprint(fn)
-        self._source = source_of(fn)  # the file as imported, before anyone edits it
+        self.source_file = source_file(fn)  # what a run's header records as its script (`identity.script_of`)
+        self._source = source_of(self.source_file)  # the file as imported, before anyone edits it
         self.input_schema = compile_schema(input, f"input schema of workflow {self.name!r}")
         self.output_schema = compile_schema(output, f"output schema of workflow {self.name!r}")
         self.queue = check_queue_name(queue) if queue is not None else None  # where `enqueue` puts its runs

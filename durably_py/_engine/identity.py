@@ -8,7 +8,6 @@ silently, and an identity pointing at a run created for another (two runs given 
 from __future__ import annotations
 
 import asyncio
-import inspect as pyinspect
 import os
 import time
 from collections.abc import Callable
@@ -32,29 +31,9 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-_sources: dict[Any, str | None] = {}  # workflow function -> the file defining it (a spawn_all asks once per child)
-
-
 def script_of(workflow: Workflow) -> str | None:
     """The script a run's header records: $DURABLY_SCRIPT, else the file defining the workflow function."""
-    script = os.environ.get("DURABLY_SCRIPT")
-    if script:
-        return script
-    fn: Any = workflow.fn
-    try:
-        return _sources[fn]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable callable: looked up every time
-        fn = None
-    try:
-        source = pyinspect.getsourcefile(workflow.fn)
-    except TypeError:
-        return None
-    found = os.path.abspath(source) if source else None
-    if fn is not None and len(_sources) < 4096:
-        _sources[fn] = found
-    return found
+    return os.environ.get("DURABLY_SCRIPT") or workflow.source_file
 
 
 _kept: set[tuple[int, str]] = set()  # (id of a storage, digest) this process kept already
