@@ -4,9 +4,10 @@ storage full."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import records
@@ -76,16 +77,22 @@ class RunLog:
         """Whether `exc` stops the whole run rather than failing one operation."""
         return isinstance(exc, Crash | Parked) or exc is self.lost or exc is self.full or exc is HALTED
 
-    def _append(self, data: bytes) -> None:
-        """Append `data` (the lock held), remembering a lost lease or a full storage for good."""
+    @contextlib.contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Around a write: remember a lost lease or a full storage for good (the run stops at either)."""
         try:
-            self.storage.append(self.lease, data)
+            yield
         except LeaseLostError as exc:
             self.lost = exc
             raise
         except StorageFullError as exc:  # a smaller record might still fit: the run stops here all the same
             self.full = exc
             raise
+
+    def _append(self, data: bytes) -> None:
+        """Append `data` (the lock held), remembering a lost lease or a full storage for good."""
+        with self.stopping():
+            self.storage.append(self.lease, data)
         self.since_compaction += len(data)
 
     def write(self, rec: records.Record) -> None:
@@ -114,14 +121,8 @@ class RunLog:
         and stops the run as they do at any write."""
         self.fence()
         data = records.encode(rec)
-        try:  # not under `lock`: a thread holding it may be waiting for the database lock `tx` holds (SQLite)
+        with self.stopping():  # not under `lock`: a thread holding it may wait for the database lock `tx` holds
             tx.commit(self.lease, data)
-        except LeaseLostError as exc:
-            self.lost = exc
-            raise
-        except StorageFullError as exc:
-            self.full = exc
-            raise
         with self.lock:
             self.since_compaction += len(data)
             self.history.add(rec)

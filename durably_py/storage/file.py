@@ -420,22 +420,20 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
     def _keep_amended(self, run_id: str, blobs: dict[str, bytes]) -> None:
         """Keep the stored values an `amend`'s lines refer to, durably, before the lines are written."""
         if blobs:
-            path = values_path(self._runs_path, run_id)
-            new = write_values(path, blobs)
-            sync_values(path)
-            self.fsyncs += 1
-            if new:
-                fsync_dir(self.runs_dir)
-                self.fsyncs += 1
+            self._fsync_values(run_id, write_values(values_path(self._runs_path, run_id), blobs))
 
     def _sync_values(self, lease: Lease) -> None:
         """fsync the run's stored values written since its last sync (and their new file's directory entry)."""
         if lease.state.pop("values_dirty", False):
-            sync_values(values_path(self._runs_path, lease.run_id))
+            self._fsync_values(lease.run_id, lease.state.pop("values_new", False))
+
+    def _fsync_values(self, run_id: str, new: bool) -> None:
+        """fsync the run's values file, and the runs directory when the file is `new`."""
+        sync_values(values_path(self._runs_path, run_id))
+        self.fsyncs += 1
+        if new:
+            fsync_dir(self.runs_dir)
             self.fsyncs += 1
-            if lease.state.pop("values_new", False):
-                fsync_dir(self.runs_dir)
-                self.fsyncs += 1
 
     def _undo_partial_write(self, held: Held) -> None:
         """After a failed write, cut the log back to its last whole line, or give the lease up if that fails."""
