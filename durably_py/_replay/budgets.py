@@ -133,8 +133,9 @@ class Meter:
         self.control = control
         self.storage = storage
         self.spent = spent  # this run's own spend, from its log (shared with `Values`)
-        self.budget = budget  # this run's own budget (None: none, or its owner's)
-        self.owner: str | None = None  # the ancestor whose budget this run spends (None: its own)
+        self._budget = budget
+        self._owner: str | None = None
+        self.checks = budget is not None  # `active`, kept as a plain attribute: every step reads it
         self.reserved: dict[str, float] = {}  # what this process's running steps hold
         self.on_exhausted = "park"
         self.told = False
@@ -143,9 +144,29 @@ class Meter:
         control.requests[REQUEST] = self.requested
 
     @property
+    def budget(self) -> dict[str, float] | None:
+        """This run's own budget (None: none, or its owner's)."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, budget: dict[str, float] | None) -> None:
+        self._budget = budget
+        self.checks = budget is not None or self._owner is not None
+
+    @property
+    def owner(self) -> str | None:
+        """The ancestor whose budget this run spends (None: its own)."""
+        return self._owner
+
+    @owner.setter
+    def owner(self, owner: str | None) -> None:
+        self._owner = owner
+        self.checks = self._budget is not None or owner is not None
+
+    @property
     def active(self) -> bool:
         """Whether steps are checked against a budget at all."""
-        return self.budget is not None or self.owner is not None
+        return self.checks
 
     # ---- the budget in force, and what it has left ---------------------------------------------
     def state(self) -> tuple[dict[str, float] | None, dict[str, float], str]:

@@ -186,6 +186,10 @@ class RunKernel:
         self.write = self.log.write
         self.advise = self.log.advise
         self.execute = self.steps.execute
+        # what runs a step not in the log: held by the upgrade guard while it is on, else the live step itself (the
+        # guard's state read once, not per step)
+        self.live_step = self.execute_after_replay if self.guard.active else self.execute
+        self.guard.released = self.unguarded
         self.flag_attempts = self.control.flag_attempts
         self.interrupt = self.control.interrupt
         self.spawn = self.child_runs.spawn
@@ -367,7 +371,7 @@ class RunKernel:
         h.driver = None
         h.task_name = None
         if rec is None:
-            h.operation = self.execute if not self.guard.active else self.execute_after_replay
+            h.operation = self.live_step
             h.operands = (scope, path, label, fn, args, opts)
             return h
         if rec.label != label:
@@ -379,6 +383,10 @@ class RunKernel:
             h.operation = self.replay
             h.operands = (scope, path, rec, opts)
         return h
+
+    def unguarded(self) -> None:
+        """The upgrade guard went off: steps called from now on run live at once."""
+        self.live_step = self.execute
 
     async def execute_after_replay(self, h: Handle, *operands: Any) -> Any:
         """A live step of a run resumed on changed code: run once the replay is over (`upgrade.UpgradeGuard`)."""

@@ -175,9 +175,9 @@ class Steps:
         try:
             history = self.history
             code = getattr(fn, "__code__", None)
+            flags = code.co_flags if code is not None else 0
             if opts is not PLAIN or self.hooks is not None or self.on_step is not None \
-                    or path in history.fails or path in history.stashes \
-                    or code is not None and code.co_flags & GENERATORS:
+                    or path in history.fails or path in history.stashes or flags & GENERATORS:
                 return await self._execute(h, scope, path, label, fn, args, opts)
             if control.stopping is not None and control.stopping():
                 await control.interrupted()
@@ -186,9 +186,9 @@ class Steps:
                 await control.boundary()
                 now = time.monotonic()
             meter = self.meter
-            if meter.owner is not None or meter.budget is not None:
+            if meter.checks:
                 await meter.admit(path, label, None)
-            is_async = bool(code.co_flags & CO_COROUTINE) if code is not None else is_async_callable(fn)
+            is_async = bool(flags & CO_COROUTINE) if code is not None else is_async_callable(fn)
             running = self.running
             # `alone(scope)` before this step is registered as running
             inline = not is_async and not running and scope.pending == 1 and not self.branches \
@@ -376,7 +376,7 @@ class Steps:
         control = self.control
         meter = self.meter
         while True:
-            if meter.owner is not None or meter.budget is not None or opts.reserve is not None:
+            if meter.checks or opts.reserve is not None:
                 await meter.admit(path, label, opts.reserve)
             stash = self.history.stashes.get(path)
             att = self.new_attempt(path, number, load_value(stash.value) if stash else None)

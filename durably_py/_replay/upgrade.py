@@ -23,12 +23,13 @@ from .turns import Turns
 class UpgradeGuard:
     """Holds a run's first live effects on changed code until its replay is over (see the module docstring)."""
 
-    __slots__ = ("active", "failed", "turns")
+    __slots__ = ("active", "failed", "turns", "released")
 
     def __init__(self, turns: Turns, active: bool, failed: Callable[[], BaseException | None]) -> None:
         self.turns = turns
         self.active = active  # code changed and there is history to replay first
         self.failed = failed  # the replay's failure (a stale or impure run), if any
+        self.released: Callable[[], None] | None = None  # told once when the guard goes off (the kernel's step)
 
     async def hold(self) -> None:
         """Wait, if the guard is on, until every recorded outcome was delivered and the run is quiet; then raise
@@ -36,6 +37,8 @@ class UpgradeGuard:
         if self.active:
             await self.turns.live(time.time())
             self.active = False
+            if self.released is not None:
+                self.released()
         error = self.failed()
         if error is not None:
             raise error
