@@ -330,10 +330,10 @@ class RunKernel:
     def step(self, fn: Callable[..., Any], /, *args: Any, **options: Any) -> Handle[Any]:
         """`ctx.step` itself (the context binds it as its own `step`, so a call is one Python frame): allocate
         the step's path now; return an awaitable that replays or runs it."""
+        opts = PLAIN
+        name = None
         if options:
             name, opts = step_options(fn, **options)
-        else:
-            name, opts = None, PLAIN
         if name:
             if not callable(fn):
                 raise not_callable(fn)
