@@ -1,8 +1,9 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
 Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
-end or operator record; ``touched`` at every other append, so a step changes no index), lease epoch/owner/expiry,
-last line, log size, and a
+end or operator record), lease epoch/owner/expiry, last line and log size as of that write (a step leaves the row
+alone: it is the fenced insert of its records and nothing else, so for an open run a reader takes the last line and
+the size from the records, `_infos`), and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
 ``run_blobs`` (each run's stored values, `valuestore`: written in the transaction of the record that first refers
@@ -141,6 +142,12 @@ _RUN_BLOBS = """CREATE TABLE IF NOT EXISTS run_blobs (
     PRIMARY KEY (run_id, digest)
 )"""  # created at every open (idempotent), so it needs no schema version of its own
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
+_LOG_SIZE = "(SELECT coalesce(sum(length(data)), 0) FROM records WHERE records.run_id = runs.run_id)"
+"""A run's log size from its records, in a statement over ``runs``."""
+_LAST_SEQ = "(SELECT max(seq) FROM records WHERE records.run_id = runs.run_id)"
+"""The sequence number of a run's latest append (one seek of ``records_by_run``), in a statement over ``runs``."""
+_LAST_CHUNK = "(SELECT data FROM records WHERE records.run_id = runs.run_id ORDER BY seq DESC LIMIT 1)"
+"""A run's latest append (one or more lines), in a statement over ``runs``."""
 TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
@@ -158,7 +165,7 @@ class SqliteStorage(StorageFront):
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
 
-        self._synced: dict[tuple[str, int], int] = {}
+        self._synced: dict[tuple[str, int], int | None] = {}  # (run, epoch) -> its latest append's seq at `sync`
         self._idle: list[sqlite3.Connection] = []  # connections of finished `transaction()`s, kept for the next
         self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
 
@@ -427,7 +434,7 @@ class SqliteStorage(StorageFront):
             return
         with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
             row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-            self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+            self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
                          (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
@@ -435,17 +442,17 @@ class SqliteStorage(StorageFront):
         """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
         by the lease's epoch (a lost lease keeps neither)."""
         with self._lock, _transaction(self._db()) as db:
-            changes = may_change_state(data)
-            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone() if changes else None
-            if changes:
-                self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+            if may_change_state(data):
+                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+                self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
                              (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
-            else:
-                self._fenced(db, lease, "touched = ?, last = ?, size = size + ?",
-                             (time.time(), last_line(data), len(data)))
+                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+            else:  # a step: the fenced insert, as `_append_step`, and the run's row left alone
+                if lease.state.get("sqlite") is not self:
+                    raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+                _insert_fenced(db, lease, data)
             db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
                            [(lease.run_id, digest, value) for digest, value in blobs.items()])
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
     def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
         """Keep the run's new stored values (before a `rewrite` that refers to them)."""
@@ -454,39 +461,27 @@ class SqliteStorage(StorageFront):
                            [(lease.run_id, digest, value) for digest, value in blobs.items()])
 
     def _append_step(self, lease: Lease, data: bytes) -> None:
-        """Append lines that change no catalog state as two statements, each its own commit: the fenced insert
-        (the append itself, atomic), then the run's row (`touched`, the last line, the size; no indexed column).
-        A crash between the two leaves the row one append behind its records, which the next claim rewrites
-        from the log, as it does after any crash."""
+        """Append lines that change no catalog state as one statement, its own commit: the fenced insert of the
+        records, and nothing else. The run's row (its last line, size and time) is left as the claim wrote it:
+        readers of an open run take those from the records (`_infos`, `_do_size`), so a step writes the pages of
+        the records alone, and no crash can leave the row and the log apart."""
         if lease.state.get("sqlite") is not self:
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
-            db = self._db()
             try:
-                cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
-                                 (data, lease.run_id, lease.epoch))
-                if cur.rowcount == 0:
-                    raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+                _insert_fenced(self._db(), lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
                     raise
                 raise full from exc
-            try:
-                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
-                           (time.time(), last_line(data), len(data), lease.run_id))
-            except sqlite3.Error as exc:
-                if _full(exc) is exc:
-                    raise
-                # the records are committed: the append happened. A full database left the row behind them, as
-                # a crash between the two would, and the next claim rewrites it from the log
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
         key = (lease.run_id, lease.epoch)
         with self._lock:
             db = self._db()
-            row = db.execute("SELECT size FROM runs WHERE " + _FENCE, (lease.run_id, lease.epoch)).fetchone()
+            row = db.execute(f"SELECT {_LAST_SEQ} FROM runs WHERE " + _FENCE, (lease.run_id, lease.epoch)).fetchone()
             if row is not None and self._synced.get(key) == row[0] and lease.state.get("sqlite") is self:
                 return
             with _durable(self, db) as tx:
@@ -524,7 +519,8 @@ class SqliteStorage(StorageFront):
     def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
         with self._lock:
-            row = self._db().execute("SELECT size FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            row = self._db().execute(f"SELECT CASE WHEN state = ? THEN {_LOG_SIZE} ELSE size END FROM runs"
+                                     " WHERE run_id = ?", (OPEN, run_id)).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
         return row[0]
@@ -540,8 +536,8 @@ class SqliteStorage(StorageFront):
                 (header, last_line(data), len(data), time.time(), state_after(OPEN, data)),
             )
             db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
-        self._synced[(lease.run_id, lease.epoch)] = len(data)
+            seq = db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data)).lastrowid
+        self._synced[(lease.run_id, lease.epoch)] = seq
 
     def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
@@ -908,23 +904,29 @@ class SqliteStorage(StorageFront):
         return None if row is None else bytes(row[0])
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
+        """The catalog rows `clause` selects; an open run's last record comes from its latest append (a step
+        leaves the row alone), and its time is the later of the row's and that record's ``ts``."""
         now = time.time()
         with self._lock:
             db = self._db()
             rows = (
                 db
-                .execute("SELECT run_id, header, last, owner, lease_expires, max(updated, coalesce(touched, 0)), epoch,"
-                         " state FROM runs "
-                         + clause, params)
+                .execute(f"SELECT run_id, header, CASE WHEN state = ? THEN {_LAST_CHUNK} ELSE last END, owner,"
+                         " lease_expires, max(updated, coalesce(touched, 0)), epoch, state FROM runs "
+                         + clause, (OPEN, *params))
                 .fetchall()
             )
-            rows = [(run_id, header, resolve_line(last, partial(_run_values, db, run_id)), *rest)
+            rows = [(run_id, header, resolve_line(bytes(last_line(last or header)), partial(_run_values, db, run_id)), *rest)
                     for run_id, header, last, *rest in rows]
         infos = []
-        for run_id, header_line, last, owner, expires, updated, epoch, state in rows:
+        for run_id, header_line, last_bytes, owner, expires, updated, epoch, state in rows:
             header = decode_record(header_line) or {}
             held = owner is not None and expires is not None and expires >= now
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch, state))
+            last = decode_record(last_bytes) or header
+            ts = last.get("ts")
+            if state == OPEN and isinstance(ts, (int, float)) and not isinstance(ts, bool) and ts > updated:
+                updated = float(ts)
+            infos.append(RunInfo(run_id, header, last, held, updated, epoch, state))
         return infos
 
 
@@ -936,6 +938,15 @@ CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
 CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
 CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL
 """
+
+
+def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
+    """Insert the records `data` of the lease's run if its lease is current (one statement: the fence is read in
+    the insert), else raise `LeaseLostError`."""
+    cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
+                     (data, lease.run_id, lease.epoch))
+    if cur.rowcount == 0:
+        raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
 
 
 def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
@@ -1088,12 +1099,7 @@ class SqliteTransaction:
         try:
             if lease.state.get("sqlite") is not self.storage:
                 raise LeaseLostError(f"lease on run {lease.run_id} is not from {self.storage!r}", run_id=lease.run_id)
-            cur = conn.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
-                               (data, lease.run_id, lease.epoch))
-            if cur.rowcount == 0:
-                raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
-            conn.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
-                         (time.time(), last_line(data), len(data), lease.run_id))
+            _insert_fenced(conn, lease, data)  # a step's record: the run's row stays as it is (`_append_step`)
             conn.execute("COMMIT")
         except BaseException as exc:
             self.rollback()
