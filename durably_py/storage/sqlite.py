@@ -73,7 +73,7 @@ from .partials import SQLITE_TABLE
 from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 9  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`), 9 queue_due; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -113,7 +113,8 @@ CREATE TABLE IF NOT EXISTS queue (
     queue_name TEXT NOT NULL DEFAULT 'default',
     partition_name TEXT
 );
-CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE INDEX IF NOT EXISTS queue_due ON queue (priority DESC, due, created, run_id) WHERE due IS NOT NULL;
+DROP INDEX IF EXISTS queue_by_due;
 CREATE INDEX IF NOT EXISTS queue_next ON queue (due) WHERE due IS NOT NULL;
 CREATE TABLE IF NOT EXISTS joins (
     parent TEXT NOT NULL,
@@ -979,9 +980,9 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
 def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...], names: frozenset[str] | None,
          queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
     """The due query (`SqliteStorage.due`) in the queue's fair order (`base.fair_order`). While no queued row
-    has a partition (one probe of the empty partial index ``queue_parts``), it is the walk of ``queue_by_due``
+    has a partition (one probe of the empty partial index ``queue_parts``), it is the walk of ``queue_due``
     in order that stops at `limit`, as before partitions existed. Otherwise one statement of two parts: the
-    rows without a partition walk ``queue_by_due`` the same way; the rows with one, found through
+    rows without a partition walk ``queue_due`` the same way; the rows with one, found through
     ``queue_parts``, are ranked in their (queue, partition, priority) by ROW_NUMBER(), and a rank past `limit`
     cannot make the first `limit`."""
     if names is not None and not names or queues is not None and not queues:
@@ -989,7 +990,7 @@ def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...], 
     where, params = _kept(now, skip, names, queues, full)
     if db.execute("SELECT 1 FROM queue INDEXED BY queue_parts WHERE partition_name IS NOT NULL LIMIT 1").fetchone() \
             is None:
-        rows = db.execute(  # +q.due: walk queue_by_due in order
+        rows = db.execute(  # +q.due: walk queue_due in order, to the run id (a batch enqueued at once ties up to it)
             f"SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id WHERE {where}"
             " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?", (*params, limit)).fetchall()
         return [row[0] for row in rows]
@@ -1025,7 +1026,7 @@ def _kept(now: float, skip: tuple[str, ...], names: frozenset[str] | None, queue
         where += f" AND q.run_id NOT IN ({marks(skip)})"
         params.extend(skip)
     if names:
-        where += f" AND r.workflow IN ({marks(names)})"
+        where += f" AND +r.workflow IN ({marks(names)})"  # +: never through runs_by_workflow (every run, ended too)
         params.extend(names)
     if queues:
         where += f" AND q.queue_name IN ({marks(queues)})"
