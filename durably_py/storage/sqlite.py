@@ -70,6 +70,7 @@ from .base import (
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import SQLITE_TABLE
+from .sqlitegate import WriteGate
 from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
@@ -169,6 +170,7 @@ class SqliteStorage(StorageFront):
         self._synced: dict[tuple[str, int], int | None] = {}  # (run, epoch) -> its latest append's seq at `sync`
         self._idle: list[sqlite3.Connection] = []  # connections of finished `transaction()`s, kept for the next
         self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
+        self._gate = WriteGate(f"{self.path}.gate", timeout) if self.path != ":memory:" else None
 
     def __repr__(self) -> str:
         return f"SqliteStorage({self.path!r})"
@@ -178,7 +180,9 @@ class SqliteStorage(StorageFront):
         if self._conn is None:
             if self.path != ":memory:":
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False,
+                                   factory=_Connection)
+            conn.gate = self._gate
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _transaction(conn):
@@ -204,6 +208,8 @@ class SqliteStorage(StorageFront):
                 self._conn = None
             while self._idle:
                 self._idle.pop().close()
+            if self._gate is not None:
+                self._gate.close()
 
     exclusive = True  # `roles.Transactions`: a transaction holds the database's one write lock
 
@@ -469,6 +475,8 @@ class SqliteStorage(StorageFront):
         if lease.state.get("sqlite") is not self:
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
+            gate = self._gate
+            taken = gate is not None and gate.enter()
             try:
                 _insert_fenced(self._db(), lease, data)
             except sqlite3.Error as exc:
@@ -476,6 +484,9 @@ class SqliteStorage(StorageFront):
                 if full is exc:
                     raise
                 raise full from exc
+            finally:
+                if taken:
+                    gate.leave()
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
@@ -1136,20 +1147,37 @@ def _full(exc: BaseException) -> BaseException:
     return exc
 
 
+class _Connection(sqlite3.Connection):
+    """The storage's own connection: it knows the database's write gate (`sqlitegate`), which `_transaction`
+    takes around a write transaction."""
+
+    gate: WriteGate | None = None
+
+
 @contextmanager
 def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
-    """Run the body in one transaction (a write lock up front by default); commit on success, else roll back."""
-    db.execute(begin)
+    """Run the body in one transaction (a write lock up front by default, inside the connection's write gate
+    where it has one); commit on success, else roll back."""
+    gate = getattr(db, "gate", None) if begin == "BEGIN IMMEDIATE" else None
+    taken = gate is not None and gate.enter()
     try:
-        yield db
-        db.execute("COMMIT")
-    except BaseException as exc:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        full = _full(exc)
-        if full is exc:
-            raise
-        raise full from exc
+        started = time.perf_counter()
+        db.execute(begin)
+        if gate is not None:
+            gate.took(started)
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            full = _full(exc)
+            if full is exc:
+                raise
+            raise full from exc
+    finally:
+        if taken:
+            gate.leave()  # type: ignore[union-attr]
 
 
 @contextmanager
