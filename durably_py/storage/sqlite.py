@@ -529,7 +529,8 @@ class SqliteStorage(StorageFront):
         return errors
 
     def _do_size(self, run_id: str) -> int:
-        """Bytes of the run's log."""
+        """Bytes of the run's log: an open run's summed from its records (a step leaves its row alone), an ended
+        run's from its row (written at its end)."""
         with self._lock:
             row = self._db().execute(f"SELECT CASE WHEN state = ? THEN {_LOG_SIZE} ELSE size END FROM runs"
                                      " WHERE run_id = ?", (OPEN, run_id)).fetchone()
