@@ -1,8 +1,9 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
 Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
-end or operator record; ``touched`` at every other append, so a step changes no index), lease epoch/owner/expiry,
-last line, log size, and a
+end or operator record), lease epoch/owner/expiry, last line and log size as of that write (a step leaves the row
+alone: it is the fenced insert of its records and nothing else, so for an open run a reader takes the last line and
+the size from the records, `_infos`), and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
 ``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
 ``run_blobs`` (each run's stored values, `valuestore`: written in the transaction of the record that first refers
@@ -69,10 +70,11 @@ from .base import (
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import SQLITE_TABLE
+from .sqlitegate import WriteGate
 from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 8  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`); every statement below is idempotent, so older files just upgrade
+SCHEMA_VERSION = 9  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`), 9 queue_due; every statement below is idempotent, so older files just upgrade
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -112,7 +114,8 @@ CREATE TABLE IF NOT EXISTS queue (
     queue_name TEXT NOT NULL DEFAULT 'default',
     partition_name TEXT
 );
-CREATE INDEX IF NOT EXISTS queue_by_due ON queue (priority DESC, due, created) WHERE due IS NOT NULL;
+CREATE INDEX IF NOT EXISTS queue_due ON queue (priority DESC, due, created, run_id) WHERE due IS NOT NULL;
+DROP INDEX IF EXISTS queue_by_due;
 CREATE INDEX IF NOT EXISTS queue_next ON queue (due) WHERE due IS NOT NULL;
 CREATE TABLE IF NOT EXISTS joins (
     parent TEXT NOT NULL,
@@ -141,6 +144,12 @@ _RUN_BLOBS = """CREATE TABLE IF NOT EXISTS run_blobs (
     PRIMARY KEY (run_id, digest)
 )"""  # created at every open (idempotent), so it needs no schema version of its own
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
+_LOG_SIZE = "(SELECT coalesce(sum(length(data)), 0) FROM records WHERE records.run_id = runs.run_id)"
+"""A run's log size from its records, in a statement over ``runs``."""
+_LAST_SEQ = "(SELECT max(seq) FROM records WHERE records.run_id = runs.run_id)"
+"""The sequence number of a run's latest append (one seek of ``records_by_run``), in a statement over ``runs``."""
+_LAST_CHUNK = "(SELECT data FROM records WHERE records.run_id = runs.run_id ORDER BY seq DESC LIMIT 1)"
+"""A run's latest append (one or more lines), in a statement over ``runs``."""
 TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
@@ -158,9 +167,10 @@ class SqliteStorage(StorageFront):
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
 
-        self._synced: dict[tuple[str, int], int] = {}
+        self._synced: dict[tuple[str, int], int | None] = {}  # (run, epoch) -> its latest append's seq at `sync`
         self._idle: list[sqlite3.Connection] = []  # connections of finished `transaction()`s, kept for the next
         self.wakeups = LocalWakeups(f"{self.path}.wake" if self.path != ":memory:" else os.devnull)
+        self._gate = WriteGate(f"{self.path}.gate", timeout) if self.path != ":memory:" else None
 
     def __repr__(self) -> str:
         return f"SqliteStorage({self.path!r})"
@@ -170,7 +180,9 @@ class SqliteStorage(StorageFront):
         if self._conn is None:
             if self.path != ":memory:":
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False,
+                                   factory=_Connection)
+            conn.gate = self._gate
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _transaction(conn):
@@ -196,6 +208,8 @@ class SqliteStorage(StorageFront):
                 self._conn = None
             while self._idle:
                 self._idle.pop().close()
+            if self._gate is not None:
+                self._gate.close()
 
     exclusive = True  # `roles.Transactions`: a transaction holds the database's one write lock
 
@@ -427,7 +441,7 @@ class SqliteStorage(StorageFront):
             return
         with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
             row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-            self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+            self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
                          (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
             db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
@@ -435,17 +449,17 @@ class SqliteStorage(StorageFront):
         """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
         by the lease's epoch (a lost lease keeps neither)."""
         with self._lock, _transaction(self._db()) as db:
-            changes = may_change_state(data)
-            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone() if changes else None
-            if changes:
-                self._fenced(db, lease, "state = ?, updated = ?, touched = NULL, last = ?, size = size + ?",
+            if may_change_state(data):
+                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+                self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
                              (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
-            else:
-                self._fenced(db, lease, "touched = ?, last = ?, size = size + ?",
-                             (time.time(), last_line(data), len(data)))
+                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+            else:  # a step: the fenced insert, as `_append_step`, and the run's row left alone
+                if lease.state.get("sqlite") is not self:
+                    raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
+                _insert_fenced(db, lease, data)
             db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
                            [(lease.run_id, digest, value) for digest, value in blobs.items()])
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
 
     def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
         """Keep the run's new stored values (before a `rewrite` that refers to them)."""
@@ -454,39 +468,32 @@ class SqliteStorage(StorageFront):
                            [(lease.run_id, digest, value) for digest, value in blobs.items()])
 
     def _append_step(self, lease: Lease, data: bytes) -> None:
-        """Append lines that change no catalog state as two statements, each its own commit: the fenced insert
-        (the append itself, atomic), then the run's row (`touched`, the last line, the size; no indexed column).
-        A crash between the two leaves the row one append behind its records, which the next claim rewrites
-        from the log, as it does after any crash."""
+        """Append lines that change no catalog state as one statement, its own commit: the fenced insert of the
+        records, and nothing else. The run's row (its last line, size and time) is left as the claim wrote it:
+        readers of an open run take those from the records (`_infos`, `_do_size`), so a step writes the pages of
+        the records alone, and no crash can leave the row and the log apart."""
         if lease.state.get("sqlite") is not self:
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
-            db = self._db()
+            gate = self._gate
+            taken = gate is not None and gate.enter()
             try:
-                cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
-                                 (data, lease.run_id, lease.epoch))
-                if cur.rowcount == 0:
-                    raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+                _insert_fenced(self._db(), lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
                     raise
                 raise full from exc
-            try:
-                db.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
-                           (time.time(), last_line(data), len(data), lease.run_id))
-            except sqlite3.Error as exc:
-                if _full(exc) is exc:
-                    raise
-                # the records are committed: the append happened. A full database left the row behind them, as
-                # a crash between the two would, and the next claim rewrites it from the log
+            finally:
+                if taken:
+                    gate.leave()
 
     def sync(self, lease: Lease) -> None:
         """Commit once with ``synchronous=FULL`` so the WAL, with every earlier commit, is on disk."""
         key = (lease.run_id, lease.epoch)
         with self._lock:
             db = self._db()
-            row = db.execute("SELECT size FROM runs WHERE " + _FENCE, (lease.run_id, lease.epoch)).fetchone()
+            row = db.execute(f"SELECT {_LAST_SEQ} FROM runs WHERE " + _FENCE, (lease.run_id, lease.epoch)).fetchone()
             if row is not None and self._synced.get(key) == row[0] and lease.state.get("sqlite") is self:
                 return
             with _durable(self, db) as tx:
@@ -522,9 +529,11 @@ class SqliteStorage(StorageFront):
         return errors
 
     def _do_size(self, run_id: str) -> int:
-        """Bytes of the run's log."""
+        """Bytes of the run's log: an open run's summed from its records (a step leaves its row alone), an ended
+        run's from its row (written at its end)."""
         with self._lock:
-            row = self._db().execute("SELECT size FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            row = self._db().execute(f"SELECT CASE WHEN state = ? THEN {_LOG_SIZE} ELSE size END FROM runs"
+                                     " WHERE run_id = ?", (OPEN, run_id)).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
         return row[0]
@@ -540,8 +549,8 @@ class SqliteStorage(StorageFront):
                 (header, last_line(data), len(data), time.time(), state_after(OPEN, data)),
             )
             db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
-        self._synced[(lease.run_id, lease.epoch)] = len(data)
+            seq = db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data)).lastrowid
+        self._synced[(lease.run_id, lease.epoch)] = seq
 
     def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
@@ -908,23 +917,29 @@ class SqliteStorage(StorageFront):
         return None if row is None else bytes(row[0])
 
     def _infos(self, clause: str, params: tuple[Any, ...]) -> list[RunInfo]:
+        """The catalog rows `clause` selects; an open run's last record comes from its latest append (a step
+        leaves the row alone), and its time is the later of the row's and that record's ``ts``."""
         now = time.time()
         with self._lock:
             db = self._db()
             rows = (
                 db
-                .execute("SELECT run_id, header, last, owner, lease_expires, max(updated, coalesce(touched, 0)), epoch,"
-                         " state FROM runs "
-                         + clause, params)
+                .execute(f"SELECT run_id, header, CASE WHEN state = ? THEN {_LAST_CHUNK} ELSE last END, owner,"
+                         " lease_expires, max(updated, coalesce(touched, 0)), epoch, state FROM runs "
+                         + clause, (OPEN, *params))
                 .fetchall()
             )
-            rows = [(run_id, header, resolve_line(last, partial(_run_values, db, run_id)), *rest)
+            rows = [(run_id, header, resolve_line(bytes(last_line(last or header)), partial(_run_values, db, run_id)), *rest)
                     for run_id, header, last, *rest in rows]
         infos = []
-        for run_id, header_line, last, owner, expires, updated, epoch, state in rows:
+        for run_id, header_line, last_bytes, owner, expires, updated, epoch, state in rows:
             header = decode_record(header_line) or {}
             held = owner is not None and expires is not None and expires >= now
-            infos.append(RunInfo(run_id, header, decode_record(last) or header, held, updated, epoch, state))
+            last = decode_record(last_bytes) or header
+            ts = last.get("ts")
+            if state == OPEN and isinstance(ts, (int, float)) and not isinstance(ts, bool) and ts > updated:
+                updated = float(ts)
+            infos.append(RunInfo(run_id, header, last, held, updated, epoch, state))
         return infos
 
 
@@ -936,6 +951,15 @@ CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, updated DESC);
 CREATE INDEX IF NOT EXISTS runs_by_key ON runs (key);
 CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT NULL
 """
+
+
+def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
+    """Insert the records `data` of the lease's run if its lease is current (one statement: the fence is read in
+    the insert), else raise `LeaseLostError`."""
+    cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
+                     (data, lease.run_id, lease.epoch))
+    if cur.rowcount == 0:
+        raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
 
 
 def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
@@ -968,9 +992,9 @@ def _ensure_catalog(db: sqlite3.Connection) -> None:
 def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...], names: frozenset[str] | None,
          queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
     """The due query (`SqliteStorage.due`) in the queue's fair order (`base.fair_order`). While no queued row
-    has a partition (one probe of the empty partial index ``queue_parts``), it is the walk of ``queue_by_due``
+    has a partition (one probe of the empty partial index ``queue_parts``), it is the walk of ``queue_due``
     in order that stops at `limit`, as before partitions existed. Otherwise one statement of two parts: the
-    rows without a partition walk ``queue_by_due`` the same way; the rows with one, found through
+    rows without a partition walk ``queue_due`` the same way; the rows with one, found through
     ``queue_parts``, are ranked in their (queue, partition, priority) by ROW_NUMBER(), and a rank past `limit`
     cannot make the first `limit`."""
     if names is not None and not names or queues is not None and not queues:
@@ -978,7 +1002,7 @@ def _due(db: sqlite3.Connection, now: float, limit: int, skip: tuple[str, ...], 
     where, params = _kept(now, skip, names, queues, full)
     if db.execute("SELECT 1 FROM queue INDEXED BY queue_parts WHERE partition_name IS NOT NULL LIMIT 1").fetchone() \
             is None:
-        rows = db.execute(  # +q.due: walk queue_by_due in order
+        rows = db.execute(  # +q.due: walk queue_due in order, to the run id (a batch enqueued at once ties up to it)
             f"SELECT q.run_id FROM queue q JOIN runs r ON r.run_id = q.run_id WHERE {where}"
             " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT ?", (*params, limit)).fetchall()
         return [row[0] for row in rows]
@@ -1014,7 +1038,7 @@ def _kept(now: float, skip: tuple[str, ...], names: frozenset[str] | None, queue
         where += f" AND q.run_id NOT IN ({marks(skip)})"
         params.extend(skip)
     if names:
-        where += f" AND r.workflow IN ({marks(names)})"
+        where += f" AND +r.workflow IN ({marks(names)})"  # +: never through runs_by_workflow (every run, ended too)
         params.extend(names)
     if queues:
         where += f" AND q.queue_name IN ({marks(queues)})"
@@ -1088,12 +1112,7 @@ class SqliteTransaction:
         try:
             if lease.state.get("sqlite") is not self.storage:
                 raise LeaseLostError(f"lease on run {lease.run_id} is not from {self.storage!r}", run_id=lease.run_id)
-            cur = conn.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
-                               (data, lease.run_id, lease.epoch))
-            if cur.rowcount == 0:
-                raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
-            conn.execute("UPDATE runs SET touched = ?, last = ?, size = size + ? WHERE run_id = ?",
-                         (time.time(), last_line(data), len(data), lease.run_id))
+            _insert_fenced(conn, lease, data)  # a step's record: the run's row stays as it is (`_append_step`)
             conn.execute("COMMIT")
         except BaseException as exc:
             self.rollback()
@@ -1129,20 +1148,37 @@ def _full(exc: BaseException) -> BaseException:
     return exc
 
 
+class _Connection(sqlite3.Connection):
+    """The storage's own connection: it knows the database's write gate (`sqlitegate`), which `_transaction`
+    takes around a write transaction."""
+
+    gate: WriteGate | None = None
+
+
 @contextmanager
 def _transaction(db: sqlite3.Connection, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
-    """Run the body in one transaction (a write lock up front by default); commit on success, else roll back."""
-    db.execute(begin)
+    """Run the body in one transaction (a write lock up front by default, inside the connection's write gate
+    where it has one); commit on success, else roll back."""
+    gate = getattr(db, "gate", None) if begin == "BEGIN IMMEDIATE" else None
+    taken = gate is not None and gate.enter()
     try:
-        yield db
-        db.execute("COMMIT")
-    except BaseException as exc:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        full = _full(exc)
-        if full is exc:
-            raise
-        raise full from exc
+        started = time.perf_counter()
+        db.execute(begin)
+        if gate is not None:
+            gate.took(started)
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            full = _full(exc)
+            if full is exc:
+                raise
+            raise full from exc
+    finally:
+        if taken:
+            gate.leave()  # type: ignore[union-attr]
 
 
 @contextmanager
