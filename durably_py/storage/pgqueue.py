@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptLogError, RunNotFoundError
+from ..errors import RunNotFoundError
 from .base import Check, Lease, QueueEntry, QueueStats, decode_record, sorted_stats
 from .catalog import queue_fields
 from .pgdriver import MAX_TTL
@@ -21,12 +21,15 @@ from .pgdriver import psycopg_module as _psycopg
 if TYPE_CHECKING:
     import psycopg
 
+    from .pgcommit import PostgresCommitter
+
 
 class PostgresDueQueue:
     """The queue methods of `PostgresStorage` (which provides the connection, the tables' names and the claim)."""
 
     dsn: str
     _conn: Any
+    _committer: PostgresCommitter
     _queue: str
     _runs: str
     _joins: str
@@ -39,10 +42,13 @@ class PostgresDueQueue:
         def _missing(self, run_id: str) -> RunNotFoundError: ...
         def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
                           check: Check | None, reopen: bool = False) -> Lease | None: ...
+        def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[str, int]], owner: str, ttl: float,
+                        check: Check | None) -> list[Lease]: ...
 
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Move the run's queue row in one statement; a run without one (queued again) gets a row in the queue
         and partition its header names, read in a second statement (the row's insert needs the run's row)."""
+        self._committer.flush()  # after the writes still pending in the group commit
         names = list(wait)
         if self._write(
             f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
@@ -63,6 +69,7 @@ class PostgresDueQueue:
 
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
+        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
@@ -93,16 +100,27 @@ class PostgresDueQueue:
 
     def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
+        self._committer.flush()  # after the writes still pending in the group commit
         with self._cursor(transaction=True) as cur:
             self._unschedule(cur, run_id)
 
     def _unschedule(self, cur: psycopg.Cursor[Any], run_id: str) -> None:
         """Inside a transaction: `unschedule` (a parent made due is notified at the commit)."""
+        self._unschedule_many(cur, [run_id])
+
+    def _unschedule_many(self, cur: psycopg.Cursor[Any], run_ids: list[str]) -> None:
+        """Inside a transaction: `unschedule` of each of `run_ids` (ended together), in three statements for all of
+        them plus a few for each parent they were the last children of."""
+        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = ANY(%s)", (run_ids,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE parent = ANY(%s)", (run_ids,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE child = ANY(%s) RETURNING parent", (run_ids,))
+        self._parents_due(cur, [row[0] for row in cur.fetchall()])
+
+    def _parents_due(self, cur: psycopg.Cursor[Any], parents: list[str]) -> None:
+        """Inside the transaction that deleted their children's `joins` rows: each of `parents` left waiting for
+        no child is due now (notified at the commit)."""
         now = time.time()
-        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
-        for (parent,) in cur.fetchall():
+        for parent in sorted(set(parents)):
             # children ending at once queue on the parent's row, so the last one sees the others' deletes
             cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
             cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
@@ -114,6 +132,7 @@ class PostgresDueQueue:
 
     def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
+        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         woke = self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
@@ -214,12 +233,14 @@ class PostgresDueQueue:
                 sorted(full), sorted(full))
 
     def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int,
-                  lock: str = "") -> list[tuple[str, int]]:
+                  lock: str = "", parted: bool | None = None) -> list[tuple[str, int]]:
         """(run id, epoch) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no queued row has a
-        partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each part; `lock`
-        is appended to the query."""
-        cur.execute(self._PARTED.format(queue=self._queue))
-        if cur.fetchone() is None:
+        partition (one cheap probe first, unless `parted` says already), else `_FAIR` looking at `take` rows (or
+        ranks) of each part; `lock` is appended to the query."""
+        if parted is None:
+            cur.execute(self._PARTED.format(queue=self._queue))
+            parted = cur.fetchone() is not None
+        if not parted:
             cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs) + lock, (*kept, limit))
         else:
             cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs) + lock,
@@ -243,24 +264,35 @@ class PostgresDueQueue:
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
                       names: frozenset[str] | None, queues: frozenset[str] | None,
                       full: frozenset[str]) -> list[Lease]:
-        """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
-        claiming at once take different runs instead of queueing on the same rows (in the fair order, the due
-        query looks at `4 * limit + 32` rows of each part, so the rows other machines are claiming meanwhile,
-        locked and skipped, leave enough for this one)."""
+        """Claim up to `limit` due runs in one transaction of a few statements whatever their number (`_claim_rows`):
+        ``FOR UPDATE OF runs SKIP LOCKED`` lets machines claiming at once take different runs instead of queueing
+        on the same rows (in the fair order, the due query looks at `4 * limit + 32` rows of each part, so the
+        rows other machines are claiming meanwhile, locked and skipped, leave enough for this one).
+
+        The transaction commits without waiting for its WAL flush (``synchronous_commit = off`` for it alone): a
+        claim needs no flush of its own, since the claimed run's first durable write (its first step, at the
+        latest its end) flushes the WAL up to it, and the server writes the WAL in order. A server crash before
+        that forgets the claim and leaves the run due again, as if it had not been claimed; its owner's next
+        write then finds the lease gone."""
         ttl = min(ttl, MAX_TTL)
         if limit == 0:
             return []
-        leases = []
         kept = self._kept_params(time.time(), skip, names, queues, full)
-        with self._cursor(transaction=True) as cur:
-            for run_id, epoch in self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED"):
-                try:
-                    with cur.connection.transaction():
-                        lease = self._claim_locked(cur, run_id, epoch, owner, ttl, check)
-                except CorruptLogError:
-                    continue
-                if lease is not None:
-                    leases.append(lease)
+        with self._cursor() as cur:
+            conn = cur.connection
+            try:  # four round trips: the transaction's start and the probe pipelined, its end and the claims too
+                with conn.pipeline():
+                    cur.execute("BEGIN")
+                    cur.execute("SELECT set_config('synchronous_commit', 'off', true), EXISTS ("
+                                + self._PARTED.format(queue=self._queue) + ")")
+                    parted = bool(cur.fetchone()[1])  # type: ignore[index]
+                    rows = self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED", parted)
+                    leases = self._claim_rows(cur, rows, owner, ttl, check) if rows else []
+                    cur.execute("COMMIT")
+            except BaseException:
+                if not conn.broken and conn.info.transaction_status.name != "IDLE":
+                    conn.execute("ROLLBACK")
+                raise
         return leases
 
     def _do_queue_stats(self, now: float) -> list[QueueStats]:
