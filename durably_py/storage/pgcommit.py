@@ -149,8 +149,9 @@ class PostgresCommitter:
         outcomes: list[Any] = [None] * len(group)
         live = []
         for i, write in enumerate(group):
-            prior = failed.get((write.lease.run_id, write.lease.epoch))
-            if prior is not None:  # an earlier write of the lease failed: nothing after it is kept either
+            releases = write.kind == "end" and not write.unschedule
+            prior = None if releases else failed.get((write.lease.run_id, write.lease.epoch))
+            if prior is not None:  # an earlier write of the lease failed: nothing after it is kept but a release
                 outcomes[i] = prior
             else:
                 live.append(i)
@@ -174,8 +175,9 @@ class PostgresCommitter:
                 if self._conn is not None and self._conn.broken:
                     self._conn.close()
                     self._conn = None
-                full = self._full(exc)
-                error = full if full is not None else exc
+                error = self._full(exc) or exc
+                if error is not exc:
+                    error.__cause__ = exc  # the server's own error, as `raise ... from` keeps it
                 for i in live:
                     outcomes[i] = error
                 return outcomes
