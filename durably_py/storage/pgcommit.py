@@ -12,6 +12,7 @@ runs it serves. Callers either wait (`call`: the storage's synchronous methods) 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import LeaseLostError
 from .base import Lease, last_line
-from .catalog import state_after
+from .catalog import header_fields, state_after
 from .pgdriver import psycopg_module as _psycopg
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class PostgresCommitter:
         self._parents_due = parents_due
         self._full = full
         self._pending: list[Write] = []
+        self._staged: list[Write] = []  # handed in during a loop's pass that has not ended yet (`submit`)
+        self._kicking = False  # a `_kick` is scheduled
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
@@ -73,16 +76,44 @@ class PostgresCommitter:
 
     # ---- handing writes in ----------------------------------------------------------------------------
     def submit(self, write: Write) -> Future[Any]:
-        """Queue `write` for the next group commit; its future holds the outcome once that commit returned."""
+        """Queue `write` for the next group commit; its future holds the outcome once that commit returned.
+
+        Handed in from a thread running an asyncio loop (a worker's runs), it waits for the loop's current pass
+        to end before the committer may take it, so the records every run of the loop writes in one pass (the
+        steps a group commit let go on) share the next commit rather than the first of them going alone."""
+        loop = None
+        if not write.waited:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
                 self._thread = threading.Thread(target=self._serve, name="durably-pg-commit", daemon=True)
                 self._thread.start()
-            self._pending.append(write)
             self._submitted += 1
+            if loop is not None:
+                self._staged.append(write)
+                if not self._kicking:
+                    self._kicking = True
+                    loop.call_soon(self._kick)
+                return write.future
+            if self._staged:  # after the writes handed in before it
+                self._pending += self._staged
+                self._staged = []
+            self._pending.append(write)
             self._cond.notify()
         return write.future
+
+    def _kick(self) -> None:
+        """The loop's pass that handed writes in is over: let the committer take them."""
+        with self._cond:
+            self._kicking = False
+            if self._staged:
+                self._pending += self._staged
+                self._staged = []
+                self._cond.notify()
 
     def call(self, write: Write) -> Any:
         """Queue `write` and wait for its outcome (raised when it failed)."""
@@ -94,6 +125,10 @@ class PostgresCommitter:
         adapter makes on its other connection after this sees them, in order."""
         with self._cond:
             target = self._submitted
+            if self._staged:  # the loop that handed them in may be the one waiting here
+                self._pending += self._staged
+                self._staged = []
+                self._cond.notify()
             while self._done < target and self._thread is not None and self._thread.is_alive():
                 self._cond.wait(1.0)
 
@@ -102,6 +137,8 @@ class PostgresCommitter:
         with self._cond:
             thread = self._thread
             self._stopping = True
+            self._pending += self._staged
+            self._staged = []
             self._cond.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=30)
@@ -184,21 +221,31 @@ class PostgresCommitter:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _transaction(self, conn: psycopg.Connection[Any], group: list[Write]) -> list[Any]:
-        """One transaction for `group`, its statements sent in one pipeline (one round trip, a second when some
-        ended run was the last child a parent waited for, and the commit's): each write's outcome (a
+        """One transaction for `group`, its statements and its commit sent in one pipeline (one round trip); two
+        when a run ending in it is a child run (its parent may be waiting for it: whether it was the last child is
+        asked once the run's `joins` rows are gone, inside the transaction). Each write's outcome (a
         `LeaseLostError` for one whose lease is not current)."""
         outcomes: list[Any] = [None] * len(group)
         parents: list[str] = []
+        children = any(write.kind == "end" and write.unschedule and header_fields(write.lease.records[:1] and
+                                                                                  write.lease.records[0])[2]
+                       for write in group)
         with conn.pipeline() as pipe:
             conn.execute("BEGIN")
             reads = self._statements(conn, group, outcomes, parents)
+            if not children:
+                conn.execute("COMMIT")
             pipe.sync()
             for read in reads:
                 read()
-            if parents:
-                with conn.cursor() as cur:
-                    self._parents_due(cur, parents)
-            conn.execute("COMMIT")
+            if children:
+                if parents:
+                    with conn.cursor() as cur:
+                        self._parents_due(cur, parents)
+                conn.execute("COMMIT")
+        if parents and not children:  # a run that was waited for though its header names no parent (none should)
+            with conn.transaction(), conn.cursor() as cur:
+                self._parents_due(cur, parents)
         return outcomes
 
     def _statements(self, conn: psycopg.Connection[Any], group: list[Write], outcomes: list[Any],

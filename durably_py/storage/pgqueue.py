@@ -33,6 +33,8 @@ class PostgresDueQueue:
     _queue: str
     _runs: str
     _joins: str
+    _records: str
+    _signals: str
     _channel: str
 
     if TYPE_CHECKING:
@@ -42,7 +44,7 @@ class PostgresDueQueue:
         def _missing(self, run_id: str) -> RunNotFoundError: ...
         def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
                           check: Check | None, reopen: bool = False) -> Lease | None: ...
-        def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[str, int]], owner: str, ttl: float,
+        def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[Any, ...]], owner: str, ttl: float,
                         check: Check | None) -> list[Lease]: ...
 
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
@@ -206,10 +208,10 @@ class PostgresDueQueue:
     """What a due row of ``queue q JOIN runs r`` meets (`_kept_params`)."""
     _PARTED = "SELECT 1 FROM {queue} WHERE partition_name IS NOT NULL LIMIT 1"
     """Whether any queued row has a partition (one probe of the partial index ``queue_parts``)."""
-    _PLAIN = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
+    _PLAIN = ("SELECT q.run_id, r.epoch, r.size, r.last FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
               + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
     """The due query while no row has a partition: the walk of ``queue_by_due`` in order, as before partitions."""
-    _FAIR = ("SELECT c.run_id, r.epoch FROM ("
+    _FAIR = ("SELECT c.run_id, r.epoch, r.size, r.last FROM ("
              "(SELECT q.run_id, q.priority, 1::bigint AS nth, q.due, q.created FROM {queue} q"
              " JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NULL AND " + _KEPT
              + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s)"
@@ -224,6 +226,13 @@ class PostgresDueQueue:
     (through ``queue_parts``) are ranked in their (queue, partition, priority) by row_number(), a rank past that
     number left out. Outside, each run's row is joined once more, so ``FOR UPDATE OF r SKIP LOCKED`` locks it
     and re-checks its lease."""
+    _CLAIMABLE = ("WITH picked AS ({due} FOR UPDATE OF r SKIP LOCKED) SELECT p.run_id, p.epoch, p.size, p.last,"
+                  " (SELECT string_agg(d.data, ''::bytea ORDER BY d.seq) FROM {records} d WHERE d.run_id = p.run_id),"
+                  " EXISTS (SELECT 1 FROM {signals} s WHERE s.run_id = p.run_id) FROM picked p")
+    """The due rows locked for a claim, each with its log and whether its inbox holds anything, in one statement.
+    The locked rows are their latest versions (a row changed since the statement began is read again once locked),
+    the logs are as the statement's snapshot saw them: a log whose length or last line differs from its row's
+    (a write committed in between) is read again (`_claim_rows`)."""
 
     @staticmethod
     def _kept_params(now: float, skip: tuple[str, ...], names: frozenset[str] | None,
@@ -232,20 +241,20 @@ class PostgresDueQueue:
         return (now, list(skip), names is None, sorted(names or ()), queues is None, sorted(queues or ()),
                 sorted(full), sorted(full))
 
-    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int,
-                  lock: str = "", parted: bool | None = None) -> list[tuple[str, int]]:
-        """(run id, epoch) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no queued row has a
-        partition (one cheap probe first, unless `parted` says already), else `_FAIR` looking at `take` rows (or
-        ranks) of each part; `lock` is appended to the query."""
-        if parted is None:
-            cur.execute(self._PARTED.format(queue=self._queue))
-            parted = cur.fetchone() is not None
-        if not parted:
-            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs) + lock, (*kept, limit))
+    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int) -> list[tuple[Any, ...]]:
+        """(run id, epoch, size, last line) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no
+        queued row has a partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each
+        part."""
+        cur.execute(self._PARTED.format(queue=self._queue))
+        if cur.fetchone() is None:
+            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs), (*kept, limit))
         else:
-            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs) + lock,
-                        (*kept, take, *kept, take, limit))
+            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs), (*kept, take, *kept, take, limit))
         return cur.fetchall()
+
+    def _claimable(self, due: str) -> str:
+        """`_CLAIMABLE` around the due query `due`."""
+        return self._CLAIMABLE.format(due=due, records=self._records, signals=self._signals)
 
     def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
                 queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
@@ -278,15 +287,20 @@ class PostgresDueQueue:
         if limit == 0:
             return []
         kept = self._kept_params(time.time(), skip, names, queues, full)
+        names_of = {"queue": self._queue, "runs": self._runs}
         with self._cursor() as cur:
             conn = cur.connection
-            try:  # four round trips: the transaction's start and the probe pipelined, its end and the claims too
+            try:  # two round trips: the start, the probe and the due rows pipelined; the claims and the commit
                 with conn.pipeline():
                     cur.execute("BEGIN")
-                    cur.execute("SELECT set_config('synchronous_commit', 'off', true), EXISTS ("
-                                + self._PARTED.format(queue=self._queue) + ")")
-                    parted = bool(cur.fetchone()[1])  # type: ignore[index]
-                    rows = self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED", parted)
+                    probe = conn.cursor()
+                    probe.execute("SELECT set_config('synchronous_commit', 'off', true), EXISTS ("
+                                  + self._PARTED.format(queue=self._queue) + ")")
+                    cur.execute(self._claimable(self._PLAIN.format(**names_of)), (*kept, limit))  # most likely
+                    if probe.fetchone()[1]:  # type: ignore[index] - partitions: the fair order instead
+                        cur.execute(self._claimable(self._FAIR.format(**names_of)),
+                                    (*kept, 4 * limit + 32, *kept, 4 * limit + 32, limit))
+                    rows = cur.fetchall()
                     leases = self._claim_rows(cur, rows, owner, ttl, check) if rows else []
                     cur.execute("COMMIT")
             except BaseException:

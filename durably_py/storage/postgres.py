@@ -611,20 +611,20 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         )
         return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id), good + len(line))
 
-    def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[str, int]], owner: str, ttl: float,
+    def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[Any, ...]], owner: str, ttl: float,
                     check: Check | None) -> list[Lease]:
-        """With the due runs' rows (run id, epoch) locked and their leases free: `_claim_locked` of them all in
-        three statements (their logs and whether their inboxes hold anything read in one, every claim written in
-        another). A log that is damaged, or that `check` refuses, is passed over; an ended run leaves the queue."""
-        ids = [run_id for run_id, _ in rows]
-        cur.execute(f"SELECT u.run_id, (SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} r"
-                    f" WHERE r.run_id = u.run_id), EXISTS (SELECT 1 FROM {self._signals} s WHERE s.run_id = u.run_id)"
-                    " FROM unnest(%s::text[]) WITH ORDINALITY AS u(run_id, n) ORDER BY n", (ids,))
-        found = cur.fetchall()
-        epochs = dict(rows)
+        """With the due runs' rows locked and their leases free, each row (run id, epoch, size, last line, log,
+        whether its inbox holds anything) as `PostgresDueQueue._CLAIMABLE` reads them: `_claim_locked` of them all,
+        every claim written in one statement. A log read before a write that committed while its row was being
+        locked is read again. A log that is damaged, or that `check` refuses, is passed over; an ended run leaves
+        the queue."""
         leases, lines, quiet = [], [], []
-        for run_id, data, signalled in found:
+        for run_id, epoch, size, last, data, signalled in rows:
             data = bytes(data or b"")
+            if size != len(data) or bytes(last) != last_line(data):
+                cur.execute(f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s",
+                            (run_id,))
+                data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
             where = self._where(run_id)
             try:
                 records, good, torn = parse_log(data, where, partial(self._values, run_id, cur))
@@ -635,7 +635,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
                 self._unschedule(cur, run_id)
                 continue
             self._cut_torn(cur, run_id, data, good)
-            epoch = epochs[run_id] + 1
+            epoch += 1
             line = claimed(records, epoch, owner)
             lines.append(line)
             leases.append(Lease(run_id, owner, epoch, {"postgres": self}, records, torn, where, good + len(line)))
