@@ -297,7 +297,7 @@ class PostgresDueQueue:
                     probe.execute("SELECT set_config('synchronous_commit', 'off', true), EXISTS ("
                                   + self._PARTED.format(queue=self._queue) + ")")
                     cur.execute(self._claimable(self._PLAIN.format(**names_of)), (*kept, limit))  # most likely
-                    if probe.fetchone()[1]:  # type: ignore[index] - partitions: the fair order instead
+                    if (probe.fetchone() or (None, False))[1]:  # partitions: the fair order instead
                         cur.execute(self._claimable(self._FAIR.format(**names_of)),
                                     (*kept, 4 * limit + 32, *kept, 4 * limit + 32, limit))
                     rows = cur.fetchall()

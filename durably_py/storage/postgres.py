@@ -7,13 +7,15 @@ line, times, lease epoch/owner/expiry, last line, log size), ``records`` (the lo
 and ``limits`` (one JSON document per flow-control key, changed under a transaction-scoped advisory lock on the
 key, against the database clock).
 
-The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
-an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
-transactions. Every commit runs with ``synchronous_commit = on`` (set on the connection), so one that returned
-survives a crash of the database server or its machine: a recorded step, a run's end, an enqueue, a signal and a
-claim are on disk before the caller hears of them. `sync` has nothing left to write and only checks the lease,
-counting the durable commit in `fsyncs` as the other adapters count theirs; `finish_all` ends a worker's group of
-runs in one transaction, so one WAL flush.
+The connection runs in autocommit mode: most operations are one statement, atomic on its own and one round
+trip; a claim and a rewrite are explicit transactions. Every commit runs with ``synchronous_commit = on`` (set
+on the connection), so one that returned survives a crash of the database server or its machine: a recorded
+step, a run's end, an enqueue, a signal and a queue move are on disk before the caller hears of them. The
+writes under a lease (appends, syncs, releases, ends) go to the group committer (`pgcommit`): one thread and
+connection that commits whatever the process's runs handed in meanwhile in one transaction, so one WAL flush
+for all of them; `RunLog` hands a step's record in with `append_soon` and waits for its commit before the step's
+result goes back. A worker's claims (`claim_due`) are committed without a flush of their own: the claimed run's
+first durable write flushes the WAL up to them.
 
 Leases are time-based and measured on the database clock (``clock_timestamp()``), so machines whose clocks
 disagree still agree on who holds a run. A claim locks the run's row (``SELECT ... FOR UPDATE``), so two machines
