@@ -68,7 +68,7 @@ class RunLog:
         # a storage that commits appends in groups (PostgreSQL): `write` hands records in without waiting, and
         # `pending` is the last one's commit, which `settled` awaits before a step's result is handed back
         self.grouped: bool = getattr(storage, "groups_appends", False)
-        self.pending: Future[Any] | None = None
+        self.pending: Future[Any] | asyncio.Future[Any] | None = None
 
     def fence(self) -> None:
         """Raise what stops every write, if anything does."""
@@ -144,8 +144,8 @@ class RunLog:
             await asyncio.sleep(0)
             return
         if not pending.done():
-            try:
-                await asyncio.shield(asyncio.wrap_future(pending))  # a cancel does not undo a write handed in
+            try:  # a cancel does not undo a write handed in
+                await asyncio.shield(pending if isinstance(pending, asyncio.Future) else asyncio.wrap_future(pending))
             except Exception:  # noqa: BLE001 - the write's error, raised below
                 pass
         else:

@@ -33,7 +33,7 @@ class Write:
     """One fenced write waiting for the next group commit: an append of `data` (with the run's new stored values
     `blobs`), a `sync` (the lease checked), or an end of the lease (`release`, and `unschedule` the run too)."""
 
-    __slots__ = ("kind", "lease", "data", "blobs", "unschedule", "future", "waited")
+    __slots__ = ("kind", "lease", "data", "blobs", "unschedule", "future", "waited", "waiter")
 
     def __init__(self, kind: str, lease: Lease, data: bytes = b"", blobs: dict[str, bytes] | None = None,
                  unschedule: bool = False) -> None:
@@ -42,7 +42,8 @@ class Write:
         self.data = data
         self.blobs = blobs
         self.unschedule = unschedule
-        self.future: Future[Any] = Future()
+        self.future: Future[Any] | None = None  # the outcome for a thread (`submit`)
+        self.waiter: asyncio.Future[Any] | None = None  # or for a loop: one wake-up of it per group (`submit`)
         self.waited = False  # its caller waits for it (`call`), so hears of its failure
 
 
@@ -75,18 +76,25 @@ class PostgresCommitter:
         self.sizes: dict[tuple[str, int], int] = {}  # the log's size each `sync` found, by (run, epoch)
 
     # ---- handing writes in ----------------------------------------------------------------------------
-    def submit(self, write: Write) -> Future[Any]:
+    def submit(self, write: Write, *, soon: bool = False) -> Future[Any] | asyncio.Future[Any]:
         """Queue `write` for the next group commit; its future holds the outcome once that commit returned.
 
-        Handed in from a thread running an asyncio loop (a worker's runs), it waits for the loop's current pass
-        to end before the committer may take it, so the records every run of the loop writes in one pass (the
-        steps a group commit let go on) share the next commit rather than the first of them going alone."""
+        With `soon` (a run's record handed in without waiting for it, `RunLog.write`) from a thread running an
+        asyncio loop, it waits for the loop's current pass to end before the committer may take it, so the
+        records every run of the loop writes in one pass (the steps a group commit let go on) share the next
+        commit rather than the first of them going alone. Without, it may go at once (its caller may block on
+        it, even on the loop's thread)."""
         loop = None
-        if not write.waited:
+        if soon:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
+        outcome: Future[Any] | asyncio.Future[Any]
+        if loop is not None:
+            outcome = write.waiter = loop.create_future()
+        else:
+            outcome = write.future = Future()
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
@@ -98,13 +106,13 @@ class PostgresCommitter:
                 if not self._kicking:
                     self._kicking = True
                     loop.call_soon(self._kick)
-                return write.future
+                return outcome
             if self._staged:  # after the writes handed in before it
                 self._pending += self._staged
                 self._staged = []
             self._pending.append(write)
             self._cond.notify()
-        return write.future
+        return outcome
 
     def _kick(self) -> None:
         """The loop's pass that handed writes in is over: let the committer take them."""
@@ -118,7 +126,9 @@ class PostgresCommitter:
     def call(self, write: Write) -> Any:
         """Queue `write` and wait for its outcome (raised when it failed)."""
         write.waited = True
-        return self.submit(write).result()
+        self.submit(write)
+        assert write.future is not None
+        return write.future.result()
 
     def flush(self) -> None:
         """Wait until every write handed in before this call has been committed (or failed): a statement the
@@ -160,13 +170,23 @@ class PostgresCommitter:
             with self._cond:
                 self._done += len(group)
                 self._cond.notify_all()
+            woken: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
             for write, outcome in zip(group, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    if not write.waited:  # handed in and gone on: what its lease writes later is refused
-                        self._failed.setdefault((write.lease.run_id, write.lease.epoch), outcome)
-                    write.future.set_exception(outcome)
-                else:
-                    write.future.set_result(outcome)
+                failed = isinstance(outcome, BaseException)
+                if failed and not write.waited:  # handed in and gone on: what its lease writes later is refused
+                    self._failed.setdefault((write.lease.run_id, write.lease.epoch), outcome)
+                if write.waiter is not None:
+                    woken.setdefault(write.waiter.get_loop(), []).append((write.waiter, outcome))
+                elif write.future is not None and not write.future.done():
+                    if failed:
+                        write.future.set_exception(outcome)
+                    else:
+                        write.future.set_result(outcome)
+            for loop, waiters in woken.items():
+                try:
+                    loop.call_soon_threadsafe(_wake, waiters)
+                except RuntimeError:  # the loop closed meanwhile: nothing waits any more
+                    pass
 
     def _db(self) -> psycopg.Connection[Any]:
         if self._conn is not None and (self._conn.closed or self._conn.broken):
@@ -363,6 +383,16 @@ class PostgresCommitter:
             row = cur.fetchone()
             outcomes[k] = self._lost(lease) if row is None else int(row[0])
         return read
+
+
+def _wake(waiters: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    """On a loop's thread: hand each of its writes of a group its outcome (one wake-up of the loop per group)."""
+    for waiter, outcome in waiters:
+        if not waiter.done():
+            if isinstance(outcome, BaseException):
+                waiter.set_exception(outcome)
+            else:
+                waiter.set_result(outcome)
 
 
 def _state(data: bytes) -> str | None:

@@ -26,6 +26,7 @@ by the threads of a process behind a lock; a broken connection is dropped and re
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import re
@@ -751,10 +752,11 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
     """Appends are committed in groups (`pgcommit`): `RunLog` hands a step's record in with `append_soon` and
     awaits its commit before the step's result goes back to the workflow."""
 
-    def append_soon(self, lease: Lease, data: bytes) -> Future[Any]:
+    def append_soon(self, lease: Lease, data: bytes) -> Future[Any] | asyncio.Future[Any]:
         """`append` without waiting: the lines go into the next group commit, in order after the lease's earlier
         writes; the future holds None once they are durable, or the error that kept them out (`LeaseLostError`
-        for a lease no longer current: then nothing after it is kept either)."""
+        for a lease no longer current: then nothing after it is kept either). Called on a thread running an
+        asyncio loop, the future is that loop's (awaitable there); else a `concurrent.futures.Future`."""
         if type(data) is not bytes or not data.endswith(b"\n"):
             data = validate_lines(data)
         blobs: dict[str, bytes] | None = None
@@ -766,7 +768,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
             lost: Future[Any] = Future()
             lost.set_exception(self._lost(lease))
             return lost
-        return self._committer.submit(Write("append", lease, data, blobs or None))
+        return self._committer.submit(Write("append", lease, data, blobs or None), soon=True)
 
     def _do_append(self, lease: Lease, data: bytes) -> None:
         """Append complete lines in the next group commit, fenced by the lease's epoch and owner; returns once
