@@ -133,7 +133,7 @@ class RunLog:
             error = prior.exception()
             if error is not None:
                 raise error
-        self.pending = self.storage.append_soon(self.lease, data)  # type: ignore[attr-defined]
+        self.pending = self.storage.append_soon(self.lease, data)  # type: ignore[attr-defined] # roles.GroupCommits
 
     async def settled(self) -> None:
         """Once the records written so far are durable (with a storage that commits appends in groups: the last
