@@ -175,6 +175,7 @@ def test_a_broken_connection_is_reopened(postgres_storage: Machines, postgres_ds
     store.create("r1", header("r1"))
     lease = store.claim("r1", "me", LONG)
     assert lease is not None
+    store.sync(lease)  # the group committer's connection is open too
 
     def kill_connections() -> None:
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:

@@ -4,10 +4,12 @@ storage full."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import records
@@ -63,6 +65,10 @@ class RunLog:
         self.flight: InFlight | None = None  # the steps running, for `record_long_steps`
         self.marked: set[Attempt] = set()  # running attempts whose start the heartbeat recorded
         self.began: dict[Attempt, float] = {}  # when each of those started (as near as the heartbeat can tell)
+        # a storage that commits appends in groups (PostgreSQL): `write` hands records in without waiting, and
+        # `pending` is the last one's commit, which `settled` awaits before a step's result is handed back
+        self.grouped: bool = getattr(storage, "groups_appends", False)
+        self.pending: Future[Any] | asyncio.Future[Any] | None = None
 
     def fence(self) -> None:
         """Raise what stops every write, if anything does."""
@@ -102,7 +108,10 @@ class RunLog:
         data = records.encode(rec)
         with self.lock:
             try:  # `_append` written out: every step's record comes here
-                self.storage.append(self.lease, data)
+                if self.grouped:
+                    self.hand_in(data)
+                else:
+                    self.storage.append(self.lease, data)
             except LeaseLostError as exc:
                 self.lost = exc
                 raise
@@ -114,6 +123,39 @@ class RunLog:
                 self.history.add_ok(rec)
             else:
                 self.history.add(rec)
+
+    def hand_in(self, data: bytes) -> None:
+        """Hand `data` to the storage's next group commit (the lock held), after raising what made the last one
+        handed in fail, if it did."""
+        prior = self.pending
+        if prior is not None and prior.done():
+            self.pending = None
+            error = prior.exception()
+            if error is not None:
+                raise error
+        self.pending = self.storage.append_soon(self.lease, data)  # type: ignore[attr-defined] # roles.GroupCommits
+
+    async def settled(self) -> None:
+        """Once the records written so far are durable (with a storage that commits appends in groups: the last
+        group commit carrying one of them returned; else at once), yielding to the loop once meanwhile. A write
+        that failed stops the run as at `write` (a lost lease, a full storage)."""
+        pending = self.pending
+        if pending is None:
+            await asyncio.sleep(0)
+            return
+        if not pending.done():
+            try:  # a cancel does not undo a write handed in
+                await asyncio.shield(pending if isinstance(pending, asyncio.Future) else asyncio.wrap_future(pending))
+            except Exception:  # noqa: BLE001 - the write's error, raised below
+                pass
+        else:
+            await asyncio.sleep(0)
+        if self.pending is pending:
+            self.pending = None
+        error = pending.exception()
+        if error is not None:
+            with self.stopping():
+                raise error
 
     def commit(self, tx: AppTransaction, rec: records.Record) -> None:
         """Append `rec` inside the application's transaction `tx` and commit both (`ctx.transaction`): fenced as

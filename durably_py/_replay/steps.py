@@ -255,7 +255,7 @@ class Steps:
             if type(value) is dict and "usage" in value or EXTRACTORS:
                 meter.charge_result(path, label, value)
             if self._recorded(h, path, label, wire, value, 1, ms, opts):
-                await asyncio.sleep(0)
+                await self.settled(h, value)
             return value
         except BaseException as exc:
             if self.log.stops(exc):
@@ -292,6 +292,8 @@ class Steps:
             self.storm.record(failed=False, retry=number > 1)
         if self.hooks is not None:
             self.hooks.step_ran(path, label, True)
+        if log.pending is not None:  # appends committed in groups: delivered once its record is durable
+            return True
         if not h.done():
             set_result(h, value)
             if h.observed:
@@ -300,6 +302,18 @@ class Steps:
             self.next_yield = now + YIELD_EVERY
             return True
         return False
+
+    async def settled(self, h: Handle, value: Any) -> None:
+        """After `_recorded` asked for it: yield to the loop once, or, when the storage commits appends in groups,
+        wait until the step's record is durable and only then deliver `value` to `h`."""
+        if self.log.pending is None:
+            await asyncio.sleep(0)
+            return
+        await self.log.settled()
+        if not h.done():
+            set_result(h, value)
+            if h.observed:
+                self.turns.hop()
 
     async def _execute(self, h: Handle, scope: Scope, path: str, label: str, fn: Callable[..., Any],
                        args: tuple[Any, ...], opts: StepOptions) -> Any:
@@ -487,7 +501,7 @@ class Steps:
                     type(raw) is dict and "usage" in raw) or type(raw) not in PLAIN_RESULTS and hasattr(raw, "usage")):
                 meter.charge_result(path, label, raw, opts.charge)
             if self._recorded(h, path, label, wire, value, number, ms, opts, opts.transactional):
-                await asyncio.sleep(0)
+                await self.settled(h, value)
             return value
 
     async def invoke(self, fn: Callable[..., Any], args: tuple[Any, ...], is_async: bool) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptLogError, RunNotFoundError
+from ..errors import RunNotFoundError
 from .base import Check, Lease, QueueEntry, QueueStats, decode_record, sorted_stats
 from .catalog import queue_fields
 from .pgdriver import MAX_TTL
@@ -21,15 +21,20 @@ from .pgdriver import psycopg_module as _psycopg
 if TYPE_CHECKING:
     import psycopg
 
+    from .pgcommit import PostgresCommitter
+
 
 class PostgresDueQueue:
     """The queue methods of `PostgresStorage` (which provides the connection, the tables' names and the claim)."""
 
     dsn: str
     _conn: Any
+    _committer: PostgresCommitter
     _queue: str
     _runs: str
     _joins: str
+    _records: str
+    _signals: str
     _channel: str
 
     if TYPE_CHECKING:
@@ -39,10 +44,13 @@ class PostgresDueQueue:
         def _missing(self, run_id: str) -> RunNotFoundError: ...
         def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
                           check: Check | None, reopen: bool = False) -> Lease | None: ...
+        def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[Any, ...]], owner: str, ttl: float,
+                        check: Check | None) -> list[Lease]: ...
 
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Move the run's queue row in one statement; a run without one (queued again) gets a row in the queue
         and partition its header names, read in a second statement (the row's insert needs the run's row)."""
+        self._committer.flush()  # after the writes still pending in the group commit
         names = list(wait)
         if self._write(
             f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
@@ -63,6 +71,7 @@ class PostgresDueQueue:
 
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
+        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
@@ -93,16 +102,27 @@ class PostgresDueQueue:
 
     def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
+        self._committer.flush()  # after the writes still pending in the group commit
         with self._cursor(transaction=True) as cur:
             self._unschedule(cur, run_id)
 
     def _unschedule(self, cur: psycopg.Cursor[Any], run_id: str) -> None:
         """Inside a transaction: `unschedule` (a parent made due is notified at the commit)."""
+        self._unschedule_many(cur, [run_id])
+
+    def _unschedule_many(self, cur: psycopg.Cursor[Any], run_ids: list[str]) -> None:
+        """Inside a transaction: `unschedule` of each of `run_ids` (ended together), in three statements for all of
+        them plus a few for each parent they were the last children of."""
+        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = ANY(%s)", (run_ids,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE parent = ANY(%s)", (run_ids,))
+        cur.execute(f"DELETE FROM {self._joins} WHERE child = ANY(%s) RETURNING parent", (run_ids,))
+        self._parents_due(cur, [row[0] for row in cur.fetchall()])
+
+    def _parents_due(self, cur: psycopg.Cursor[Any], parents: list[str]) -> None:
+        """Inside the transaction that deleted their children's `joins` rows: each of `parents` left waiting for
+        no child is due now (notified at the commit)."""
         now = time.time()
-        cur.execute(f"DELETE FROM {self._queue} WHERE run_id = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE parent = %s", (run_id,))
-        cur.execute(f"DELETE FROM {self._joins} WHERE child = %s RETURNING parent", (run_id,))
-        for (parent,) in cur.fetchall():
+        for parent in sorted(set(parents)):
             # children ending at once queue on the parent's row, so the last one sees the others' deletes
             cur.execute(f"SELECT 1 FROM {self._queue} WHERE run_id = %s FOR UPDATE", (parent,))
             cur.execute(f"SELECT 1 FROM {self._joins} WHERE parent = %s LIMIT 1", (parent,))
@@ -114,6 +134,7 @@ class PostgresDueQueue:
 
     def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
+        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         woke = self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
@@ -187,10 +208,10 @@ class PostgresDueQueue:
     """What a due row of ``queue q JOIN runs r`` meets (`_kept_params`)."""
     _PARTED = "SELECT 1 FROM {queue} WHERE partition_name IS NOT NULL LIMIT 1"
     """Whether any queued row has a partition (one probe of the partial index ``queue_parts``)."""
-    _PLAIN = ("SELECT q.run_id, r.epoch FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
+    _PLAIN = ("SELECT q.run_id, r.epoch, r.size, r.last FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
               + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
     """The due query while no row has a partition: the walk of ``queue_by_due`` in order, as before partitions."""
-    _FAIR = ("SELECT c.run_id, r.epoch FROM ("
+    _FAIR = ("SELECT c.run_id, r.epoch, r.size, r.last FROM ("
              "(SELECT q.run_id, q.priority, 1::bigint AS nth, q.due, q.created FROM {queue} q"
              " JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NULL AND " + _KEPT
              + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s)"
@@ -205,6 +226,13 @@ class PostgresDueQueue:
     (through ``queue_parts``) are ranked in their (queue, partition, priority) by row_number(), a rank past that
     number left out. Outside, each run's row is joined once more, so ``FOR UPDATE OF r SKIP LOCKED`` locks it
     and re-checks its lease."""
+    _CLAIMABLE = ("WITH picked AS ({due} FOR UPDATE OF r SKIP LOCKED) SELECT p.run_id, p.epoch, p.size, p.last,"
+                  " (SELECT string_agg(d.data, ''::bytea ORDER BY d.seq) FROM {records} d WHERE d.run_id = p.run_id),"
+                  " EXISTS (SELECT 1 FROM {signals} s WHERE s.run_id = p.run_id) FROM picked p")
+    """The due rows locked for a claim, each with its log and whether its inbox holds anything, in one statement.
+    The locked rows are their latest versions (a row changed since the statement began is read again once locked),
+    the logs are as the statement's snapshot saw them: a log whose length or last line differs from its row's
+    (a write committed in between) is read again (`_claim_rows`)."""
 
     @staticmethod
     def _kept_params(now: float, skip: tuple[str, ...], names: frozenset[str] | None,
@@ -213,18 +241,20 @@ class PostgresDueQueue:
         return (now, list(skip), names is None, sorted(names or ()), queues is None, sorted(queues or ()),
                 sorted(full), sorted(full))
 
-    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int,
-                  lock: str = "") -> list[tuple[str, int]]:
-        """(run id, epoch) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no queued row has a
-        partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each part; `lock`
-        is appended to the query."""
+    def _due_rows(self, cur: psycopg.Cursor[Any], kept: tuple[Any, ...], take: int, limit: int) -> list[tuple[Any, ...]]:
+        """(run id, epoch, size, last line) of up to `limit` due rows in the queue's fair order: `_PLAIN` while no
+        queued row has a partition (one cheap probe first), else `_FAIR` looking at `take` rows (or ranks) of each
+        part."""
         cur.execute(self._PARTED.format(queue=self._queue))
         if cur.fetchone() is None:
-            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs) + lock, (*kept, limit))
+            cur.execute(self._PLAIN.format(queue=self._queue, runs=self._runs), (*kept, limit))
         else:
-            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs) + lock,
-                        (*kept, take, *kept, take, limit))
+            cur.execute(self._FAIR.format(queue=self._queue, runs=self._runs), (*kept, take, *kept, take, limit))
         return cur.fetchall()
+
+    def _claimable(self, due: str) -> str:
+        """`_CLAIMABLE` around the due query `due`."""
+        return self._CLAIMABLE.format(due=due, records=self._records, signals=self._signals)
 
     def _do_due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
                 queues: frozenset[str] | None, full: frozenset[str]) -> list[str]:
@@ -243,24 +273,40 @@ class PostgresDueQueue:
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
                       names: frozenset[str] | None, queues: frozenset[str] | None,
                       full: frozenset[str]) -> list[Lease]:
-        """Claim up to `limit` due runs in one transaction: ``FOR UPDATE OF runs SKIP LOCKED`` lets machines
-        claiming at once take different runs instead of queueing on the same rows (in the fair order, the due
-        query looks at `4 * limit + 32` rows of each part, so the rows other machines are claiming meanwhile,
-        locked and skipped, leave enough for this one)."""
+        """Claim up to `limit` due runs in one transaction of a few statements whatever their number (`_claim_rows`):
+        ``FOR UPDATE OF runs SKIP LOCKED`` lets machines claiming at once take different runs instead of queueing
+        on the same rows (in the fair order, the due query looks at `4 * limit + 32` rows of each part, so the
+        rows other machines are claiming meanwhile, locked and skipped, leave enough for this one).
+
+        The transaction commits without waiting for its WAL flush (``synchronous_commit = off`` for it alone): a
+        claim needs no flush of its own, since the claimed run's first durable write (its first step, at the
+        latest its end) flushes the WAL up to it, and the server writes the WAL in order. A server crash before
+        that forgets the claim and leaves the run due again, as if it had not been claimed; its owner's next
+        write then finds the lease gone."""
         ttl = min(ttl, MAX_TTL)
         if limit == 0:
             return []
-        leases = []
         kept = self._kept_params(time.time(), skip, names, queues, full)
-        with self._cursor(transaction=True) as cur:
-            for run_id, epoch in self._due_rows(cur, kept, 4 * limit + 32, limit, " FOR UPDATE OF r SKIP LOCKED"):
-                try:
-                    with cur.connection.transaction():
-                        lease = self._claim_locked(cur, run_id, epoch, owner, ttl, check)
-                except CorruptLogError:
-                    continue
-                if lease is not None:
-                    leases.append(lease)
+        names_of = {"queue": self._queue, "runs": self._runs}
+        with self._cursor() as cur:
+            conn = cur.connection
+            try:  # two round trips: the start, the probe and the due rows pipelined; the claims and the commit
+                with conn.pipeline():
+                    cur.execute("BEGIN")
+                    probe = conn.cursor()
+                    probe.execute("SELECT set_config('synchronous_commit', 'off', true), EXISTS ("
+                                  + self._PARTED.format(queue=self._queue) + ")")
+                    cur.execute(self._claimable(self._PLAIN.format(**names_of)), (*kept, limit))  # most likely
+                    if (probe.fetchone() or (None, False))[1]:  # partitions: the fair order instead
+                        cur.execute(self._claimable(self._FAIR.format(**names_of)),
+                                    (*kept, 4 * limit + 32, *kept, 4 * limit + 32, limit))
+                    rows = cur.fetchall()
+                    leases = self._claim_rows(cur, rows, owner, ttl, check) if rows else []
+                    cur.execute("COMMIT")
+            except BaseException:
+                if not conn.broken and conn.info.transaction_status.name != "IDLE":
+                    conn.execute("ROLLBACK")
+                raise
         return leases
 
     def _do_queue_stats(self, now: float) -> list[QueueStats]:

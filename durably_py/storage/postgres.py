@@ -7,13 +7,15 @@ line, times, lease epoch/owner/expiry, last line, log size), ``records`` (the lo
 and ``limits`` (one JSON document per flow-control key, changed under a transaction-scoped advisory lock on the
 key, against the database clock).
 
-The connection runs in autocommit mode: most operations are one statement (an append is a fenced ``UPDATE`` and
-an ``INSERT`` joined in one ``WITH``), atomic on its own and one round trip; a claim and a rewrite are explicit
-transactions. Every commit runs with ``synchronous_commit = on`` (set on the connection), so one that returned
-survives a crash of the database server or its machine: a recorded step, a run's end, an enqueue, a signal and a
-claim are on disk before the caller hears of them. `sync` has nothing left to write and only checks the lease,
-counting the durable commit in `fsyncs` as the other adapters count theirs; `finish_all` ends a worker's group of
-runs in one transaction, so one WAL flush.
+The connection runs in autocommit mode: most operations are one statement, atomic on its own and one round
+trip; a claim and a rewrite are explicit transactions. Every commit runs with ``synchronous_commit = on`` (set
+on the connection), so one that returned survives a crash of the database server or its machine: a recorded
+step, a run's end, an enqueue, a signal and a queue move are on disk before the caller hears of them. The
+writes under a lease (appends, syncs, releases, ends) go to the group committer (`pgcommit`): one thread and
+connection that commits whatever the process's runs handed in meanwhile in one transaction, so one WAL flush
+for all of them; `RunLog` hands a step's record in with `append_soon` and waits for its commit before the step's
+result goes back. A worker's claims (`claim_due`) are committed without a flush of their own: the claimed run's
+first durable write flushes the WAL up to them.
 
 Leases are time-based and measured on the database clock (``clock_timestamp()``), so machines whose clocks
 disagree still agree on who holds a run. A claim locks the run's row (``SELECT ... FOR UPDATE``), so two machines
@@ -24,24 +26,27 @@ by the threads of a process behind a lock; a broken connection is dropped and re
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
+    CorruptLogError,
     LeaseLostError,
     RunNotFoundError,
     StorageBusyError,
     StorageFullError,
     ValidationError,
 )
-from ..records import is_end_line, kind_of, may_change_state
+from ..records import is_end_line, kind_of
 from .base import (
     Check,
     Choose,
@@ -59,16 +64,17 @@ from .base import (
     ended,
     last_line,
     parse_log,
-    sync_each,
+    validate_lines,
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import PartialsKeptApart, PostgresPartials
+from .pgcommit import PostgresCommitter, Write
 from .pgdriver import MAX_TTL
 from .pgdriver import psycopg_module as _psycopg
 from .pgqueue import PostgresDueQueue
-from .valuestore import resolve_line
+from .valuestore import LINE_MIN, enabled, externalise, resolve_line
 
 if TYPE_CHECKING:
     import psycopg
@@ -76,6 +82,7 @@ if TYPE_CHECKING:
 SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
 BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
+QUIET_FOR = 0.5  # seconds a claim's finding of an empty inbox answers the run's first `inbox` (`_claim_rows`)
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
 _TABLES = """
 CREATE TABLE IF NOT EXISTS {s}.runs (
@@ -318,6 +325,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         self._idle: list[psycopg.Connection[Any]] = []  # connections of finished `transaction()`s, kept for the next
         self._lock = threading.RLock()
         self._synced: dict[tuple[str, int], int] = {}
+        self._quiet: dict[str, float] = {}  # runs this process claimed with an empty inbox: until when that answers
         s = f'"{schema}"'
         self._channel = f"durably.{schema}"
         self._runs, self._records, self._identities, self._signals, self._queue, self._joins, self._workers = (
@@ -328,6 +336,10 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         self._blobs = f"{s}.blobs"
         self._run_blobs = f"{s}.run_blobs"  # each run's stored values (`valuestore`)
         self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
+        self._committer = PostgresCommitter(
+            dsn, {"runs": self._runs, "records": self._records, "run_blobs": self._run_blobs, "queue": self._queue,
+                  "joins": self._joins}, lost=self._lost, parents_due=self._parents_due,
+            full=lambda exc: storage_full(exc, schema))
 
     def __repr__(self) -> str:
         return f"PostgresStorage(schema={self.schema!r})"
@@ -426,7 +438,8 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
                 pass
 
     def close(self) -> None:
-        """Close the connection (it reopens on next use)."""
+        """Commit the writes still pending, then close the connections (they reopen on next use)."""
+        self._committer.close()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
@@ -466,7 +479,9 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         conn.close()
 
     def append_in(self, conn: psycopg.Connection[Any], lease: Lease, data: bytes) -> None:
-        """`append` on `conn`, in the transaction it has open; `LeaseLostError` if the lease is not current."""
+        """`append` on `conn`, in the transaction it has open; `LeaseLostError` if the lease is not current. The
+        run's earlier appends, committed in groups on another connection, are committed first."""
+        self._committer.flush()
         if not self._mine(lease) or conn.execute(
             f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
             f" WHERE {_FENCE} RETURNING run_id) INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
@@ -494,6 +509,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
                    priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         statement; `ValidationError` if the id exists."""
+        self._committer.flush()  # after the writes still pending in the group commit
         fields = header_fields(record)
         header = bytes(header)
         now = time.time()
@@ -598,6 +614,54 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         )
         return Lease(run_id, owner, epoch, {"postgres": self}, records, torn, self._where(run_id), good + len(line))
 
+    def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[Any, ...]], owner: str, ttl: float,
+                    check: Check | None) -> list[Lease]:
+        """With the due runs' rows locked and their leases free, each row (run id, epoch, size, last line, log,
+        whether its inbox holds anything) as `PostgresDueQueue._CLAIMABLE` reads them: `_claim_locked` of them all,
+        every claim written in one statement. A log read before a write that committed while its row was being
+        locked is read again. A log that is damaged, or that `check` refuses, is passed over; an ended run leaves
+        the queue."""
+        leases, lines, quiet = [], [], []
+        for run_id, epoch, size, last, data, signalled in rows:
+            data = bytes(data or b"")
+            if size != len(data) or bytes(last) != last_line(data):
+                cur.execute(f"SELECT string_agg(data, ''::bytea ORDER BY seq) FROM {self._records} WHERE run_id = %s",
+                            (run_id,))
+                data = bytes(cur.fetchone()[0] or b"")  # type: ignore[index]
+            where = self._where(run_id)
+            try:
+                records, good, torn = parse_log(data, where, partial(self._values, run_id, cur))
+                records = checked(records, where, check)
+            except CorruptLogError:
+                continue
+            if ended(records):
+                self._unschedule(cur, run_id)
+                continue
+            self._cut_torn(cur, run_id, data, good)
+            epoch += 1
+            line = claimed(records, epoch, owner)
+            lines.append(line)
+            leases.append(Lease(run_id, owner, epoch, {"postgres": self}, records, torn, where, good + len(line)))
+            if not signalled:
+                quiet.append(run_id)
+        if leases:
+            cur.execute(
+                "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bytea[], %s::bigint[])"
+                f" AS u(run_id, epoch, line, size)), claimed AS (UPDATE {self._runs} r SET epoch = u.epoch, owner = %s,"
+                " lease_expires = clock_timestamp() + make_interval(secs => %s), updated = clock_timestamp(),"
+                " last = u.line, size = u.size FROM u WHERE r.run_id = u.run_id RETURNING r.run_id)"
+                f" INSERT INTO {self._records} (run_id, data) SELECT u.run_id, u.line FROM u JOIN claimed"
+                " ON claimed.run_id = u.run_id",
+                ([lease.run_id for lease in leases], [lease.epoch for lease in leases], lines,
+                 [lease.size for lease in leases], owner, ttl))
+        now = time.monotonic()
+        expires = now + QUIET_FOR
+        if len(self._quiet) > 1000:  # runs never looked at: forgotten once their answer has lapsed
+            self._quiet = {run_id: until for run_id, until in self._quiet.items() if until > now}
+        for run_id in quiet:
+            self._quiet[run_id] = expires
+        return leases
+
     def _locked_log(self, cur: psycopg.Cursor[Any], run_id: str,
                     check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
         """With the run's row locked: its log's bytes, checked records, the length of its whole lines, the torn tail."""
@@ -661,10 +725,10 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         """Give the lease up; a stale lease leaves the current one alone."""
         if not self._mine(lease):
             return
-        self._write(
-            f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL WHERE {_FENCE}",
-            (lease.run_id, lease.epoch, lease.owner),
-        )
+        try:  # after the lease's appends still pending, in the next group commit
+            self._committer.call(Write("end", lease))
+        except LeaseLostError:
+            pass
         self._synced.pop((lease.run_id, lease.epoch), None)
 
     def lease_of(self, run_id: str) -> tuple[str, float] | None:
@@ -684,44 +748,45 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         )
         return bool(rows and rows[0][0])
 
-    def _do_append(self, lease: Lease, data: bytes) -> None:
-        """Append complete lines in one atomic statement, fenced by the lease's epoch and owner."""
-        data = bytes(data)
-        state = ""
-        if may_change_state(data):  # an end, reopen or reset
-            rows = self._fetch(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
-            state = state_after(rows[0][0] if rows else OPEN, data)
-        if not self._mine(lease) or self._write(
-            f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
-            + (", state = %s" if state else "") + f" WHERE {_FENCE} RETURNING run_id)"
-            f" INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
-            (last_line(data), len(data), *((state,) if state else ()), lease.run_id, lease.epoch, lease.owner, data),
-        ) == 0:
-            raise self._lost(lease)
+    groups_appends = True
+    """Appends are committed in groups (`pgcommit`): `RunLog` hands a step's record in with `append_soon` and
+    awaits its commit before the step's result goes back to the workflow."""
 
-    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
-        """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
-        by the lease's epoch and owner (a lost lease keeps neither)."""
-        data = bytes(data)
+    def append_soon(self, lease: Lease, data: bytes) -> Future[Any] | asyncio.Future[Any]:
+        """`append` without waiting: the lines go into the next group commit, in order after the lease's earlier
+        writes; the future holds None once they are durable, or the error that kept them out (`LeaseLostError`
+        for a lease no longer current: then nothing after it is kept either). Called on a thread running an
+        asyncio loop, the future is that loop's (awaitable there); else a `concurrent.futures.Future`."""
+        if type(data) is not bytes or not data.endswith(b"\n"):
+            data = validate_lines(data)
+        blobs: dict[str, bytes] | None = None
+        if len(data) >= LINE_MIN and enabled(self.values_once):
+            kept = lease.state.setdefault("kept_values", set())
+            data, blobs = externalise(data, kept)
+            kept.update(blobs)  # the same group commit keeps them, before the lines that refer to them
+        if not self._mine(lease):
+            lost: Future[Any] = Future()
+            lost.set_exception(self._lost(lease))
+            return lost
+        return self._committer.submit(Write("append", lease, data, blobs or None), soon=True)
+
+    def _do_append(self, lease: Lease, data: bytes) -> None:
+        """Append complete lines in the next group commit, fenced by the lease's epoch and owner; returns once
+        it is durable."""
         if not self._mine(lease):
             raise self._lost(lease)
-        with self._cursor(transaction=True) as cur:
-            state = ""
-            if may_change_state(data):
-                cur.execute(f"SELECT state FROM {self._runs} WHERE run_id = %s", (lease.run_id,))
-                row = cur.fetchone()
-                state = state_after(row[0] if row else OPEN, data)
-            cur.execute(
-                f"UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
-                + (", state = %s" if state else "") + f" WHERE {_FENCE}",
-                (last_line(data), len(data), *((state,) if state else ()), lease.run_id, lease.epoch, lease.owner))
-            if cur.rowcount == 0:
-                raise self._lost(lease)
-            self._keep_values(cur, lease.run_id, blobs)
-            cur.execute(f"INSERT INTO {self._records} (run_id, data) VALUES (%s, %s)", (lease.run_id, data))
+        self._committer.call(Write("append", lease, bytes(data)))
+
+    def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
+        """Keep the run's new stored values and append the lines that refer to them in the next group commit,
+        fenced by the lease's epoch and owner (a lost lease keeps neither)."""
+        if not self._mine(lease):
+            raise self._lost(lease)
+        self._committer.call(Write("append", lease, bytes(data), blobs))
 
     def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
         """Keep the run's new stored values (before a `rewrite` that refers to them)."""
+        self._committer.flush()
         with self._cursor(transaction=True) as cur:
             self._keep_values(cur, lease.run_id, blobs)
 
@@ -740,36 +805,43 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         return {digest: bytes(data) for digest, data in rows}
 
     def sync(self, lease: Lease) -> None:
-        """Check the lease and count a durable commit: with ``synchronous_commit = on`` every append already is."""
-        rows = self._fetch(f"SELECT size FROM {self._runs} WHERE {_FENCE}", (lease.run_id, lease.epoch, lease.owner))
-        if not rows or not self._mine(lease):
+        """Wait for the lease's appends still pending to be committed and check the lease, in the next group
+        commit (every commit is durable: ``synchronous_commit = on``); count a durable commit when the log grew."""
+        if not self._mine(lease):
             raise self._lost(lease)
+        self._count(lease, self._committer.call(Write("sync", lease)))
+
+    def _count(self, lease: Lease, size: int) -> None:
         key = (lease.run_id, lease.epoch)
-        if self._synced.get(key) != rows[0][0]:
-            self._synced[key] = rows[0][0]
+        if self._synced.get(key) != size:
+            self._synced[key] = size
             self.fsyncs += 1
 
     def sync_all(self, leases: list[Lease]) -> None:
-        """`sync` each lease (a grouped commit costs what separate ones do here)."""
-        sync_each(self, leases)
+        """`sync` the leases in one group commit."""
+        for lease in leases:
+            if not self._mine(lease):
+                raise self._lost(lease)
+        futures = [self._committer.submit(Write("sync", lease)) for lease in leases]
+        for lease, future in zip(leases, futures, strict=True):
+            self._count(lease, future.result())
 
     def finish_all(self, leases: list[Lease]) -> list[BaseException | None]:
-        """One transaction for all the leases: each lease checked and released and its run's queue row (and
-        joins) deleted; one WAL flush for the group."""
+        """End the leases in the next group commit, after their appends still pending: each lease checked and
+        released and its run's queue row (and joins) deleted; one WAL flush for the group."""
+        futures = [self._committer.submit(Write("end", lease, unschedule=True)) if self._mine(lease) else None
+                   for lease in leases]
         errors: list[BaseException | None] = []
-        with self._cursor(transaction=True) as cur:
-            for lease in leases:
-                if self._mine(lease):
-                    cur.execute(f"UPDATE {self._runs} SET owner = NULL, lease_expires = NULL WHERE {_FENCE}",
-                                (lease.run_id, lease.epoch, lease.owner))
-                if not self._mine(lease) or cur.rowcount == 0:
-                    errors.append(self._lost(lease))
-                    continue
-                self._unschedule(cur, lease.run_id)
-                errors.append(None)
-        self.fsyncs += 1
-        for lease in leases:
+        for lease, future in zip(leases, futures, strict=True):
+            if future is None:
+                errors.append(self._lost(lease))
+                continue
+            error = future.exception()
+            if error is not None and not isinstance(error, LeaseLostError):
+                raise error
+            errors.append(error)
             self._synced.pop((lease.run_id, lease.epoch), None)
+        self.fsyncs += 1
         return errors
 
     def _do_size(self, run_id: str) -> int:
@@ -784,6 +856,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         header = data[: data.index(b"\n") + 1]
         if not self._mine(lease):
             raise self._lost(lease)
+        self._committer.flush()
         with self._cursor(transaction=True) as cur:
             cur.execute(
                 f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp(), state = %s"
@@ -832,6 +905,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         are locked first (``FOR UPDATE``), so the batch stops at the first one not bound as its run expects,
         as a bind would. A batch that names one identity twice, or that another process races (a binding or a
         run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
+        self._committer.flush()  # after the writes still pending in the group commit
         fields = [header_fields(header) for header in headers]
         places = [queue_fields(header) for header in headers]
         digests = [_digest(run.identity) for run in runs]
@@ -1033,6 +1107,8 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
     # ---- signals ------------------------------------------------------------------------------
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
+        self._committer.flush()  # after the writes still pending in the group commit
+        self._quiet.pop(run_id, None)
         if self._write(
             f"INSERT INTO {self._signals} (run_id, id, data)"
             f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
@@ -1045,7 +1121,11 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
             self.wake(run_id, name)
 
     def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown."""
+        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown. The first look at a run
+        this process just claimed with an empty inbox is answered from the claim (a signal sent since then is
+        found at the next look, as if it had come just after this one)."""
+        if self._quiet and self._quiet.pop(run_id, 0.0) > time.monotonic():
+            return []
         rows = self._fetch(
             f"SELECT s.data FROM {self._runs} runs LEFT JOIN {self._signals} s ON s.run_id = runs.run_id"
             " WHERE runs.run_id = %s ORDER BY s.seq",
@@ -1057,6 +1137,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
 
     def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
+        self._committer.flush()  # after the writes still pending in the group commit
         with self._cursor() as cur:
             cur.execute(
                 f"WITH acked AS (DELETE FROM {self._signals} WHERE run_id = %s AND id = %s)"

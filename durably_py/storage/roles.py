@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from .base import Check, Choose, Lease, Log, NewRun, QueueEntry, QueueStats, RunInfo
 
-__all__ = ["AppTransaction", "Blobs", "Catalog", "DueQueue", "Fleet", "Identities", "Inbox", "LimitUpdate", "Limits",
-           "Partials", "RunLogs", "Storage", "Transactions"]
+__all__ = ["AppTransaction", "Blobs", "Catalog", "DueQueue", "Fleet", "GroupCommits", "Identities", "Inbox",
+           "LimitUpdate", "Limits", "Partials", "RunLogs", "Storage", "Transactions"]
 
 LimitUpdate = Callable[[Any, float, Callable[[str, int], bool]], tuple[Any, Any]]
 """What `Limits.limit` runs in its atomic step: (the stored document or None, now in epoch seconds, live) ->
@@ -303,6 +303,22 @@ class Partials(Protocol):
 @runtime_checkable
 class Storage(RunLogs, Identities, Catalog, Inbox, DueQueue, Fleet, Limits, Blobs, Partials, Protocol):
     """Where runs live: every role at once. Appends are atomic and ordered per run; only a lease holder appends."""
+
+
+@runtime_checkable
+class GroupCommits(Protocol):
+    """An adapter that commits the writes under leases in groups (PostgreSQL): several runs' appends share one
+    durable commit. Not part of `Storage`: `RunLog` uses it when an adapter has it (`groups_appends` true), and
+    every other adapter keeps its synchronous `append`."""
+
+    groups_appends: bool
+    """True: `RunLog` hands records in with `append_soon` and awaits a step's record before its result goes back."""
+
+    def append_soon(self, lease: Lease, data: bytes) -> Any:
+        """`RunLogs.append` without waiting: the lines go into the next group commit, after the lease's earlier
+        writes. Returns a future (the calling loop's, on a thread running an asyncio loop; else a
+        `concurrent.futures.Future`) holding None once they are durable, or the error that kept them out; after a
+        failed one, the lease's later writes fail too, so a run's log never has a gap."""
 
 
 class AppTransaction(Protocol):

@@ -1,0 +1,182 @@
+"""PostgreSQL group commits of the appends, syncs and ends of the runs one process holds: each write fenced by
+its own lease, a run's writes in order, nothing acknowledged before its commit returned; and `durably worker`
+processes SIGKILLed while group commits are in flight lose no run and record no step twice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from helpers import wait_until
+
+from durably_py import create_engine, workflow
+from durably_py._authoring.workflow import REGISTRY, load_script
+from durably_py.errors import LeaseLostError
+
+JOBS = '''
+import os
+from durably_py import workflow
+
+LEDGER = os.environ.get("JOBS_LEDGER", os.devnull)
+
+
+async def mark(key):
+    """The step's side effect: one line in the ledger (O_APPEND, so every process's lines keep their order)."""
+    fd = os.open(LEDGER, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"{key}\\n".encode())
+    os.close(fd)
+    return key
+
+
+@workflow
+async def gc_three(ctx, n):
+    for k in range(3):
+        await ctx.step(mark, f"{n}.{k}")
+    return n
+'''
+
+
+def line(**fields: Any) -> bytes:
+    return msgspec.json.encode(fields) + b"\n"
+
+
+def header(run_id: str) -> bytes:
+    return line(t="run", v=1, run_id=run_id, workflow="w", input=None)
+
+
+def kinds(store: Any, run_id: str) -> list[str]:
+    return [r["t"] if isinstance(r, dict) else msgspec.to_builtins(r)["t"] for r in store.read(run_id).records]
+
+
+def test_a_group_commit_fails_only_the_writes_of_a_lost_lease_and_keeps_each_runs_order(
+        postgres_storage: Any) -> None:
+    a, b = postgres_storage(), postgres_storage()
+    for run_id in ("r1", "r2"):
+        a.create(run_id, header(run_id))
+    one, two = a.claim("r1", "me", 0.2), a.claim("r2", "me", 3600)
+    assert one is not None and two is not None
+    wait_until(lambda: not a.held("r1"))
+    assert b.claim("r1", "other", 3600) is not None  # another machine took r1 over
+    futures = []
+    for i in range(20):  # handed in without waiting: they go into a few group commits between them
+        futures.append(a.append_soon(one, line(t="step", i=i)))
+        futures.append(a.append_soon(two, line(t="step", i=i)))
+    outcomes = [f.exception(timeout=30) for f in futures]
+    assert all(isinstance(e, LeaseLostError) for e in outcomes[0::2])
+    assert outcomes[1::2] == [None] * 20
+    assert [r["i"] for r in a.read("r2").records[2:]] == list(range(20))  # in the order handed in
+    assert kinds(a, "r1") == ["run", "claim", "claim"]  # nothing of the lost lease
+    with pytest.raises(LeaseLostError):
+        a.sync(one)
+    a.sync(two)
+    assert a.finish_all([one, two])[1] is None and a.entry("r2") is None and not a.held("r2")
+    assert a.entry("r1") is not None and b.held("r1")  # the lost lease's end touched nothing
+
+
+def test_a_step_is_handed_back_only_once_its_record_is_durable(postgres_storage: Any) -> None:
+    """Each step's `ok` is in the database (read on another connection) before the workflow gets its result."""
+    store = postgres_storage()
+    other = postgres_storage()
+    seen: list[int] = []
+
+    async def count(i: int) -> int:
+        return i
+
+    @workflow
+    async def gc_checked(ctx: Any, n: int) -> int:
+        for i in range(n):
+            await ctx.step(count, i)
+            seen.append(kinds(other, ctx.run_id).count("ok"))
+        return n
+
+    assert asyncio.run(create_engine(store).run(gc_checked, 5)) == 5
+    assert seen == [1, 2, 3, 4, 5]
+
+
+def _kill_workers(tmp_path: Path, request: pytest.FixtureRequest, runs: int, most: int) -> dict[str, int]:
+    """Three `durably worker -c 8` processes drain `runs` three-step runs while one is SIGKILLed every 0.05-0.25 s
+    (they spend most of their time waiting for group commits) and replaced, `most` times; then one worker
+    finishes. Returns the figures, after checking every run."""
+    jobs = tmp_path / "jobs.py"
+    jobs.write_text(JOBS)
+    ledger = tmp_path / "ledger.txt"
+    env = {**os.environ, "JOBS_LEDGER": str(ledger), "PYTHONPATH": str(tmp_path)}
+    store = request.getfixturevalue("postgres_storage")()
+    dsn = dict(part.split("=", 1) for part in store.dsn.split())
+    url = f"postgresql://{dsn['user']}@localhost/{dsn['dbname']}?host={dsn['host']}&schema={store.schema}"
+    engine = create_engine(store)
+    REGISTRY.pop("gc_three", None)
+    load_script(jobs)
+    args = [sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import", str(jobs), "-c", "8",
+            "--lease", "2", "-q"]
+    procs = [subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL) for _ in range(3)]
+    rng = random.Random(26)
+    kills = 0
+    seen_ended: set[str] = set()
+    try:
+        ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["gc_three"], n) for n in range(runs)]))]
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            ended = {r.run_id for r in engine.storage.list_runs(state="completed")}
+            seen_ended |= ended
+            if len(ended) == len(ids):
+                break
+            if kills < most:
+                time.sleep(rng.uniform(0.05, 0.25))
+                victim = rng.randrange(len(procs))
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
+                procs[victim] = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
+                kills += 1
+            else:
+                time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+    order = ledger.read_text().split()
+    last_seen: dict[str, int] = {}
+    for position, key in enumerate(order):
+        last_seen[key] = position
+    first_seen: dict[str, int] = {}
+    for position, key in reversed(list(enumerate(order))):
+        first_seen[key] = position
+    doubles = again_after_next = 0
+    for n, run_id in enumerate(ids):
+        records = [msgspec.to_builtins(r) if not isinstance(r, dict) else r for r in engine.storage.read(run_id).records]
+        assert records[-1]["t"] == "end" and records[-1]["status"] == "completed", (run_id, records[-1])
+        paths = [r["p"] for r in records if r["t"] == "ok"]
+        doubles += (len(paths) - len(set(paths))) + sum(1 for r in records if r["t"] == "end") - 1
+        for k in range(2):  # a step whose next step started was recorded: it never ran again after that
+            if f"{n}.{k + 1}" in first_seen and last_seen[f"{n}.{k}"] > first_seen[f"{n}.{k + 1}"]:
+                again_after_next += 1
+    lost = len(seen_ended - {r.run_id for r in engine.storage.list_runs(state="completed")})
+    figures = {"runs": runs, "kills": kills, "executions": len(order), "steps": 3 * runs, "doubles": doubles,
+               "ran again after the next step": again_after_next, "ended then lost": lost}
+    print("\n  postgres group commits, workers SIGKILLed: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+    assert doubles == 0 and again_after_next == 0 and lost == 0
+    assert engine.storage.due(10) == []
+    return figures
+
+
+def test_workers_killed_during_group_commits_on_postgres_lose_no_run_and_record_no_step_twice(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    figures = _kill_workers(tmp_path, request, runs=400, most=8)
+    assert figures["kills"] >= 4
+
+
+@pytest.mark.slow
+def test_many_workers_killed_during_group_commits_on_postgres_lose_no_run_and_record_no_step_twice(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    figures = _kill_workers(tmp_path, request, runs=3000, most=40)
+    assert figures["kills"] >= 20
