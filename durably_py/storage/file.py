@@ -14,8 +14,11 @@ Layout under ``dir``::
     queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "p": priority,
                           "w": [signal names that wake it], "c": created, "q": its named queue (absent: the
                           default queue), "pt": its partition (absent: none)}; replaced atomically (temp file and
-                          rename) under the flock of queue/.lock, deleted when the run ends. The due query
-                          lists this directory only, so ended runs cost it nothing.
+                          rename) under the flock of queue/.lock, deleted when the run ends
+    queue/.due.jsonl      the due journal: one line per change to an entry, appended under the same flock, so a
+                          worker finds due runs by reading only the lines added since its last look; derived
+                          from the entry files and rebuilt from them when missing, compacted or from before the
+                          last boot (`filedue.py`)
     catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
                           last activity per run; `fileindex.py`): written at create, queue changes and delete,
                           never per step, and repaired from the logs whenever it is missing or behind them
@@ -956,6 +959,7 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         for held in list(self._mine):
             self._drop(held)
         self._workers.retire_all()
+        self.queue.journal.close()
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()

@@ -22,18 +22,17 @@ from .base import (
     RunInfo,
     count_queues,
     decode_record,
-    due_order,
     fair_order,
     is_run_id,
     queue_allows,
 )
 from .catalog import queue_fields
+from .filedue import DueJournal, entry_fields, sooner
 from .filelocks import flocked
 from .wakeup import LocalWakeups
 
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
 _ENTRY = msgspec.json.Decoder()
-_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileQueue.due`
 
 
 class FileQueue:
@@ -54,7 +53,7 @@ class FileQueue:
         self._ready_dir = False
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
-        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
+        self.journal = DueJournal(self._path, str(self.dir / ".lock"), self._read_all, _entry, self.read)
 
     # ---- entries --------------------------------------------------------------------------------
     def _entry_path(self, run_id: str) -> Path:
@@ -86,7 +85,7 @@ class FileQueue:
                 info = self._info(run_id)
                 if info is not None and not info.ended and self.read(run_id) is None:
                     self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at,
-                                          *queue_fields(info.header)))
+                                          *queue_fields(info.header)), None)
         self._ready_dir = True
 
     @contextmanager
@@ -96,21 +95,23 @@ class FileQueue:
         with flocked(str(self.dir / ".lock")):
             yield
 
-    def write(self, entry: QueueEntry) -> None:
-        """Atomically replace a run's queue entry (call with the queue lock held); its queue ("q") and
-        partition ("pt") only when not the default queue and none."""
-        fields: dict[str, Any] = {"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created}
-        if entry.queue != DEFAULT_QUEUE:
-            fields["q"] = entry.queue
-        if entry.partition is not None:
-            fields["pt"] = entry.partition
-        data = msgspec.json.encode(fields)
+    def write(self, entry: QueueEntry, old: QueueEntry | None) -> None:
+        """Atomically replace a run's queue entry `old` (None: it has none) with `entry` (call with the queue
+        lock held); its queue ("q") and partition ("pt") only when not the default queue and none. The due
+        journal's line goes before the file when the run becomes due no later, else after
+        (`filedue.sooner`)."""
+        first = sooner(entry, old)
+        if first:
+            self.journal.append([self.journal.set_line(entry)])
+        data = msgspec.json.encode(entry_fields(entry))
         tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
         try:
             os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
         except BaseException:
             _unlink(tmp)
             raise
+        if not first:
+            self.journal.append([self.journal.set_line(entry)])
 
     def read(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry (None: not queued, or not a readable entry)."""
@@ -132,12 +133,14 @@ class FileQueue:
         run_id = entry.run_id
         if self.queued(run_id) or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
             return False
-        self.write(entry)
+        self.write(entry, None)
         return True
 
     def discard(self, run_id: str) -> None:
-        """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run)."""
+        """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run), then
+        say so in the due journal."""
         _unlink(os.path.join(self._path, f"{run_id}.json"))
+        self.journal.append([self.journal.drop_line(run_id)])
 
     # ---- moving runs ----------------------------------------------------------------------------
     def schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
@@ -146,9 +149,10 @@ class FileQueue:
         with self.lock():
             old = self.read(run_id)
             if old is not None:
-                self.write(replace(old, at=at, wait=wait, priority=old.priority if priority is None else priority))
+                self.write(replace(old, at=at, wait=wait, priority=old.priority if priority is None else priority),
+                           old)
             else:
-                self.write(QueueEntry(run_id, at, priority or 0, wait, time.time(), *self._place_of(run_id)))
+                self.write(QueueEntry(run_id, at, priority or 0, wait, time.time(), *self._place_of(run_id)), None)
             self._drop_joins(run_id)
 
     def _drop_joins(self, run_id: str) -> None:
@@ -177,7 +181,7 @@ class FileQueue:
             now = time.time()
             due = None if queued else now
             self.write(replace(old, at=due, wait=()) if old is not None
-                       else QueueEntry(run_id, due, 0, (), now, *self._place_of(run_id)))
+                       else QueueEntry(run_id, due, 0, (), now, *self._place_of(run_id)), old)
         if not queued:
             self.wakeups.notify()
         return not queued
@@ -195,6 +199,7 @@ class FileQueue:
         with self.lock():
             for run_id, parent in zip(run_ids, parents, strict=True):
                 self._unqueue(run_id, parent)
+            self.journal.append([self.journal.drop_line(run_id) for run_id in run_ids])
 
     def _header_of(self, run_id: str) -> dict[str, Any]:
         """A run's decoded header ({}: no log, or no header line)."""
@@ -215,7 +220,7 @@ class FileQueue:
 
     def _unqueue(self, run_id: str, parent: str | None) -> None:
         """`unschedule` of one run with the queue lock held: its file in its parent's join goes first (the last
-        one makes the parent due), then its own joins and its entry."""
+        one makes the parent due), then its own joins and its entry (the caller then tells the due journal)."""
         if parent is not None:
             folder = self.joins_dir / parent
             (folder / run_id).unlink(missing_ok=True)
@@ -227,7 +232,7 @@ class FileQueue:
                 old = self.read(parent)
                 now = time.time()
                 if old is not None and (old.at is None or old.at > now):
-                    self.write(replace(old, at=now))
+                    self.write(replace(old, at=now), old)
                     self.wakeups.notify()
                 folder.rmdir()
         self._drop_joins(run_id)
@@ -244,15 +249,15 @@ class FileQueue:
             now = time.time()
             if old.at is not None and old.at <= now:
                 return False
-            self.write(replace(old, at=now))
+            self.write(replace(old, at=now), old)
         self.wakeups.notify()
         return True
 
     # ---- finding due runs -----------------------------------------------------------------------
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
-        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
-        the file system's timestamp granularity), so an idle worker's looks read no entry."""
+        """Every queue entry (unfinished runs only), read from the entry files, in no particular order. The
+        entries read last are kept and given again while the queue directory is unchanged since (its mtime,
+        trusted once it is older than the file system's timestamp granularity)."""
         if not self._ready_dir and self.runs_dir.exists():
             self._ensure()
         try:
@@ -261,61 +266,61 @@ class FileQueue:
             return []
         if self._listed is not None and self._listed[0] == mtime:
             return self._listed[1]
-        names = os.listdir(self._path)
+        out = self._read_all()
+        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
+        self._listed = (mtime, out) if settled else None
+        return out
+
+    def _read_all(self) -> list[QueueEntry]:
+        """Every entry file's entry (the due journal's rebuild calls this with the queue lock held)."""
+        try:
+            names = os.listdir(self._path)
+        except FileNotFoundError:
+            return []
         out = []
         for name in names:
             if name.endswith(".json") and not name.startswith(".") and is_run_id(name[:-5]):
                 found = self.read(name[:-5])
                 if found is not None:
                     out.append(found)
-        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
-        self._listed = (mtime, out) if settled else None
         return out
+
+    def _looked(self) -> bool:
+        """Ready to look at the due journal: False when there is no queue yet (nothing is due)."""
+        if not self._ready_dir:
+            if self.runs_dir.exists():
+                self._ensure()
+            elif not os.path.isdir(self._path):
+                return False
+        return True
 
     def due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
             queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
-        """Due runs from the queue directory, in the queue's fair order (`base.fair_order`): entries due by
-        `now` whose run no live process holds, in `queues` and not `full` (the entry says its queue and
-        partition), and, for `names`, whose header names one of them (read once per run, headers never
-        change)."""
-        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
+        """Due runs in the queue's fair order (`base.fair_order`), from this process's view of the due journal
+        (`filedue.DueJournal`), so a look costs the same whatever the backlog: entries due by `now` whose run
+        no live process holds, in `queues` and not `full` (the entry says its queue and partition), and, for
+        `names`, whose header names one of them (read once per run, headers never change). Each candidate's
+        entry file is read before it is returned: one that disagrees with the view corrects it."""
+        if not self._looked():
+            return []
         at = time.time() if now is None else now
+        journal = self.journal
 
         def eligible(entry: QueueEntry) -> bool:
-            if entry.run_id in skip or not queue_allows(entry, queues, full):
+            if entry.at is None or entry.at > at or entry.run_id in skip or not queue_allows(entry, queues, full):
                 return False
             if names is not None and self._workflow_of(entry.run_id) not in names:
                 return False
-            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
-                fresh = self.read(entry.run_id)
+            fresh = self.read(entry.run_id)
+            if fresh != entry:
+                journal.correct(entry.run_id)
                 if fresh is None or fresh.at is None or fresh.at > at:
                     return False
             return not self._held(entry.run_id) and os.path.exists(
                 os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
 
-        out = [entry.run_id for entry in itertools.islice(fair_order(ready, eligible), limit)]
-        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
-            self._ready_list = None
-            return self.due(limit, None, skip, names, queues, full)
-        return out
-
-    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
-        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
-        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
-        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
-        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
-        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
-        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
-        present = set(os.listdir(self._path)) if os.path.isdir(self._path) else set()
-        kept = self._ready_list
-        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
-            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
-        ready = self._sorted_due(now)
-        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
-        return ready, False
-
-    def _sorted_due(self, now: float) -> list[QueueEntry]:
-        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
+        return journal.look(at, lambda ready: [e.run_id for e in itertools.islice(fair_order(ready, eligible),
+                                                                                  limit)])
 
     def _workflow_of(self, run_id: str) -> str | None:
         """The workflow a run's header names (None: no log, or no header yet)."""
@@ -334,9 +339,12 @@ class FileQueue:
         return name
 
     def next_due(self, now: float | None = None) -> float | None:
-        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
-        now = time.time() if now is None else now
-        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+        """The earliest time after `now` at which a queued run falls due (None: none is to), from the due
+        journal's view (never later than the entry files say; an early answer costs a look that finds
+        nothing and corrects the view)."""
+        if not self._looked():
+            return None
+        return self.journal.next_due(time.time() if now is None else now)
 
     def stats(self, now: float) -> list[QueueStats]:
         """`queue_stats` from every entry whose run has a log (an entry whose log was never created is not a
