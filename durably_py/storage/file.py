@@ -11,10 +11,12 @@ Layout under ``dir``::
                           the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
                           may send, lease or not), so a reader sees a whole signal or none
     index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
-    queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "p": priority,
-                          "w": [signal names that wake it], "c": created, "q": its named queue (absent: the
-                          default queue), "pt": its partition (absent: none)}; replaced atomically (temp file and
-                          rename) under the flock of queue/.lock, deleted when the run ends
+    queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "c": created,
+                          "p": priority (absent: 0), "w": [signal names that wake it] (absent: none), "q": its
+                          named queue (absent: the default queue), "pt": its partition (absent: none)}, stored as
+                          a symlink's target (a regular file where symlinks are not supported or the entry is too
+                          long; `filequeue.py` says why); replaced atomically (temp link or file, and rename)
+                          under the flock of queue/.lock, deleted when the run ends
     queue/.due.jsonl      the due journal: one line per change to an entry, appended under the same flock, so a
                           worker finds due runs by reading only the lines added since its last look; derived
                           from the entry files and rebuilt from them when missing, compacted or from before the

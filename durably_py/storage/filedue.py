@@ -54,8 +54,13 @@ BOOT = _boot_id()
 
 
 def entry_fields(entry: QueueEntry) -> dict[str, Any]:
-    """The stored fields of a queue entry (as its file holds them; the journal adds the run id)."""
-    fields: dict[str, Any] = {"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created}
+    """The stored fields of a queue entry (as its file holds them; the journal adds the run id): its priority,
+    signals, queue and partition only when not 0, none, the default queue and none."""
+    fields: dict[str, Any] = {"at": entry.at, "c": entry.created}  # short enough for an inline symlink target
+    if entry.priority:
+        fields["p"] = entry.priority
+    if entry.wait:
+        fields["w"] = list(entry.wait)
     if entry.queue != "default":
         fields["q"] = entry.queue
     if entry.partition is not None:

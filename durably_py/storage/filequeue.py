@@ -4,6 +4,7 @@ files of runs parked until their children end (``joins/<run_id>/<child>``); the 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import time
@@ -17,6 +18,7 @@ import msgspec
 
 from .base import (
     DEFAULT_QUEUE,
+    FULL_ERRNOS,
     QueueEntry,
     QueueStats,
     RunInfo,
@@ -25,6 +27,7 @@ from .base import (
     fair_order,
     is_run_id,
     queue_allows,
+    storage_full,
 )
 from .catalog import queue_fields
 from .filedue import DueJournal, entry_fields, sooner
@@ -51,6 +54,7 @@ class FileQueue:
         self._info = info  # run id -> its `RunInfo` (for queueing a state dir from before the queue)
         self.wakeups = wakeups
         self._ready_dir = False
+        self._links = True  # entries are stored as symlinks (False: this file system has none, regular files)
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
         self.journal = DueJournal(self._path, str(self.dir / ".lock"), self._read_all, _entry, self.read)
@@ -61,7 +65,7 @@ class FileQueue:
 
     def queued(self, run_id: str) -> bool:
         """True when the run has a queue entry."""
-        return os.path.exists(os.path.join(self._path, f"{run_id}.json"))
+        return os.path.lexists(os.path.join(self._path, f"{run_id}.json"))
 
     def _ensure(self) -> None:
         """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
@@ -104,7 +108,9 @@ class FileQueue:
         if first:
             self.journal.append([self.journal.set_line(entry)])
         data = msgspec.json.encode(entry_fields(entry))
-        tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
+        tmp = self._link_tmp(entry.run_id, data) if self._links else None
+        if tmp is None:
+            tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
         try:
             os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
         except BaseException:
@@ -113,18 +119,48 @@ class FileQueue:
         if not first:
             self.journal.append([self.journal.set_line(entry)])
 
-    def read(self, run_id: str) -> QueueEntry | None:
-        """The run's queue entry (None: not queued, or not a readable entry)."""
+    def _link_tmp(self, run_id: str, data: bytes) -> str | None:
+        """A new hidden symlink whose target is the entry's JSON, to be renamed into place; None when the entry
+        is to be a regular file: this file system has no symlinks, or the JSON is too long for a target.
+
+        An entry is a symlink because its target lives in the inode (on ext4 up to 59 bytes, most entries):
+        writing one allocates no data block and removing one frees none, which on a journaling file system
+        costs as much as a commit when it follows a sync, as a run's end does. Nothing follows the link."""
+        tmp = os.path.join(self._path, f".{run_id}.{os.getpid()}.{os.urandom(6).hex()}.lnk")
         try:
-            fd = os.open(os.path.join(self._path, f"{run_id}.json"), os.O_RDONLY)
+            os.symlink(data, os.fsencode(tmp))
+        except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
+            self._links = False
+            return None
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                raise storage_full(exc, "write", self._path) from exc
+            if exc.errno != errno.ENAMETOOLONG:  # pragma: no cover - a file system without symlinks
+                self._links = False
+            return None
+        return tmp
+
+    def read(self, run_id: str) -> QueueEntry | None:
+        """The run's queue entry (None: not queued, or not a readable entry): a symlink's target, or a
+        regular file's content (entries too long for a target, and from before entries were symlinks)."""
+        path = os.path.join(self._path, f"{run_id}.json")
+        try:
+            data = os.readlink(os.fsencode(path))
         except FileNotFoundError:
             return None
+        except OSError:  # a regular file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                data = os.read(fd, 65536)
+            finally:
+                os.close(fd)
         try:
-            raw = _ENTRY.decode(os.read(fd, 65536))
+            raw = _ENTRY.decode(data)
         except msgspec.DecodeError:
             return None
-        finally:
-            os.close(fd)
         return _entry(run_id, raw)
 
     def add(self, entry: QueueEntry) -> bool:
@@ -171,7 +207,7 @@ class FileQueue:
         now, when no child is queued); all under the queue flock."""
         with self.lock():
             self._drop_joins(run_id)
-            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
+            queued = [c for c in dict.fromkeys(children) if self.queued(c)]
             if queued:
                 folder = self.joins_dir / run_id
                 folder.mkdir(parents=True, exist_ok=True)
