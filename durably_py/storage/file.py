@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
     Check,
     Choose,
@@ -66,7 +66,6 @@ from .base import (
     QueueStats,
     RunInfo,
     checked,
-    claim_candidates,
     claimed,
     decode_record,
     ended,
@@ -82,6 +81,7 @@ from .catalog import OPEN, RunFilter, header_fields, queue_fields
 from .fileinbox import FileInbox
 from .filelimits import FileLimits
 from .filelocks import (
+    CLAIM_TRIES,
     Held,
     OsLock,
     drop,
@@ -267,14 +267,15 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         """The run's stored values, read when a log line refers to one (`filevalues`)."""
         return lambda: read_values(values_path(self._runs_path, run_id))
 
-    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool,
+                  tries: int = CLAIM_TRIES) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
         An ended run (without `reopen`) is refused, and under its lock taken out of the queue."""
         path = os.path.join(self._runs_path, f"{run_id}.jsonl")
         if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         log = Path(path)
-        held = lock_run(self._lock_path(run_id), run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log, tries)
         if held is None:
             return None
         try:
@@ -898,9 +899,16 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
                       names: frozenset[str] | None, queues: frozenset[str] | None,
                       full: frozenset[str]) -> list[Lease]:
-        """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
-        due = self.queue.due(2 * limit + 2, None, skip, names, queues, full)
-        return claim_candidates(self, due, owner, ttl, limit, check)
+        """Claim up to `limit` due runs, in queue order as `FileQueue.claim_due` finds them; each claim is the
+        run's own flock, tried once (a run another worker takes first is passed over), so workers never share
+        a run and never wait for each other."""
+        def claim(run_id: str) -> Lease | None:
+            try:
+                return self._do_claim(run_id, owner, ttl, check, False, 1)
+            except (RunNotFoundError, CorruptLogError):
+                return None
+
+        return self.queue.claim_due(limit, skip, names, queues, full, claim)
 
     def _do_queue_stats(self, now: float) -> list[QueueStats]:
         """Counted from every queue entry (`FileQueue.stats`)."""

@@ -248,18 +248,20 @@ def owner_of(data: bytes) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def lock_run(lock_path: str, run_id: str, log: Path) -> Held | None:
-    """Take the run's lock at `lock_path` (registered in this process); None while another owner holds it."""
+def lock_run(lock_path: str, run_id: str, log: Path, tries: int = CLAIM_TRIES) -> Held | None:
+    """Take the run's lock at `lock_path` (registered in this process); None while another owner holds it.
+    `tries` attempts a millisecond apart (a held-probe elsewhere holds the lock shared for microseconds); a
+    worker claiming due runs tries once, as a run it loses stays due."""
     held = Held(run_id, log, OsLock(lock_path))
     with REGISTRY_LOCK:
         if lock_path in REGISTRY:
             return None
         REGISTRY[lock_path] = held
     try:
-        for attempt in range(CLAIM_TRIES):
+        for attempt in range(tries):
             if held.lock.acquire():
                 return held
-            if attempt + 1 < CLAIM_TRIES:
+            if attempt + 1 < tries:
                 time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
     except BaseException:
         unregister(held)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -36,6 +36,7 @@ from .wakeup import LocalWakeups
 
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
 _ENTRY = msgspec.json.Decoder()
+_L = TypeVar("_L")
 
 
 class FileQueue:
@@ -321,6 +322,29 @@ class FileQueue:
                     out.append(found)
         return out
 
+    def claim_due(self, limit: int, skip: tuple[str, ...], names: frozenset[str] | None,
+                  queues: frozenset[str] | None, full: frozenset[str], claim: Callable[[str], _L | None]) -> list[_L]:
+        """Claim up to `limit` due runs with `claim` (None: another process has it, or it is not to run), going
+        down the due runs in `due`'s order. No held-probe first: the claim's own lock attempt is the probe, so
+        a run free now costs one lock, and one held by another worker one failed attempt (a run this process
+        holds, none)."""
+        if limit <= 0 or not self._looked():
+            return []
+        at = time.time()
+        eligible = self._eligible(at, skip, names, queues, full, probe=False)
+
+        def take(ready: list[QueueEntry]) -> list[_L]:
+            leases: list[_L] = []
+            for entry in fair_order(ready, eligible):
+                lease = claim(entry.run_id)
+                if lease is not None:
+                    leases.append(lease)
+                    if len(leases) >= limit:
+                        break
+            return leases
+
+        return self.journal.look(at, take)
+
     def _looked(self) -> bool:
         """Ready to look at the due journal: False when there is no queue yet (nothing is due)."""
         if not self._ready_dir:
@@ -340,6 +364,15 @@ class FileQueue:
         if not self._looked():
             return []
         at = time.time() if now is None else now
+        eligible = self._eligible(at, skip, names, queues, full, probe=True)
+        return self.journal.look(at, lambda ready: [e.run_id for e in itertools.islice(fair_order(ready, eligible),
+                                                                                       limit)])
+
+    def _eligible(self, at: float, skip: tuple[str, ...], names: frozenset[str] | None,
+                  queues: frozenset[str] | None, full: frozenset[str], *, probe: bool) -> Callable[[QueueEntry], bool]:
+        """Whether an entry of the view is to be returned by a look at time `at`: due, not skipped, in the
+        queues asked for and not full, of the workflows `names` asks for, its entry file agreeing (or, after
+        correcting the view, due all the same), its log there, and (with `probe`) no process holding it."""
         journal = self.journal
 
         def eligible(entry: QueueEntry) -> bool:
@@ -352,11 +385,11 @@ class FileQueue:
                 journal.correct(entry.run_id)
                 if fresh is None or fresh.at is None or fresh.at > at:
                     return False
-            return not self._held(entry.run_id) and os.path.exists(
-                os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
+            if probe and self._held(entry.run_id):
+                return False
+            return os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
 
-        return journal.look(at, lambda ready: [e.run_id for e in itertools.islice(fair_order(ready, eligible),
-                                                                                  limit)])
+        return eligible
 
     def _workflow_of(self, run_id: str) -> str | None:
         """The workflow a run's header names (None: no log, or no header yet)."""
