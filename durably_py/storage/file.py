@@ -10,7 +10,9 @@ Layout under ``dir``::
     runs/<run_id>.inbox/  signals not yet acknowledged, one file each, <time_ns:020d>-<random hex>.json holding
                           the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
                           may send, lease or not), so a reader sees a whole signal or none
-    index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
+    index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path; a
+                          binding made in a batch (`create_bound`: children, `enqueue_many`) is a symlink whose
+                          target is the run id, others a file holding it
     queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "c": created,
                           "p": priority (absent: 0), "w": [signal names that wake it] (absent: none), "q": its
                           named queue (absent: the default queue), "pt": its partition (absent: none)}, stored as
@@ -56,6 +58,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    FULL_ERRNOS,
     Check,
     Choose,
     Lease,
@@ -129,6 +132,7 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         self.runs_dir = self.dir / "runs"
         self._partials: FilePartials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
+        self._link_bindings = True  # bindings made in a batch are symlinks (False: none on this file system)
         self._runs_path = str(self.runs_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
@@ -591,6 +595,19 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         file, where a damaged binding counts as none."""
         path = self._index_path(identity)
         os.makedirs(self._index_path_str, exist_ok=True)
+        if expect is None and not durable and self._link_bindings:
+            # made durable by the caller's syncfs: a symlink whose target is the run id is created only if the
+            # name is free, in one step, with no temp file and no data block (a regular file where there are
+            # no symlinks)
+            try:
+                os.symlink(run_id, path)
+                return True
+            except FileExistsError:
+                pass
+            except (OSError, NotImplementedError) as exc:  # pragma: no cover - a file system without symlinks
+                if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+                    raise storage_full(exc, "write", self._index_path_str) from exc
+                self._link_bindings = False
         if expect is None:
             tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
             try:
@@ -629,14 +646,20 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
 
     def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
+        path = self._index_path(identity)
         try:
-            fd = os.open(self._index_path(identity), os.O_RDONLY)
+            run_id = os.readlink(path)  # a binding made in a batch (`_bind`)
         except FileNotFoundError:
             return None
-        try:
-            run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
-        finally:
-            os.close(fd)
+        except OSError:  # a regular file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
         try:
             return validate_run_id(run_id)
         except ValidationError:
