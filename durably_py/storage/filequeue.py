@@ -109,16 +109,39 @@ class FileQueue:
         if first:
             self.journal.append([self.journal.set_line(entry)])
         data = msgspec.json.encode(entry_fields(entry))
-        tmp = self._link_tmp(entry.run_id, data) if self._links else None
-        if tmp is None:
-            tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
-        try:
-            os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
-        except BaseException:
-            _unlink(tmp)
-            raise
+        path = os.path.join(self._path, f"{entry.run_id}.json")
+        if old is not None or not self._new_link(path, data):
+            tmp = self._link_tmp(entry.run_id, data) if self._links else None
+            if tmp is None:
+                tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink(tmp)
+                raise
         if not first:
             self.journal.append([self.journal.set_line(entry)])
+
+    def _new_link(self, path: str, data: bytes) -> bool:
+        """Create a run's first entry as a symlink in place: one step, whole or not at all, so no temp link
+        and rename; False when it is to be written the other way (an unreadable entry is in the way, no
+        symlinks here, or an entry too long for a target)."""
+        if not self._links:
+            return False
+        try:
+            os.symlink(data, os.fsencode(path))
+        except FileExistsError:
+            return False
+        except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
+            self._links = False
+            return False
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                raise storage_full(exc, "write", self._path) from exc
+            if exc.errno != errno.ENAMETOOLONG:  # pragma: no cover - a file system without symlinks
+                self._links = False
+            return False
+        return True
 
     def _link_tmp(self, run_id: str, data: bytes) -> str | None:
         """A new hidden symlink whose target is the entry's JSON, to be renamed into place; None when the entry
