@@ -882,10 +882,11 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
                         self.sync(lease)
                     except Exception as exc:  # noqa: BLE001 - this run's outcome
                         errors[i] = exc
-        done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
+        finished = [lease for lease, error in zip(leases, errors, strict=True) if error is None]
+        done = [lease.run_id for lease in finished]
         try:
             if done:
-                self.queue.unschedule_all(done)
+                self.queue.unschedule_all(done, [lease.records[0] if lease.records else None for lease in finished])
                 for run_id in done:
                     self._refresh_later(run_id)
         finally:

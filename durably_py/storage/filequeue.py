@@ -252,10 +252,12 @@ class FileQueue:
         if self.queued(run_id) or os.path.exists(os.path.join(self._joins_path, run_id)):
             self.unschedule_all([run_id])
 
-    def unschedule_all(self, run_ids: list[str]) -> None:
+    def unschedule_all(self, run_ids: list[str], headers: list[Any] | None = None) -> None:
         """Take the runs out of the queue under one hold of the queue lock: each run's file in its parent's
-        join goes first (the last one makes the parent due), then its own joins and its entry."""
-        parents = [self._parent_of(run_id) for run_id in run_ids]
+        join goes first (the last one makes the parent due), then its own joins and its entry. `headers`: the
+        runs' headers where the caller has them (a lease's first record), so no log is opened for them."""
+        parents = [self._parent_of(run_id) if headers is None or not isinstance(headers[i], dict)
+                   or headers[i].get("t") != "run" else _parent_in(headers[i]) for i, run_id in enumerate(run_ids)]
         with self.lock():
             for run_id, parent in zip(run_ids, parents, strict=True):
                 self._unqueue(run_id, parent)
@@ -271,8 +273,7 @@ class FileQueue:
 
     def _parent_of(self, run_id: str) -> str | None:
         """The parent run a run's header names (None: none, or no log)."""
-        parent = self._header_of(run_id).get("parent")
-        return parent if isinstance(parent, str) and is_run_id(parent) else None
+        return _parent_in(self._header_of(run_id))
 
     def _place_of(self, run_id: str) -> tuple[str, str | None]:
         """The queue and partition a run's header names, for an entry written anew (a run queued again)."""
@@ -444,6 +445,12 @@ class FileQueue:
         found = [(entry, self._held(entry.run_id)) for entry in self.entries()
                  if os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))]
         return count_queues(found, now)
+
+
+def _parent_in(header: dict[str, Any]) -> str | None:
+    """The parent run a decoded header names (None: none)."""
+    parent = header.get("parent")
+    return parent if isinstance(parent, str) and is_run_id(parent) else None
 
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
