@@ -225,3 +225,35 @@ def test_processes_sigkilled_while_they_queue_claim_park_wake_and_end_lose_no_qu
 @pytest.mark.slow
 def test_many_rounds_of_sigkills_lose_no_queued_run(tmp_path: Path) -> None:
     churn_and_kill(tmp_path, rounds=30, procs=3)
+
+
+def test_entries_and_bindings_written_as_regular_files_by_older_versions_are_read_and_replaced(
+        tmp_path: Path) -> None:
+    from durably_py.storage.base import NewRun
+
+    state = tmp_path / "state"
+    store = FileStorage(state)
+    now = time.time()
+    store.create_bound([NewRun("r1", header("r1"), "key-1"), NewRun("r2", header("r2"), "key-2")])
+    store.create("r3", header("r3"), at=now + 3600)
+    assert (state / "queue" / "r1.json").is_symlink()  # entries and batched bindings are symlinks now
+    assert all(p.is_symlink() for p in (state / "index").iterdir())
+    store.close()
+    for run_id, fields in (("r1", {"at": now - 2, "p": 0, "w": [], "c": now}),
+                           ("r2", {"at": now - 1, "p": 3, "w": ["go"], "c": now})):
+        entry = state / "queue" / f"{run_id}.json"
+        entry.unlink()
+        entry.write_bytes(msgspec.json.encode(fields))  # as an older version wrote them
+    for binding in (state / "index").iterdir():
+        target = os.readlink(binding)
+        binding.unlink()
+        binding.write_text(target)
+    (state / "queue" / JOURNAL).unlink(missing_ok=True)
+    old = FileStorage(state)
+    assert old.lookup("key-1") == "r1" and old.lookup("key-2") == "r2"
+    assert old.due(10) == ["r2", "r1"]
+    old.schedule("r2", None, wait=("go",))
+    assert (state / "queue" / "r2.json").is_symlink() and old.entry("r2").wait == ("go",)
+    assert old.wake("r2", "go") and old.due(10) == ["r2", "r1"]
+    assert old.next_due() == pytest.approx(now + 3600)
+    old.close()

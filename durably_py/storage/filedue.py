@@ -38,6 +38,7 @@ JOURNAL = ".due.jsonl"
 _LINE = msgspec.json.Decoder()
 _ENCODE = msgspec.json.encode
 _COMPACT_SLACK = 10_000  # lines beyond four per entry before a reader compacts the journal
+_MAX_BYTES = 64 << 20  # a journal no reader compacts (only enqueues, no worker) is dropped at this size
 
 
 def _boot_id() -> str | None:
@@ -101,6 +102,7 @@ class DueJournal:
         self._seq = itertools.count()
         self._promoted = float("-inf")
         self._fixes: set[str] = set()
+        self._appends = 0
 
     # ---- writing (under the queue flock) ------------------------------------------------------------
     def append(self, lines: list[bytes]) -> None:
@@ -116,6 +118,9 @@ class DueJournal:
             data = b"".join(lines)
             if os.write(fd, data) != len(data):
                 raise OSError("short write")
+            self._appends += 1
+            if not self._appends % 256 and os.fstat(fd).st_size > _MAX_BYTES:
+                _unlink(self.path)  # no reader has compacted it for a long while: the next one rebuilds it
         except OSError:
             _unlink(self.path)
         finally:
