@@ -313,9 +313,13 @@ def sidecar_epoch(runs_path: str, run_id: str) -> int:
 def held_epoch(runs_path: str, held: Held) -> int:
     """`sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
     data = held.lock.read()
-    info = owner_of(data) if data is not None else None
-    if info is None:
+    if data is None:
         return sidecar_epoch(runs_path, held.run_id)
+    info = owner_of(data)
+    if info is None:  # a new lock file, or one no claimant wrote: the ``.owner`` sidecar of older versions
+        info = read_owner(os.path.join(runs_path, f"{held.run_id}.owner"))
+        if info is None:
+            return 0
     epoch = info.get("epoch")
     return epoch if isinstance(epoch, int) else 0
 
