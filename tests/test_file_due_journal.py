@@ -257,3 +257,21 @@ def test_entries_and_bindings_written_as_regular_files_by_older_versions_are_rea
     assert old.wake("r2", "go") and old.due(10) == ["r2", "r1"]
     assert old.next_due() == pytest.approx(now + 3600)
     old.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_a_read_only_state_dir_still_answers_due_from_its_entry_files(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = FileStorage(state)
+    store.create("r1", header("r1"))
+    store.close()
+    modes = {p: p.stat().st_mode for p in (state, state / "queue")}
+    for p in modes:
+        p.chmod(0o555)
+    try:
+        reader = FileStorage(state)
+        assert reader.due(5) == ["r1"] and reader.due(5) == ["r1"]
+        reader.close()
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)

@@ -171,6 +171,8 @@ class DueJournal:
         self._fixes.add(run_id)
 
     def _fix(self, run_ids: set[str]) -> None:
+        if self._fd is None:  # no journal (a state dir it cannot be written to): the next look reads every file
+            return
         with flocked(self._lock_path):
             try:
                 same = os.stat(self.path).st_ino == self._ino
@@ -259,21 +261,33 @@ class DueJournal:
         return header
 
     def _rebuild(self) -> None:
-        """Under the queue flock, read every entry file and write a new journal of them (rename in)."""
+        """Under the queue flock, read every entry file and write a new journal of them (rename in). Where
+        that cannot be done (a read-only state dir, a full disk) the view is the entry files as read now, and
+        the next look reads them again."""
         self._close()
         self._reset()
-        with flocked(self._lock_path):
-            entries = list(self._load())
-            lines = [_ENCODE({"v": 1, "boot": BOOT}) + b"\n"] + [self.set_line(e) for e in entries]
-            tmp = os.path.join(self._dir, f".due.{os.getpid()}.{threading.get_ident()}.tmp")
-            data = b"".join(lines)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            with flocked(self._lock_path):
+                entries = list(self._load())
+                data = b"".join([_ENCODE({"v": 1, "boot": BOOT}) + b"\n"] + [self.set_line(e) for e in entries])
+                tmp = os.path.join(self._dir, f".due.{os.getpid()}.{threading.get_ident()}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    written = os.write(fd, data)
+                finally:
+                    os.close(fd)
+                try:
+                    if written != len(data):
+                        raise OSError("short write")
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    _unlink(tmp)
+                    raise
+                fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            for entry in self._load():
+                self._set(entry)
+            return
         self._fd, self._ino, self._offset, self._lines = fd, os.fstat(fd).st_ino, len(data), 0
         for entry in entries:
             self._set(entry)
