@@ -10,12 +10,19 @@ Layout under ``dir``::
     runs/<run_id>.inbox/  signals not yet acknowledged, one file each, <time_ns:020d>-<random hex>.json holding
                           the signal line; written as a hidden .tmp file, fsynced, then renamed in (any process
                           may send, lease or not), so a reader sees a whole signal or none
-    index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path
-    queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "p": priority,
-                          "w": [signal names that wake it], "c": created, "q": its named queue (absent: the
-                          default queue), "pt": its partition (absent: none)}; replaced atomically (temp file and
-                          rename) under the flock of queue/.lock, deleted when the run ends. The due query
-                          lists this directory only, so ended runs cost it nothing.
+    index/<sha256>        the run id an identity (key) is bound to; the identity itself never becomes a path; a
+                          binding made in a batch (`create_bound`: children, `enqueue_many`) is a symlink whose
+                          target is the run id, others a file holding it
+    queue/<run_id>.json   the queue entry of a run that has not ended: {"at": due time or null, "c": created,
+                          "p": priority (absent: 0), "w": [signal names that wake it] (absent: none), "q": its
+                          named queue (absent: the default queue), "pt": its partition (absent: none)}, stored as
+                          a symlink's target (a regular file where symlinks are not supported or the entry is too
+                          long; `filequeue.py` says why); replaced atomically (temp link or file, and rename)
+                          under the flock of queue/.lock, deleted when the run ends
+    queue/.due.jsonl      the due journal: one line per change to an entry, appended under the same flock, so a
+                          worker finds due runs by reading only the lines added since its last look; derived
+                          from the entry files and rebuilt from them when missing, compacted or from before the
+                          last boot (`filedue.py`)
     catalog.db            the run catalog `list_runs` and `count_runs` answer from (workflow, key, parent, state,
                           last activity per run; `fileindex.py`): written at create, queue changes and delete,
                           never per step, and repaired from the logs whenever it is missing or behind them
@@ -49,8 +56,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import LeaseLostError, RunNotFoundError, ValidationError
+from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
+    FULL_ERRNOS,
     Check,
     Choose,
     Lease,
@@ -61,7 +69,6 @@ from .base import (
     QueueStats,
     RunInfo,
     checked,
-    claim_candidates,
     claimed,
     decode_record,
     ended,
@@ -77,6 +84,7 @@ from .catalog import OPEN, RunFilter, header_fields, queue_fields
 from .fileinbox import FileInbox
 from .filelimits import FileLimits
 from .filelocks import (
+    CLAIM_TRIES,
     Held,
     OsLock,
     drop,
@@ -124,6 +132,7 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         self.runs_dir = self.dir / "runs"
         self._partials: FilePartials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
+        self._link_bindings = True  # bindings made in a batch are symlinks (False: none on this file system)
         self._runs_path = str(self.runs_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
@@ -262,14 +271,15 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         """The run's stored values, read when a log line refers to one (`filevalues`)."""
         return lambda: read_values(values_path(self._runs_path, run_id))
 
-    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool) -> Lease | None:
+    def _do_claim(self, run_id: str, owner: str, ttl: float, check: Check | None, reopen: bool,
+                  tries: int = CLAIM_TRIES) -> Lease | None:
         """Lock the run and append a claim record with the next epoch; None while another owner holds the lock.
         An ended run (without `reopen`) is refused, and under its lock taken out of the queue."""
         path = os.path.join(self._runs_path, f"{run_id}.jsonl")
         if not os.path.exists(path):
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         log = Path(path)
-        held = lock_run(self._lock_path(run_id), run_id, log)
+        held = lock_run(self._lock_path(run_id), run_id, log, tries)
         if held is None:
             return None
         try:
@@ -585,6 +595,19 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         file, where a damaged binding counts as none."""
         path = self._index_path(identity)
         os.makedirs(self._index_path_str, exist_ok=True)
+        if expect is None and not durable and self._link_bindings:
+            # made durable by the caller's syncfs: a symlink whose target is the run id is created only if the
+            # name is free, in one step, with no temp file and no data block (a regular file where there are
+            # no symlinks)
+            try:
+                os.symlink(run_id, path)
+                return True
+            except FileExistsError:
+                pass
+            except (OSError, NotImplementedError) as exc:  # pragma: no cover - a file system without symlinks
+                if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+                    raise storage_full(exc, "write", self._index_path_str) from exc
+                self._link_bindings = False
         if expect is None:
             tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
             try:
@@ -623,14 +646,20 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
 
     def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
+        path = self._index_path(identity)
         try:
-            fd = os.open(self._index_path(identity), os.O_RDONLY)
+            run_id = os.readlink(path)  # a binding made in a batch (`_bind`)
         except FileNotFoundError:
             return None
-        try:
-            run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
-        finally:
-            os.close(fd)
+        except OSError:  # a regular file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
         try:
             return validate_run_id(run_id)
         except ValidationError:
@@ -853,10 +882,11 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
                         self.sync(lease)
                     except Exception as exc:  # noqa: BLE001 - this run's outcome
                         errors[i] = exc
-        done = [lease.run_id for lease, error in zip(leases, errors, strict=True) if error is None]
+        finished = [lease for lease, error in zip(leases, errors, strict=True) if error is None]
+        done = [lease.run_id for lease in finished]
         try:
             if done:
-                self.queue.unschedule_all(done)
+                self.queue.unschedule_all(done, [lease.records[0] if lease.records else None for lease in finished])
                 for run_id in done:
                     self._refresh_later(run_id)
         finally:
@@ -893,9 +923,16 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
     def _do_claim_due(self, owner: str, ttl: float, limit: int, skip: tuple[str, ...], check: Check | None,
                       names: frozenset[str] | None, queues: frozenset[str] | None,
                       full: frozenset[str]) -> list[Lease]:
-        """Claim up to `limit` due runs; each claim is the run's own flock, so workers never share a run."""
-        due = self.queue.due(2 * limit + 2, None, skip, names, queues, full)
-        return claim_candidates(self, due, owner, ttl, limit, check)
+        """Claim up to `limit` due runs, in queue order as `FileQueue.claim_due` finds them; each claim is the
+        run's own flock, tried once (a run another worker takes first is passed over), so workers never share
+        a run and never wait for each other."""
+        def claim(run_id: str) -> Lease | None:
+            try:
+                return self._do_claim(run_id, owner, ttl, check, False, 1)
+            except (RunNotFoundError, CorruptLogError):
+                return None
+
+        return self.queue.claim_due(limit, skip, names, queues, full, claim)
 
     def _do_queue_stats(self, now: float) -> list[QueueStats]:
         """Counted from every queue entry (`FileQueue.stats`)."""
@@ -956,6 +993,7 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         for held in list(self._mine):
             self._drop(held)
         self._workers.retire_all()
+        self.queue.journal.close()
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()

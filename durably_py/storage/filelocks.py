@@ -248,18 +248,20 @@ def owner_of(data: bytes) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def lock_run(lock_path: str, run_id: str, log: Path) -> Held | None:
-    """Take the run's lock at `lock_path` (registered in this process); None while another owner holds it."""
+def lock_run(lock_path: str, run_id: str, log: Path, tries: int = CLAIM_TRIES) -> Held | None:
+    """Take the run's lock at `lock_path` (registered in this process); None while another owner holds it.
+    `tries` attempts a millisecond apart (a held-probe elsewhere holds the lock shared for microseconds); a
+    worker claiming due runs tries once, as a run it loses stays due."""
     held = Held(run_id, log, OsLock(lock_path))
     with REGISTRY_LOCK:
         if lock_path in REGISTRY:
             return None
         REGISTRY[lock_path] = held
     try:
-        for attempt in range(CLAIM_TRIES):
+        for attempt in range(tries):
             if held.lock.acquire():
                 return held
-            if attempt + 1 < CLAIM_TRIES:
+            if attempt + 1 < tries:
                 time.sleep(0.001)  # a held-probe elsewhere holds the lock shared for microseconds
     except BaseException:
         unregister(held)
@@ -311,9 +313,13 @@ def sidecar_epoch(runs_path: str, run_id: str) -> int:
 def held_epoch(runs_path: str, held: Held) -> int:
     """`sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
     data = held.lock.read()
-    info = owner_of(data) if data is not None else None
-    if info is None:
+    if data is None:
         return sidecar_epoch(runs_path, held.run_id)
+    info = owner_of(data)
+    if info is None:  # a new lock file, or one no claimant wrote: the ``.owner`` sidecar of older versions
+        info = read_owner(os.path.join(runs_path, f"{held.run_id}.owner"))
+        if info is None:
+            return 0
     epoch = info.get("epoch")
     return epoch if isinstance(epoch, int) else 0
 

@@ -4,6 +4,7 @@ files of runs parked until their children end (``joins/<run_id>/<child>``); the 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import time
@@ -11,29 +12,31 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from .base import (
     DEFAULT_QUEUE,
+    FULL_ERRNOS,
     QueueEntry,
     QueueStats,
     RunInfo,
     count_queues,
     decode_record,
-    due_order,
     fair_order,
     is_run_id,
     queue_allows,
+    storage_full,
 )
 from .catalog import queue_fields
+from .filedue import DueJournal, entry_fields, sooner
 from .filelocks import flocked
 from .wakeup import LocalWakeups
 
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
 _ENTRY = msgspec.json.Decoder()
-_READY_FOR = 1.0  # seconds a sorted backlog of due entries is reused by `FileQueue.due`
+_L = TypeVar("_L")
 
 
 class FileQueue:
@@ -52,9 +55,10 @@ class FileQueue:
         self._info = info  # run id -> its `RunInfo` (for queueing a state dir from before the queue)
         self.wakeups = wakeups
         self._ready_dir = False
+        self._links = True  # entries are stored as symlinks (False: this file system has none, regular files)
         self._workflows: dict[str, str | None] = {}  # run id -> its header's workflow, for `due(workflows=)`
         self._listed: tuple[int, list[QueueEntry]] | None = None  # (queue dir mtime, its entries), see `entries`
-        self._ready_list: tuple[float, set[str], list[QueueEntry]] | None = None  # see `_ready`
+        self.journal = DueJournal(self._path, str(self.dir / ".lock"), self._read_all, _entry, self.read)
 
     # ---- entries --------------------------------------------------------------------------------
     def _entry_path(self, run_id: str) -> Path:
@@ -62,7 +66,7 @@ class FileQueue:
 
     def queued(self, run_id: str) -> bool:
         """True when the run has a queue entry."""
-        return os.path.exists(os.path.join(self._path, f"{run_id}.json"))
+        return os.path.lexists(os.path.join(self._path, f"{run_id}.json"))
 
     def _ensure(self) -> None:
         """Create the queue directory; a state dir from before the queue gets an entry, due now, for every run
@@ -86,7 +90,7 @@ class FileQueue:
                 info = self._info(run_id)
                 if info is not None and not info.ended and self.read(run_id) is None:
                     self.write(QueueEntry(run_id, info.updated_at, 0, (), info.updated_at,
-                                          *queue_fields(info.header)))
+                                          *queue_fields(info.header)), None)
         self._ready_dir = True
 
     @contextmanager
@@ -96,34 +100,91 @@ class FileQueue:
         with flocked(str(self.dir / ".lock")):
             yield
 
-    def write(self, entry: QueueEntry) -> None:
-        """Atomically replace a run's queue entry (call with the queue lock held); its queue ("q") and
-        partition ("pt") only when not the default queue and none."""
-        fields: dict[str, Any] = {"at": entry.at, "p": entry.priority, "w": list(entry.wait), "c": entry.created}
-        if entry.queue != DEFAULT_QUEUE:
-            fields["q"] = entry.queue
-        if entry.partition is not None:
-            fields["pt"] = entry.partition
-        data = msgspec.json.encode(fields)
-        tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
+    def write(self, entry: QueueEntry, old: QueueEntry | None) -> None:
+        """Atomically replace a run's queue entry `old` (None: it has none) with `entry` (call with the queue
+        lock held); its queue ("q") and partition ("pt") only when not the default queue and none. The due
+        journal's line goes before the file when the run becomes due no later, else after
+        (`filedue.sooner`)."""
+        first = sooner(entry, old)
+        if first:
+            self.journal.append([self.journal.set_line(entry)])
+        data = msgspec.json.encode(entry_fields(entry))
+        path = os.path.join(self._path, f"{entry.run_id}.json")
+        if old is not None or not self._new_link(path, data):
+            tmp = self._link_tmp(entry.run_id, data) if self._links else None
+            if tmp is None:
+                tmp = self._write_tmp(self._path, entry.run_id, data, durable=False)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink(tmp)
+                raise
+        if not first:
+            self.journal.append([self.journal.set_line(entry)])
+
+    def _new_link(self, path: str, data: bytes) -> bool:
+        """Create a run's first entry as a symlink in place: one step, whole or not at all, so no temp link
+        and rename; False when it is to be written the other way (an unreadable entry is in the way, no
+        symlinks here, or an entry too long for a target)."""
+        if not self._links:
+            return False
         try:
-            os.replace(tmp, os.path.join(self._path, f"{entry.run_id}.json"))
-        except BaseException:
-            _unlink(tmp)
-            raise
+            os.symlink(data, os.fsencode(path))
+        except FileExistsError:
+            return False
+        except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
+            self._links = False
+            return False
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                raise storage_full(exc, "write", self._path) from exc
+            if exc.errno != errno.ENAMETOOLONG:  # pragma: no cover - a file system without symlinks
+                self._links = False
+            return False
+        return True
+
+    def _link_tmp(self, run_id: str, data: bytes) -> str | None:
+        """A new hidden symlink whose target is the entry's JSON, to be renamed into place; None when the entry
+        is to be a regular file: this file system has no symlinks, or the JSON is too long for a target.
+
+        An entry is a symlink because its target lives in the inode (on ext4 up to 59 bytes, most entries):
+        writing one allocates no data block and removing one frees none, which on a journaling file system
+        costs as much as a commit when it follows a sync, as a run's end does. Nothing follows the link."""
+        tmp = os.path.join(self._path, f".{run_id}.{os.getpid()}.{os.urandom(6).hex()}.lnk")
+        try:
+            os.symlink(data, os.fsencode(tmp))
+        except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
+            self._links = False
+            return None
+        except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                raise storage_full(exc, "write", self._path) from exc
+            if exc.errno != errno.ENAMETOOLONG:  # pragma: no cover - a file system without symlinks
+                self._links = False
+            return None
+        return tmp
 
     def read(self, run_id: str) -> QueueEntry | None:
-        """The run's queue entry (None: not queued, or not a readable entry)."""
+        """The run's queue entry (None: not queued, or not a readable entry): a symlink's target, or a
+        regular file's content (entries too long for a target, and from before entries were symlinks)."""
+        path = os.path.join(self._path, f"{run_id}.json")
         try:
-            fd = os.open(os.path.join(self._path, f"{run_id}.json"), os.O_RDONLY)
+            data = os.readlink(os.fsencode(path))
         except FileNotFoundError:
             return None
+        except OSError:  # a regular file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                data = os.read(fd, 65536)
+            finally:
+                os.close(fd)
         try:
-            raw = _ENTRY.decode(os.read(fd, 65536))
+            raw = _ENTRY.decode(data)
         except msgspec.DecodeError:
             return None
-        finally:
-            os.close(fd)
         return _entry(run_id, raw)
 
     def add(self, entry: QueueEntry) -> bool:
@@ -132,12 +193,14 @@ class FileQueue:
         run_id = entry.run_id
         if self.queued(run_id) or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
             return False
-        self.write(entry)
+        self.write(entry, None)
         return True
 
     def discard(self, run_id: str) -> None:
-        """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run)."""
+        """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run), then
+        say so in the due journal."""
         _unlink(os.path.join(self._path, f"{run_id}.json"))
+        self.journal.append([self.journal.drop_line(run_id)])
 
     # ---- moving runs ----------------------------------------------------------------------------
     def schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
@@ -146,9 +209,10 @@ class FileQueue:
         with self.lock():
             old = self.read(run_id)
             if old is not None:
-                self.write(replace(old, at=at, wait=wait, priority=old.priority if priority is None else priority))
+                self.write(replace(old, at=at, wait=wait, priority=old.priority if priority is None else priority),
+                           old)
             else:
-                self.write(QueueEntry(run_id, at, priority or 0, wait, time.time(), *self._place_of(run_id)))
+                self.write(QueueEntry(run_id, at, priority or 0, wait, time.time(), *self._place_of(run_id)), None)
             self._drop_joins(run_id)
 
     def _drop_joins(self, run_id: str) -> None:
@@ -167,7 +231,7 @@ class FileQueue:
         now, when no child is queued); all under the queue flock."""
         with self.lock():
             self._drop_joins(run_id)
-            queued = [c for c in dict.fromkeys(children) if self._entry_path(c).exists()]
+            queued = [c for c in dict.fromkeys(children) if self.queued(c)]
             if queued:
                 folder = self.joins_dir / run_id
                 folder.mkdir(parents=True, exist_ok=True)
@@ -177,7 +241,7 @@ class FileQueue:
             now = time.time()
             due = None if queued else now
             self.write(replace(old, at=due, wait=()) if old is not None
-                       else QueueEntry(run_id, due, 0, (), now, *self._place_of(run_id)))
+                       else QueueEntry(run_id, due, 0, (), now, *self._place_of(run_id)), old)
         if not queued:
             self.wakeups.notify()
         return not queued
@@ -188,13 +252,16 @@ class FileQueue:
         if self.queued(run_id) or os.path.exists(os.path.join(self._joins_path, run_id)):
             self.unschedule_all([run_id])
 
-    def unschedule_all(self, run_ids: list[str]) -> None:
+    def unschedule_all(self, run_ids: list[str], headers: list[Any] | None = None) -> None:
         """Take the runs out of the queue under one hold of the queue lock: each run's file in its parent's
-        join goes first (the last one makes the parent due), then its own joins and its entry."""
-        parents = [self._parent_of(run_id) for run_id in run_ids]
+        join goes first (the last one makes the parent due), then its own joins and its entry. `headers`: the
+        runs' headers where the caller has them (a lease's first record), so no log is opened for them."""
+        parents = [self._parent_of(run_id) if headers is None or not isinstance(headers[i], dict)
+                   or headers[i].get("t") != "run" else _parent_in(headers[i]) for i, run_id in enumerate(run_ids)]
         with self.lock():
             for run_id, parent in zip(run_ids, parents, strict=True):
                 self._unqueue(run_id, parent)
+            self.journal.append([self.journal.drop_line(run_id) for run_id in run_ids])
 
     def _header_of(self, run_id: str) -> dict[str, Any]:
         """A run's decoded header ({}: no log, or no header line)."""
@@ -206,8 +273,7 @@ class FileQueue:
 
     def _parent_of(self, run_id: str) -> str | None:
         """The parent run a run's header names (None: none, or no log)."""
-        parent = self._header_of(run_id).get("parent")
-        return parent if isinstance(parent, str) and is_run_id(parent) else None
+        return _parent_in(self._header_of(run_id))
 
     def _place_of(self, run_id: str) -> tuple[str, str | None]:
         """The queue and partition a run's header names, for an entry written anew (a run queued again)."""
@@ -215,7 +281,7 @@ class FileQueue:
 
     def _unqueue(self, run_id: str, parent: str | None) -> None:
         """`unschedule` of one run with the queue lock held: its file in its parent's join goes first (the last
-        one makes the parent due), then its own joins and its entry."""
+        one makes the parent due), then its own joins and its entry (the caller then tells the due journal)."""
         if parent is not None:
             folder = self.joins_dir / parent
             (folder / run_id).unlink(missing_ok=True)
@@ -227,7 +293,7 @@ class FileQueue:
                 old = self.read(parent)
                 now = time.time()
                 if old is not None and (old.at is None or old.at > now):
-                    self.write(replace(old, at=now))
+                    self.write(replace(old, at=now), old)
                     self.wakeups.notify()
                 folder.rmdir()
         self._drop_joins(run_id)
@@ -244,15 +310,15 @@ class FileQueue:
             now = time.time()
             if old.at is not None and old.at <= now:
                 return False
-            self.write(replace(old, at=now))
+            self.write(replace(old, at=now), old)
         self.wakeups.notify()
         return True
 
     # ---- finding due runs -----------------------------------------------------------------------
     def entries(self) -> list[QueueEntry]:
-        """Every queue entry (unfinished runs only), in no particular order. The entries read last are kept
-        and given again while the queue directory is unchanged since (its mtime, trusted once it is older than
-        the file system's timestamp granularity), so an idle worker's looks read no entry."""
+        """Every queue entry (unfinished runs only), read from the entry files, in no particular order. The
+        entries read last are kept and given again while the queue directory is unchanged since (its mtime,
+        trusted once it is older than the file system's timestamp granularity)."""
         if not self._ready_dir and self.runs_dir.exists():
             self._ensure()
         try:
@@ -261,61 +327,93 @@ class FileQueue:
             return []
         if self._listed is not None and self._listed[0] == mtime:
             return self._listed[1]
-        names = os.listdir(self._path)
+        out = self._read_all()
+        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
+        self._listed = (mtime, out) if settled else None
+        return out
+
+    def _read_all(self) -> list[QueueEntry]:
+        """Every entry file's entry (the due journal's rebuild calls this with the queue lock held)."""
+        try:
+            names = os.listdir(self._path)
+        except FileNotFoundError:
+            return []
         out = []
         for name in names:
             if name.endswith(".json") and not name.startswith(".") and is_run_id(name[:-5]):
                 found = self.read(name[:-5])
                 if found is not None:
                     out.append(found)
-        settled = time.time_ns() - mtime > _MTIME_GRAIN_NS  # a change within the same tick would keep the mtime
-        self._listed = (mtime, out) if settled else None
         return out
+
+    def claim_due(self, limit: int, skip: tuple[str, ...], names: frozenset[str] | None,
+                  queues: frozenset[str] | None, full: frozenset[str], claim: Callable[[str], _L | None]) -> list[_L]:
+        """Claim up to `limit` due runs with `claim` (None: another process has it, or it is not to run), going
+        down the due runs in `due`'s order. No held-probe first: the claim's own lock attempt is the probe, so
+        a run free now costs one lock, and one held by another worker one failed attempt (a run this process
+        holds, none)."""
+        if limit <= 0 or not self._looked():
+            return []
+        at = time.time()
+        eligible = self._eligible(at, skip, names, queues, full, probe=False)
+
+        def take(ready: list[QueueEntry]) -> list[_L]:
+            leases: list[_L] = []
+            for entry in fair_order(ready, eligible):
+                lease = claim(entry.run_id)
+                if lease is not None:
+                    leases.append(lease)
+                    if len(leases) >= limit:
+                        break
+            return leases
+
+        return self.journal.look(at, take)
+
+    def _looked(self) -> bool:
+        """Ready to look at the due journal: False when there is no queue yet (nothing is due)."""
+        if not self._ready_dir:
+            if self.runs_dir.exists():
+                self._ensure()
+            elif not os.path.isdir(self._path):
+                return False
+        return True
 
     def due(self, limit: int, now: float | None, skip: tuple[str, ...], names: frozenset[str] | None,
             queues: frozenset[str] | None = None, full: frozenset[str] = frozenset()) -> list[str]:
-        """Due runs from the queue directory, in the queue's fair order (`base.fair_order`): entries due by
-        `now` whose run no live process holds, in `queues` and not `full` (the entry says its queue and
-        partition), and, for `names`, whose header names one of them (read once per run, headers never
-        change)."""
-        ready, cached = self._ready(time.time()) if now is None else (self._sorted_due(now), False)
+        """Due runs in the queue's fair order (`base.fair_order`), from this process's view of the due journal
+        (`filedue.DueJournal`), so a look costs the same whatever the backlog: entries due by `now` whose run
+        no live process holds, in `queues` and not `full` (the entry says its queue and partition), and, for
+        `names`, whose header names one of them (read once per run, headers never change). Each candidate's
+        entry file is read before it is returned: one that disagrees with the view corrects it."""
+        if not self._looked():
+            return []
         at = time.time() if now is None else now
+        eligible = self._eligible(at, skip, names, queues, full, probe=True)
+        return self.journal.look(at, lambda ready: [e.run_id for e in itertools.islice(fair_order(ready, eligible),
+                                                                                       limit)])
+
+    def _eligible(self, at: float, skip: tuple[str, ...], names: frozenset[str] | None,
+                  queues: frozenset[str] | None, full: frozenset[str], *, probe: bool) -> Callable[[QueueEntry], bool]:
+        """Whether an entry of the view is to be returned by a look at time `at`: due, not skipped, in the
+        queues asked for and not full, of the workflows `names` asks for, its entry file agreeing (or, after
+        correcting the view, due all the same), its log there, and (with `probe`) no process holding it."""
+        journal = self.journal
 
         def eligible(entry: QueueEntry) -> bool:
-            if entry.run_id in skip or not queue_allows(entry, queues, full):
+            if entry.at is None or entry.at > at or entry.run_id in skip or not queue_allows(entry, queues, full):
                 return False
             if names is not None and self._workflow_of(entry.run_id) not in names:
                 return False
-            if cached:  # the sorted list is from an earlier look: the entry as it is now decides
-                fresh = self.read(entry.run_id)
+            fresh = self.read(entry.run_id)
+            if fresh != entry:
+                journal.correct(entry.run_id)
                 if fresh is None or fresh.at is None or fresh.at > at:
                     return False
-            return not self._held(entry.run_id) and os.path.exists(
-                os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
+            if probe and self._held(entry.run_id):
+                return False
+            return os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))
 
-        out = [entry.run_id for entry in itertools.islice(fair_order(ready, eligible), limit)]
-        if cached and len(out) < limit:  # the earlier look's backlog ran short: read what is due now
-            self._ready_list = None
-            return self.due(limit, None, skip, names, queues, full)
-        return out
-
-    def _ready(self, now: float) -> tuple[list[QueueEntry], bool]:
-        """The entries due by `now` in due order, and whether they come from an earlier look. Sorting the due
-        entries reads every entry, so a backlog being drained is read and sorted once per `_READY_FOR` seconds:
-        meanwhile each look lists the queue's names only and keeps the earlier order for the entries still
-        there (a new name, an earlier look that found nothing due, or a kept order that no longer fills the
-        look, means a fresh read). An entry made due since the last read sorts after the backlog's older ones
-        anyway, unless it has a higher priority: that one waits at most `_READY_FOR` seconds."""
-        present = set(os.listdir(self._path)) if os.path.isdir(self._path) else set()
-        kept = self._ready_list
-        if kept is not None and time.monotonic() < kept[0] and present <= kept[1]:
-            return [e for e in kept[2] if f"{e.run_id}.json" in present], True
-        ready = self._sorted_due(now)
-        self._ready_list = (time.monotonic() + _READY_FOR, present, ready) if ready else None
-        return ready, False
-
-    def _sorted_due(self, now: float) -> list[QueueEntry]:
-        return sorted((e for e in self.entries() if e.at is not None and e.at <= now), key=due_order)
+        return eligible
 
     def _workflow_of(self, run_id: str) -> str | None:
         """The workflow a run's header names (None: no log, or no header yet)."""
@@ -334,9 +432,12 @@ class FileQueue:
         return name
 
     def next_due(self, now: float | None = None) -> float | None:
-        """The earliest time after `now` at which a queued run falls due (None: none is to)."""
-        now = time.time() if now is None else now
-        return min((e.at for e in self.entries() if e.at is not None and e.at > now), default=None)
+        """The earliest time after `now` at which a queued run falls due (None: none is to), from the due
+        journal's view (never later than the entry files say; an early answer costs a look that finds
+        nothing and corrects the view)."""
+        if not self._looked():
+            return None
+        return self.journal.next_due(time.time() if now is None else now)
 
     def stats(self, now: float) -> list[QueueStats]:
         """`queue_stats` from every entry whose run has a log (an entry whose log was never created is not a
@@ -344,6 +445,12 @@ class FileQueue:
         found = [(entry, self._held(entry.run_id)) for entry in self.entries()
                  if os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl"))]
         return count_queues(found, now)
+
+
+def _parent_in(header: dict[str, Any]) -> str | None:
+    """The parent run a decoded header names (None: none)."""
+    parent = header.get("parent")
+    return parent if isinstance(parent, str) and is_run_id(parent) else None
 
 
 def _entry(run_id: str, raw: Any) -> QueueEntry | None:
