@@ -48,7 +48,6 @@ The time-to-live of `claim` and `heartbeat` is ignored: the lock lasts exactly a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import time
@@ -58,7 +57,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
-    FULL_ERRNOS,
     Check,
     Choose,
     Lease,
@@ -74,13 +72,13 @@ from .base import (
     ended,
     is_run_id,
     iso_now,
-    lookup_each,
     max_epoch,
     parse_log,
     storage_full,
     validate_run_id,
 )
 from .catalog import OPEN, RunFilter, header_fields, queue_fields
+from .filebindings import FileBindings
 from .fileinbox import FileInbox
 from .filelimits import FileLimits
 from .filelocks import (
@@ -118,7 +116,7 @@ _HOST = socket.gethostname()
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 
 
-class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
+class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
     """Runs as append-only JSON-lines files in a directory, leased through OS file locks."""
 
     leases_expire = False  # a lease is an OS lock held while the process lives: no renewal can come too late
@@ -530,17 +528,6 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
             self.fsyncs += 1
             held.size = held.synced = len(data)
 
-    def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
-        """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not.
-
-        The index file (named by the identity's SHA-256) is replaced atomically under a lock on its own
-        ``.lock`` file, so two processes creating the same run at once agree on one of them."""
-        if not self._bind(identity, run_id, expect):
-            return False
-        fsync_dir(self.index_dir)
-        self.fsyncs += 1
-        return True
-
     def _do_create_bound(self, runs: list[NewRun], headers: list[dict[str, Any]]) -> str | None:
         """Bind and create the runs as one batch in two passes, each made durable once: first every binding
         (up to the first one lost), then every queue entry and log. With ``syncfs`` (Linux) each pass is one
@@ -586,94 +573,6 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
         for directory in dirs:
             fsync_dir(Path(directory))
             self.fsyncs += 1
-
-    def _bind(self, identity: str, run_id: str, expect: str | None, *, durable: bool = True) -> bool:
-        """`bind` but for making the rename durable (an fsync of the index directory, the caller's).
-
-        A first binding (`expect` None, nothing bound) is a hard link of a temp file holding the run id: it
-        fails if the name exists, so it needs no lock; anything else is decided under the binding's own lock
-        file, where a damaged binding counts as none."""
-        path = self._index_path(identity)
-        os.makedirs(self._index_path_str, exist_ok=True)
-        if expect is None and not durable and self._link_bindings:
-            # made durable by the caller's syncfs: a symlink whose target is the run id is created only if the
-            # name is free, in one step, with no temp file and no data block (a regular file where there are
-            # no symlinks)
-            try:
-                os.symlink(run_id, path)
-                return True
-            except FileExistsError:
-                pass
-            except (OSError, NotImplementedError) as exc:  # pragma: no cover - a file system without symlinks
-                if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
-                    raise storage_full(exc, "write", self._index_path_str) from exc
-                self._link_bindings = False
-        if expect is None:
-            tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
-            try:
-                os.link(tmp, path)
-                return True
-            except FileExistsError:
-                pass
-            except OSError:  # pragma: no cover - filesystems without hard links: the locked way
-                pass
-            finally:
-                os.unlink(tmp)
-        lock = OsLock(path + ".lock")
-        deadline = time.monotonic() + 10
-        while not lock.acquire():
-            if time.monotonic() > deadline:
-                raise ValidationError(f"the index entry of {identity!r} stayed locked for 10 s",
-                                      hint="Another process is stuck binding this run; retry, or check the state "
-                                           "dir's disk.")
-            time.sleep(0.001)
-        try:
-            if self.lookup(identity) != expect:
-                return False
-            tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
-            try:
-                if expect is None and not os.path.lexists(path):
-                    os.link(tmp, path)  # fails if another process's first binding came in meanwhile
-                else:
-                    os.replace(tmp, path)
-            except FileExistsError:
-                return False
-            finally:
-                self._unlink(tmp)
-            return True
-        finally:
-            lock.release()
-
-    def _do_lookup(self, identity: str) -> str | None:
-        """The run `identity` is bound to, if any."""
-        path = self._index_path(identity)
-        try:
-            run_id = os.readlink(path)  # a binding made in a batch (`_bind`)
-        except FileNotFoundError:
-            return None
-        except OSError:  # a regular file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return None
-            try:
-                run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
-            finally:
-                os.close(fd)
-        try:
-            return validate_run_id(run_id)
-        except ValidationError:
-            return None
-
-    def _do_lookup_many(self, identities: list[str]) -> list[str | None]:
-        """The run each identity is bound to (None where none), in order: one `lookup` each, since every
-        binding is a small file of its own and a batch has no cheaper way to read them."""
-        return lookup_each(self, identities)
-
-    def _index_path(self, identity: str) -> str:
-        """Where an identity's binding lives: its SHA-256, never the identity itself."""
-        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
-        return os.path.join(self._index_path_str, digest)
 
     def catalog(self) -> FileCatalog:
         """The run catalog beside the logs (`fileindex.FileCatalog`), opened on first use."""
@@ -800,21 +699,6 @@ class FileStorage(PartialsKeptApart, FileInbox, StorageFront):
             self._indexed(lambda catalog: catalog.remove(run_id))
             Path(lock.path).unlink(missing_ok=True)
             return freed
-        finally:
-            lock.release()
-
-    def _unbind(self, identity: str, run_id: str) -> None:
-        """Remove the binding of `identity` if it still names `run_id` (under the binding's own lock)."""
-        path = self._index_path(identity)
-        lock = OsLock(path + ".lock")
-        deadline = time.monotonic() + 10
-        while not lock.acquire():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.001)
-        try:
-            if self.lookup(identity) == run_id:
-                self._unlink(path)
         finally:
             lock.release()
 

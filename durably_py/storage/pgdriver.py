@@ -1,5 +1,5 @@
 """What the PostgreSQL adapter's modules share of the driver: psycopg, imported only when a store is used (it
-is an optional dependency), and the longest lease the database stores."""
+is an optional dependency), the longest lease the database stores, and where a locked row's error points."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ValidationError
 
+BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"  # a row or key locked longer than `lock_wait`
 MAX_TTL = 1e9  # seconds (about 31 years): longer leases are stored as this, since intervals cannot be infinite
 
 

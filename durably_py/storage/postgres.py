@@ -51,7 +51,6 @@ from .base import (
     Check,
     Choose,
     Lease,
-    LimitStep,
     Log,
     NewRun,
     RunInfo,
@@ -59,7 +58,6 @@ from .base import (
     checked,
     claimed,
     decode_record,
-    decode_signal,
     decode_worker,
     ended,
     last_line,
@@ -71,8 +69,10 @@ from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import PartialsKeptApart, PostgresPartials
 from .pgcommit import PostgresCommitter, Write
-from .pgdriver import MAX_TTL
+from .pgdriver import BUSY_DOCS, MAX_TTL
 from .pgdriver import psycopg_module as _psycopg
+from .pginbox import PostgresInbox
+from .pglimits import PostgresLimits
 from .pgqueue import PostgresDueQueue
 from .valuestore import LINE_MIN, enabled, externalise, resolve_line
 
@@ -81,7 +81,6 @@ if TYPE_CHECKING:
 
 SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 LOCK_WAIT = 10.0  # seconds a claim, an amend or a delete waits for a run's row another transaction holds locked
-BUSY_DOCS = "docs/storage.md#waiting-for-a-locked-run"
 QUIET_FOR = 0.5  # seconds a claim's finding of an empty inbox answers the run's first `inbox` (`_claim_rows`)
 _FENCE = "run_id = %s AND epoch = %s AND owner = %s"
 _TABLES = """
@@ -292,7 +291,7 @@ def _digest(identity: str) -> str:
     return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
+class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, PostgresLimits, StorageFront):
     """Runs as rows of one PostgreSQL schema; the connection opens (and the tables appear) on first use."""
 
     def __init__(self, dsn: str, *, schema: str = "durably", compact_above_bytes: int | None = None,
@@ -1048,53 +1047,6 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
         rows = self._fetch(f"SELECT info FROM {self._workers} WHERE expires >= clock_timestamp()", ())
         return [found for row in rows if (found := decode_worker(bytes(row[0]))) is not None]
 
-    # ---- limits -------------------------------------------------------------------------------
-    def _do_limit(self, key: str, step: LimitStep) -> Any:
-        """Run `step` on the key's row in one transaction: a transaction-scoped advisory lock on (this schema, the
-        key's hash) queues every session changing that key (waited for at most `lock_wait` seconds, then
-        `StorageBusyError`); `now` and `live` (the ``runs`` lease columns) are read against the database clock
-        once the lock is held; the row is then written or deleted and committed durably (``synchronous_commit =
-        on``). Two keys whose hashes collide only take turns."""
-        psycopg = _psycopg()
-        try:
-            with self._cursor(transaction=True) as cur:
-                cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(self.lock_wait * 1000)}ms",))
-                cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))",
-                            (f"durably-limits:{self.schema}", key))
-                # a statement after the lock: its snapshot holds the last holder's commit
-                cur.execute(f"SELECT extract(epoch FROM clock_timestamp())::float8,"
-                            f" (SELECT doc FROM {self._limits} WHERE key = %s)", (key,))
-                now, doc = cur.fetchone()  # type: ignore[misc]
-                stored = None if doc is None else bytes(doc)
-
-                def live(run_id: str, epoch: int) -> bool:
-                    if epoch < 0:  # held while the run has not ended (`Limits.limit`)
-                        cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND state = %s", (run_id, OPEN))
-                    else:
-                        cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s AND epoch = %s"
-                                    " AND owner IS NOT NULL AND lease_expires >= clock_timestamp()", (run_id, epoch))
-                    return cur.fetchone() is not None
-
-                data, result = step(stored, float(now), live)
-                if data is None:
-                    if stored is not None:
-                        cur.execute(f"DELETE FROM {self._limits} WHERE key = %s", (key,))
-                elif data != stored:
-                    cur.execute(f"INSERT INTO {self._limits} (key, doc) VALUES (%s, %s)"
-                                " ON CONFLICT (key) DO UPDATE SET doc = excluded.doc", (key, data))
-        except psycopg.errors.LockNotAvailable:
-            raise StorageBusyError(
-                f"limit {key!r} in PostgreSQL schema {self.schema} stayed locked for {self.lock_wait:g} s by another "
-                "session's open transaction", docs=BUSY_DOCS,
-                hint="Find it in pg_stat_activity (state 'idle in transaction') and end it, then run the same "
-                     "command again; nothing was written.") from None
-        return result
-
-    def _do_limits(self, prefix: str) -> dict[str, bytes]:
-        """The rows whose key starts with `prefix` (compared character by character, whatever the collation)."""
-        rows = self._fetch(f"SELECT key, doc FROM {self._limits} WHERE left(key, %s) = %s", (len(prefix), prefix))
-        return {key: bytes(doc) for key, doc in rows}
-
     # ---- blobs --------------------------------------------------------------------------------
     def _do_keep_blob(self, digest: str, data: bytes) -> None:
         self._write(f"INSERT INTO {self._blobs} (digest, data) VALUES (%s, %s) ON CONFLICT (digest) DO NOTHING",
@@ -1103,46 +1055,3 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, StorageFront):
     def _do_blob(self, digest: str) -> bytes | None:
         rows = self._fetch(f"SELECT data FROM {self._blobs} WHERE digest = %s", (digest,))
         return bytes(rows[0][0]) if rows else None
-
-    # ---- signals ------------------------------------------------------------------------------
-    def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
-        """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
-        self._committer.flush()  # after the writes still pending in the group commit
-        self._quiet.pop(run_id, None)
-        if self._write(
-            f"INSERT INTO {self._signals} (run_id, id, data)"
-            f" SELECT run_id, %s, %s FROM {self._runs} WHERE run_id = %s",
-            (signal_id, line, run_id),
-        ) == 0:
-            raise self._missing(run_id)
-        self.fsyncs += 1
-        name = (decode_signal(line) or {}).get("name")
-        if isinstance(name, str) and name:
-            self.wake(run_id, name)
-
-    def _do_inbox(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's unacknowledged signals, in send order; `RunNotFoundError` if unknown. The first look at a run
-        this process just claimed with an empty inbox is answered from the claim (a signal sent since then is
-        found at the next look, as if it had come just after this one)."""
-        if self._quiet and self._quiet.pop(run_id, 0.0) > time.monotonic():
-            return []
-        rows = self._fetch(
-            f"SELECT s.data FROM {self._runs} runs LEFT JOIN {self._signals} s ON s.run_id = runs.run_id"
-            " WHERE runs.run_id = %s ORDER BY s.seq",
-            (run_id,),
-        )
-        if not rows:
-            raise self._missing(run_id)
-        return [signal for row in rows if row[0] is not None and (signal := decode_signal(bytes(row[0])))]
-
-    def _do_ack(self, run_id: str, signal_id: str) -> None:
-        """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
-        self._committer.flush()  # after the writes still pending in the group commit
-        with self._cursor() as cur:
-            cur.execute(
-                f"WITH acked AS (DELETE FROM {self._signals} WHERE run_id = %s AND id = %s)"
-                f" SELECT 1 FROM {self._runs} WHERE run_id = %s",
-                (run_id, signal_id, run_id),
-            )
-            if cur.fetchone() is None:
-                raise self._missing(run_id)
