@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ValidationError
 from .base import FULL_ERRNOS, lookup_each, storage_full, validate_run_id
-from .filelocks import OsLock, fsync_dir
+from .filelocks import OsLock, fsync_dir, read_link_or_file
 
 
 class FileBindings:
@@ -100,21 +100,11 @@ class FileBindings:
     def _do_lookup(self, identity: str) -> str | None:
         """The run `identity` is bound to, if any."""
         path = self._index_path(identity)
-        try:
-            run_id = os.readlink(path)  # a binding made in a batch (`_bind`)
-        except FileNotFoundError:
+        data = read_link_or_file(path, 512)  # a symlink: a binding made in a batch (`_bind`)
+        if data is None:
             return None
-        except OSError:  # a regular file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return None
-            try:
-                run_id = os.read(fd, 512).decode("utf-8", "replace").strip()
-            finally:
-                os.close(fd)
         try:
-            return validate_run_id(run_id)
+            return validate_run_id(data.decode("utf-8", "replace").strip())
         except ValidationError:
             return None
 

@@ -168,6 +168,24 @@ def write_all(fd: int, data: bytes) -> None:
         written += os.write(fd, memoryview(data)[written:])
 
 
+def read_link_or_file(path: str, limit: int) -> bytes | None:
+    """A small record kept as a symlink's target, or as a regular file's first `limit` bytes (one written where
+    there are no symlinks, or before records were symlinks); None if there is none."""
+    try:
+        return os.readlink(os.fsencode(path))
+    except FileNotFoundError:
+        return None
+    except OSError:  # a regular file
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.read(fd, limit)
+        finally:
+            os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or create in directory `path` durable (a no-op where directories cannot be opened)."""
     if os.name != "posix":  # pragma: no cover - Windows

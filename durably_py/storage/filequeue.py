@@ -31,7 +31,7 @@ from .base import (
 )
 from .catalog import queue_fields
 from .filedue import DueJournal, entry_fields, sooner
-from .filelocks import flocked
+from .filelocks import flocked, read_link_or_file
 from .wakeup import LocalWakeups
 
 _MTIME_GRAIN_NS = 50_000_000  # a directory's mtime older than this is past any change in the same clock tick
@@ -129,9 +129,28 @@ class FileQueue:
         if not self._links:
             return False
         try:
-            os.symlink(data, os.fsencode(path))
+            return self._symlink(data, path)
         except FileExistsError:
             return False
+
+    def _link_tmp(self, run_id: str, data: bytes) -> str | None:
+        """A new hidden symlink whose target is the entry's JSON, to be renamed into place; None when the entry
+        is to be a regular file: this file system has no symlinks, or the JSON is too long for a target.
+
+        An entry is a symlink because its target lives in the inode (on ext4 up to 59 bytes, most entries):
+        writing one allocates no data block and removing one frees none, which on a journaling file system
+        costs as much as a commit when it follows a sync, as a run's end does. Nothing follows the link."""
+        tmp = os.path.join(self._path, f".{run_id}.{os.getpid()}.{os.urandom(6).hex()}.lnk")
+        return tmp if self._symlink(data, tmp) else None
+
+    def _symlink(self, target: bytes, path: str) -> bool:
+        """Create `path` as a symlink to `target`; False when the entry is to be a regular file instead (this file
+        system has no symlinks, then never again, or the target is too long); `FileExistsError` if `path` exists,
+        `StorageFullError` for a full disk."""
+        try:
+            os.symlink(target, os.fsencode(path))
+        except FileExistsError:
+            raise
         except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
             self._links = False
             return False
@@ -143,44 +162,13 @@ class FileQueue:
             return False
         return True
 
-    def _link_tmp(self, run_id: str, data: bytes) -> str | None:
-        """A new hidden symlink whose target is the entry's JSON, to be renamed into place; None when the entry
-        is to be a regular file: this file system has no symlinks, or the JSON is too long for a target.
-
-        An entry is a symlink because its target lives in the inode (on ext4 up to 59 bytes, most entries):
-        writing one allocates no data block and removing one frees none, which on a journaling file system
-        costs as much as a commit when it follows a sync, as a run's end does. Nothing follows the link."""
-        tmp = os.path.join(self._path, f".{run_id}.{os.getpid()}.{os.urandom(6).hex()}.lnk")
-        try:
-            os.symlink(data, os.fsencode(tmp))
-        except (NotImplementedError, AttributeError):  # pragma: no cover - no symlinks (Windows)
-            self._links = False
-            return None
-        except OSError as exc:
-            if exc.errno in FULL_ERRNOS:
-                raise storage_full(exc, "write", self._path) from exc
-            if exc.errno != errno.ENAMETOOLONG:  # pragma: no cover - a file system without symlinks
-                self._links = False
-            return None
-        return tmp
-
     def read(self, run_id: str) -> QueueEntry | None:
         """The run's queue entry (None: not queued, or not a readable entry): a symlink's target, or a
         regular file's content (entries too long for a target, and from before entries were symlinks)."""
         path = os.path.join(self._path, f"{run_id}.json")
-        try:
-            data = os.readlink(os.fsencode(path))
-        except FileNotFoundError:
+        data = read_link_or_file(path, 65536)
+        if data is None:
             return None
-        except OSError:  # a regular file
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return None
-            try:
-                data = os.read(fd, 65536)
-            finally:
-                os.close(fd)
         try:
             raw = _ENTRY.decode(data)
         except msgspec.DecodeError:
