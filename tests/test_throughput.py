@@ -220,7 +220,13 @@ def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind
     # enqueued before the workers start, so that the kills fall while they drain (a fleet keeps pace with
     # an enqueue going on)
     ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["tp_quick"], n) for n in range(runs)]))]
-    procs = [subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL) for _ in range(3)]
+
+    def worker() -> subprocess.Popen[bytes]:
+        # at a lower priority: the fleet drains flat out, and what it proves does not depend on its speed, while
+        # tests timing a signal in other processes beside it do
+        return subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+
+    procs = [worker() for _ in range(3)]
     rng = random.Random(7)
     kills = 0
     try:
@@ -230,14 +236,16 @@ def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind
             while first_open < len(ids) and (info := engine.storage.info(ids[first_open])) is not None \
                     and info.last.get("t") == "end":
                 first_open += 1
-            if first_open == len(ids):
+            # every run ended; the queue entry of one whose end a killed worker recorded but did not commit as a
+            # group goes once its lease lapses and a worker claims it (and finds it ended)
+            if first_open == len(ids) and not engine.storage.due(10):
                 break
             if kills < most:
                 time.sleep(rng.uniform(0.1, 0.3))
                 victim = rng.randrange(len(procs))
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
-                procs[victim] = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
+                procs[victim] = worker()
                 kills += 1
             else:
                 time.sleep(0.2)
