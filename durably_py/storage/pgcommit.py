@@ -177,11 +177,8 @@ class PostgresCommitter:
                     self._failed.setdefault((write.lease.run_id, write.lease.epoch), outcome)
                 if write.waiter is not None:
                     woken.setdefault(write.waiter.get_loop(), []).append((write.waiter, outcome))
-                elif write.future is not None and not write.future.done():
-                    if failed:
-                        write.future.set_exception(outcome)
-                    else:
-                        write.future.set_result(outcome)
+                elif write.future is not None:
+                    _settle(write.future, outcome)
             for loop, waiters in woken.items():
                 try:
                     loop.call_soon_threadsafe(_wake, waiters)
@@ -388,11 +385,16 @@ class PostgresCommitter:
 def _wake(waiters: list[tuple[asyncio.Future[Any], Any]]) -> None:
     """On a loop's thread: hand each of its writes of a group its outcome (one wake-up of the loop per group)."""
     for waiter, outcome in waiters:
-        if not waiter.done():
-            if isinstance(outcome, BaseException):
-                waiter.set_exception(outcome)
-            else:
-                waiter.set_result(outcome)
+        _settle(waiter, outcome)
+
+
+def _settle(future: Future[Any] | asyncio.Future[Any], outcome: Any) -> None:
+    """Give a write's future its outcome (an exception for a write that failed), unless it has one already."""
+    if not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def _state(data: bytes) -> str | None:
