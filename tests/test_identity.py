@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from helpers import Stop, check_error, go
 
+from durably_py import records as log_format
 from durably_py import (
     Engine,
     FakeClock,
@@ -309,3 +310,33 @@ def test_run_id_escapes_are_rejected_before_touching_disk(tmp_path: Path, run_id
             call(run_id)
     assert tree(tmp_path) == before
     assert not os.path.exists(tmp_path / "deep" / "x.jsonl") and not os.path.exists(state_dir / "x.jsonl")
+
+
+class CompletesBeforeTheClaim(FileStorage):
+    """A store where, just before the next claim, another process has retried the failed run to its end."""
+
+    race = False
+
+    def claim(self, run_id: str, owner: str, ttl: float, **options: Any) -> Any:
+        if self.race:
+            self.race = False
+            end = log_format.encode(log_format.End(status="completed", result=["x", "by the other"], ts=0.0))
+            assert self.amend(run_id, lambda records, where: end)
+        return super().claim(run_id, owner, ttl, **options)
+
+
+def test_failed_run_that_completes_before_its_claim_is_not_reopened(tmp_path: Path) -> None:
+    storage = CompletesBeforeTheClaim(tmp_path)
+    probe = Probe()
+    probe.fail_second = True
+    engine = Engine(storage)
+    with pytest.raises(Flaky):
+        go(lambda: engine.run(probe.wf, "x"))
+    probe.fail_second = False
+    storage.race = True
+    assert go(lambda: engine.run(probe.wf, "x")) == ["x", "by the other"]
+    assert probe.counts == {"first": 1, "second": 2}  # nothing ran again
+    kinds = [rec["t"] for rec in go(lambda: engine.records(probe.run_id))]
+    assert kinds[-1] == "end" and "reopen" not in kinds  # no claim written after its end, never reopened
+    assert go(lambda: engine.run(probe.wf, "x")) == ["x", "done"]  # a completed run: the next call starts anew
+    assert probe.counts == {"first": 2, "second": 3}

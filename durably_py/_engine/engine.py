@@ -405,23 +405,33 @@ class Engine:
                        joining: Callable[[str], None] | None = None) -> tuple[Any, History, Any, str | None]:
         """Find or create the run and claim it; when it is live elsewhere, wait for it and return no lease
         (`joining(run_id)` is told once, when the wait begins)."""
+        failed = False
         if run_id is None:
-            run_id = await self.identities.identify(workflow, input, key, fresh, budget)
+            run_id, failed = await self.identities.identify_run(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
-        reopen = False  # a run that had failed before this call is run again; one that ends meanwhile is not
+        # A run that had failed before this call is run again; one that ends meanwhile is not. A run found failed
+        # is claimed reopened at once (its log read once), by a claim that refuses it should it have ended
+        # otherwise since; else a refused claim and a read find out first.
+        reopen = tried = failed
         told = False
         while True:
-            lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=check, reopen=reopen)
+            try:
+                lease = self.storage.claim(run_id, self.owner, self.lease_ttl, check=_failed_only(check) if reopen
+                                           else check, reopen=reopen)
+            except _EndedOtherwise:
+                reopen = False
+                continue
             if lease is not None:
                 history = History(lease.records, lease.where)
                 if history.end is not None and history.end.status == "completed":
                     self.storage.release(lease)
                     return None, history, None, lease.torn
                 return lease, history, history.header.input, lease.torn
+            reopen = False
             if not self.storage.held(run_id):
                 history, torn = self.runs.read(run_id)
-                if history.end is not None and history.end.status == "failed" and not reopen:
-                    reopen = True
+                if history.end is not None and history.end.status == "failed" and not tried:
+                    reopen = tried = True
                     continue
                 if history.end is not None:
                     return None, history, None, torn
@@ -830,6 +840,24 @@ def _of_workflow(workflow: Workflow) -> Callable[[builtins.list[Any], str], buil
                 recorded=header.workflow, called=workflow.name)
         return typed
     return check
+
+
+class _EndedOtherwise(Exception):
+    """Raised by a reopening claim's check (`_failed_only`) for a run whose log ends otherwise than failed: the
+    claim writes nothing, and the run is looked at as an ended run."""
+
+
+def _failed_only(check: Callable[[builtins.list[Any], str], builtins.list[log_format.Record]]
+                 ) -> Callable[[builtins.list[Any], str], builtins.list[log_format.Record]]:
+    """`check` for a claim that reopens a run found failed: it also refuses (`_EndedOtherwise`) a log that ended
+    otherwise since (completed, cancelled), so no claim record is written after such an end."""
+    def refusing(raw: builtins.list[Any], where: str) -> builtins.list[log_format.Record]:
+        typed = check(raw, where)
+        last = typed[-1]
+        if type(last) is log_format.End and last.status != "failed":
+            raise _EndedOtherwise()
+        return typed
+    return refusing
 
 
 class DefaultEngine:

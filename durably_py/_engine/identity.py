@@ -112,14 +112,23 @@ class Identities:
                        **extra: Any) -> str:
         """The id of the run that `workflow(input)` (or `key`) names under the identity rules, created if needed
         (`extra`: header fields of a new run, such as its queue)."""
+        run_id, _ = await self.identify_run(workflow, input, key, fresh, budget, at, priority, **extra)
+        return run_id
+
+    async def identify_run(self, workflow: Workflow, input: Any, key: str | None, fresh: bool,
+                           budget: dict[str, float] | None, at: float | None = None, priority: int = 0,
+                           **extra: Any) -> tuple[str, bool]:
+        """`identify`, and whether the run it found had ended failed (then `Engine.run` claims it reopened at
+        once, instead of being refused as an ended run first)."""
         wire_input, input_digest, identity = identity_of(workflow, input, key)
         return await self.find_or_create(workflow, input, wire_input, input_digest, key, identity, budget, fresh,
                                          at, priority, **extra)
 
     async def find_or_create(self, workflow: Workflow, input: Any, wire_input: Any, input_digest: str,
                              key: str | None, identity: str, budget: dict[str, float] | None, fresh: bool,
-                             at: float | None = None, priority: int = 0, **extra: Any) -> str:
-        """The run `identity` names, or a new run bound to it; processes starting it at once agree on one run."""
+                             at: float | None = None, priority: int = 0, **extra: Any) -> tuple[str, bool]:
+        """The run `identity` names, or a new run bound to it, and whether the run found had ended failed;
+        processes starting it at once agree on one run."""
         storage = self.storage
         waited = 0.0
         while True:
@@ -140,12 +149,12 @@ class Identities:
                              "to rebind the key.",
                         run_id=info.run_id, key=key, bound_input=bound, input=input)
                 if info.end_status not in ("completed", "cancelled"):
-                    return info.run_id
+                    return info.run_id, info.end_status == "failed"
             run_id = _ids.new_run_id(workflow.name)
             if storage.bind(identity, run_id, expect=previous):
                 self.create(run_id, workflow, wire_input, input_digest, key, identity, budget, at=at,
                             priority=priority, **extra)
-                return run_id
+                return run_id, False
 
     def create(self, run_id: str, workflow: Workflow, wire_input: Any, input_digest: str, key: str | None,
                identity: str, budget: dict[str, float] | None, *, at: float | None = None, priority: int = 0,
