@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from helpers import Stop, check_error, go
 
-from durably_py import records as log_format
 from durably_py import (
     Engine,
     FakeClock,
@@ -26,6 +25,7 @@ from durably_py import (
     run_async,
     workflow,
 )
+from durably_py import records as log_format
 
 
 class Flaky(Exception):
