@@ -409,10 +409,10 @@ class Engine:
         if run_id is None:
             run_id, failed = await self.identities.identify_run(workflow, input, key, fresh, budget)
         check = _of_workflow(workflow)
-        # A run that had failed before this call is run again; one that ends meanwhile is not. A run found failed
-        # is claimed reopened at once (its log read once), by a claim that refuses it should it have ended
-        # otherwise since; else a refused claim and a read find out first.
-        reopen = tried = failed
+        # A run that had failed before this call is run again; one that ends meanwhile is not. A run found failed,
+        # or being retried, is claimed reopened at once (its log read once), by a claim that refuses it should it
+        # have ended otherwise (completed, cancelled); else a refused claim and a read find out first.
+        reopen = tried = failed or run_id in self.retries
         told = False
         while True:
             try:
