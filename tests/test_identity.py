@@ -340,3 +340,39 @@ def test_failed_run_that_completes_before_its_claim_is_not_reopened(tmp_path: Pa
     assert kinds[-1] == "end" and "reopen" not in kinds  # no claim written after its end, never reopened
     assert go(lambda: engine.run(probe.wf, "x")) == ["x", "done"]  # a completed run: the next call starts anew
     assert probe.counts == {"first": 2, "second": 3}
+
+
+class Counting(FileStorage):
+    """A store that counts the log reads and claims the engine asks of it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def claim(self, run_id: str, owner: str, ttl: float, **options: Any) -> Any:
+        self.asked.append("claim reopen" if options.get("reopen") else "claim")
+        return super().claim(run_id, owner, ttl, **options)
+
+    def read(self, run_id: str) -> Any:
+        self.asked.append("read")
+        return super().read(run_id)
+
+
+def test_a_failed_run_is_claimed_reopened_with_one_read_of_its_log(tmp_path: Path) -> None:
+    storage = Counting(tmp_path)
+    probe = Probe()
+    probe.fail_second = True
+    engine = Engine(storage)
+    with pytest.raises(Flaky):
+        go(lambda: engine.run(probe.wf, "x"))
+    probe.fail_second = False
+    storage.asked.clear()
+    assert go(lambda: engine.run(probe.wf, "x")) == ["x", "done"]
+    assert storage.asked == ["claim reopen"]  # not a refused claim, a read and a second claim
+    probe.fail_second = True
+    with pytest.raises(Flaky):
+        go(lambda: engine.run(probe.wf, "y"))
+    storage.asked.clear()
+    probe.fail_second = False
+    assert go(lambda: engine.retry(probe.run_id)) == ["y", "done"]
+    assert [asked for asked in storage.asked if "claim" in asked] == ["claim reopen"]  # after the retry's own look
