@@ -254,7 +254,9 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         try:
             _write_all(fd, header)
             try:
-                os.link(f"/proc/self/fd/{fd}", log)
+                # linkat with AT_SYMLINK_FOLLOW (what a dir fd makes `os.link` call; both paths are absolute, so
+                # the descriptor given as their folder is not used as one)
+                os.link(f"/proc/self/fd/{fd}", log, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=True)
             except FileExistsError:
                 raise
             except OSError as exc:
