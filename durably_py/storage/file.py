@@ -324,7 +324,7 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         if held is None:
             return None
         try:
-            opened = self._open_claimed(held, owner, check, reopen)
+            opened = self._open_claimed(held, owner, check, reopen, run_id in self._dir_durable)
             if opened is None:
                 self.unschedule(run_id)  # under the run's lock: no retry reopens it meanwhile
         except BaseException:
@@ -376,9 +376,10 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
             self._drop(held)
         return True
 
-    def _open_claimed(self, held: Held, owner: str, check: Check | None,
-                      reopen: bool) -> tuple[int, list[Any], str | None] | None:
-        """With the lock taken: check the log, cut a torn tail, append the claim record.
+    def _open_claimed(self, held: Held, owner: str, check: Check | None, reopen: bool,
+                      made_here: bool = False) -> tuple[int, list[Any], str | None] | None:
+        """With the lock taken: check the log, cut a torn tail, append the claim record. A run `made_here` (created
+        by this process, not claimed since) has no leftover of an older version or a cut-off compaction to look for.
 
         Returns the epoch, the records with the claim record last, and the torn-tail message; None, with
         nothing written, for an ended run without `reopen`."""
@@ -387,7 +388,8 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         except FileNotFoundError:
             raise RunNotFoundError(f"no run {held.run_id} in {self.dir}", run_id=held.run_id) from None
         held.fd = fd
-        self._unlink(f"{held.log}.tmp")
+        if not made_here:
+            self._unlink(f"{held.log}.tmp")
         data = _read_whole(fd)
         records, good, torn = parse_log(data, str(held.log), self._values(held.run_id))
         records = checked(records, str(held.log), check)
@@ -395,7 +397,7 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
             return None
         if good < len(data):
             os.ftruncate(fd, good)
-        epoch = max(max_epoch(records), held_epoch(self._runs_path, held)) + 1
+        epoch = max(max_epoch(records), held_epoch(self._runs_path, held, older=not made_here)) + 1
         line = claimed(records, epoch, owner)
         try:
             _write_all(fd, line)
