@@ -114,10 +114,10 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
-_REFRESH_BATCH = 256
+_REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
 # what opening or linking an unnamed file fails with where the OS, the file system or /proc lacks them
 _NO_UNNAMED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EXDEV,
-                         errno.EPERM, errno.EACCES})  # ended runs whose catalog rows are brought up to date in one transaction
+                         errno.EPERM, errno.EACCES})
 
 
 class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
