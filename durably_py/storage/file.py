@@ -48,12 +48,13 @@ The time-to-live of `claim` and `heartbeat` is ignored: the lock lasts exactly a
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from ..errors import CorruptLogError, LeaseLostError, RunNotFoundError, ValidationError
 from .base import (
@@ -114,6 +115,9 @@ _T = TypeVar("_T")
 
 _HOST = socket.gethostname()
 _REFRESH_BATCH = 256  # ended runs whose catalog rows are brought up to date in one transaction
+# what opening or linking an unnamed file fails with where the OS, the file system or /proc lacks them
+_NO_UNNAMED = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EXDEV,
+                         errno.EPERM, errno.EACCES})
 
 
 class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
@@ -131,6 +135,7 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         self._partials: FilePartials = FilePartials(self.runs_dir)
         self.index_dir = self.dir / "index"
         self._link_bindings = True  # bindings made in a batch are symlinks (False: none on this file system)
+        self._unnamed_logs = hasattr(os, "O_TMPFILE")  # logs are created as unnamed files, then linked (Linux)
         self._runs_path = str(self.runs_dir)
         self._index_path_str = str(self.index_dir)
         self._runs_real: str | None = None  # the resolved runs directory, once it exists
@@ -210,11 +215,17 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         self.wakeups.notify()
 
     def _new_log(self, run_id: str, header: bytes, queued: bool) -> None:
-        """Create the log holding `header`, whole or not at all: a hidden temp file hard-linked to its name
-        (the link fails if the name exists), so no reader ever sees a log without its header."""
+        """Create the log holding `header`, whole or not at all, so no reader ever sees a log without its header:
+        an unnamed file (``O_TMPFILE``, Linux) or else a hidden temp file, written, then hard-linked to its name
+        (the link fails if the name exists). The unnamed file needs no temp name to make and remove, and a
+        process killed before the link leaves nothing behind."""
         log = os.path.join(self._runs_path, f"{run_id}.jsonl")
         try:
+            if self._unnamed_logs and self._link_unnamed(log, header):
+                return
             tmp = self._write_tmp(self.runs_dir, run_id, header, durable=False)
+        except FileExistsError:
+            self._exists(run_id, queued)
         except OSError as exc:
             if queued:
                 self.queue.discard(run_id)
@@ -223,18 +234,50 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
             try:
                 os.link(tmp, log)
             except FileExistsError:
-                if queued:
-                    self.queue.discard(run_id)
-                raise ValidationError(
-                    f"run {run_id} already exists in {self.dir}",
-                    hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
-                         "nothing was re-bound.",
-                    run_id=run_id,
-                ) from None
+                self._exists(run_id, queued)
             except OSError:  # pragma: no cover - filesystems without hard links
                 self._create_exclusive(Path(log), run_id, header)
         finally:
             os.unlink(tmp)
+
+    def _link_unnamed(self, log: str, header: bytes) -> bool:
+        """Write `header` to an unnamed file in the runs folder and link it as `log`; False, with nothing made,
+        where the OS or file system has no unnamed files (then never tried again); `FileExistsError` if `log`
+        exists, any other `OSError` (a full disk) as it comes."""
+        try:
+            fd = os.open(self._runs_path, os.O_TMPFILE | os.O_WRONLY, 0o644)
+        except OSError as exc:
+            if exc.errno not in _NO_UNNAMED:
+                raise
+            self._unnamed_logs = False  # a file system without unnamed files: the temp file way from now on
+            return False
+        try:
+            _write_all(fd, header)
+            try:
+                # linkat with AT_SYMLINK_FOLLOW (what a dir fd makes `os.link` call; both paths are absolute, so
+                # the descriptor given as their folder is not used as one)
+                os.link(f"/proc/self/fd/{fd}", log, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=True)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                if exc.errno not in _NO_UNNAMED:
+                    raise
+                self._unnamed_logs = False  # no /proc to link through: the temp file way from now on
+                return False
+        finally:
+            os.close(fd)
+        return True
+
+    def _exists(self, run_id: str, queued: bool) -> NoReturn:
+        """The log of a run being created exists already: its queue entry just written goes, and it is a bug."""
+        if queued:
+            self.queue.discard(run_id)
+        raise ValidationError(
+            f"run {run_id} already exists in {self.dir}",
+            hint="Run ids carry 80 random bits, so this is a bug or a copied state dir: report it; "
+                 "nothing was re-bound.",
+            run_id=run_id,
+        ) from None
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -281,7 +324,7 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         if held is None:
             return None
         try:
-            opened = self._open_claimed(held, owner, check, reopen)
+            opened = self._open_claimed(held, owner, check, reopen, run_id in self._dir_durable)
             if opened is None:
                 self.unschedule(run_id)  # under the run's lock: no retry reopens it meanwhile
         except BaseException:
@@ -333,9 +376,10 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
             self._drop(held)
         return True
 
-    def _open_claimed(self, held: Held, owner: str, check: Check | None,
-                      reopen: bool) -> tuple[int, list[Any], str | None] | None:
-        """With the lock taken: check the log, cut a torn tail, append the claim record.
+    def _open_claimed(self, held: Held, owner: str, check: Check | None, reopen: bool,
+                      made_here: bool = False) -> tuple[int, list[Any], str | None] | None:
+        """With the lock taken: check the log, cut a torn tail, append the claim record. A run `made_here` (created
+        by this process, not claimed since) has no leftover of an older version or a cut-off compaction to look for.
 
         Returns the epoch, the records with the claim record last, and the torn-tail message; None, with
         nothing written, for an ended run without `reopen`."""
@@ -344,16 +388,16 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         except FileNotFoundError:
             raise RunNotFoundError(f"no run {held.run_id} in {self.dir}", run_id=held.run_id) from None
         held.fd = fd
-        self._unlink(f"{held.log}.tmp")
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read()
+        if not made_here:
+            self._unlink(f"{held.log}.tmp")
+        data = _read_whole(fd)
         records, good, torn = parse_log(data, str(held.log), self._values(held.run_id))
         records = checked(records, str(held.log), check)
         if not reopen and ended(records):
             return None
         if good < len(data):
             os.ftruncate(fd, good)
-        epoch = max(max_epoch(records), held_epoch(self._runs_path, held)) + 1
+        epoch = max(max_epoch(records), held_epoch(self._runs_path, held, older=not made_here)) + 1
         line = claimed(records, epoch, owner)
         try:
             _write_all(fd, line)
@@ -548,15 +592,19 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         self._sync_dirs(grouped, self._index_path_str)
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        with self.queue.lock():
-            queued = [run.queued and self.queue.add(QueueEntry(run.run_id, now if run.at is None else run.at,
-                                                                run.priority, (), now, *queue_fields(header)))
-                      for run, header in zip(bound, headers, strict=False)]
+        entries = [QueueEntry(run.run_id, now if run.at is None else run.at, run.priority, (), now,
+                              *queue_fields(header))
+                   for run, header in zip(bound, headers, strict=False) if run.queued]
+        added: Iterator[bool] = iter([])
+        if entries:
+            with self.queue.lock():
+                added = iter(self.queue.add_many(entries))  # one due-journal append for the batch
+        queued = [run.queued and next(added) for run in bound]
         rows = []
         for run, entry, known in zip(bound, queued, fields, strict=False):
             self._new_log(run.run_id, run.header, entry)
             rows.append((run.run_id, *known, OPEN, now, len(run.header)))
-        self._sync_dirs(grouped, self._runs_path, str(self.queue_dir))
+        self._sync_dirs(grouped, self._runs_path, *([str(self.queue_dir)] if entries else []))
         if grouped:
             self._dir_durable.update(run.run_id for run in bound)
         self._indexed(lambda catalog: catalog.put_many(rows))
@@ -881,6 +929,20 @@ class FileStorage(PartialsKeptApart, FileInbox, FileBindings, StorageFront):
         self._refresh_now()
         if self._catalog is not None:
             self._catalog.close()
+
+
+def _read_whole(fd: int) -> bytes:
+    """The whole file open at `fd`, read from its start by position (no file object, no seek: a claim's read)."""
+    chunks = []
+    offset = 0
+    want = 65536
+    while True:
+        chunk = os.pread(fd, want, offset)
+        chunks.append(chunk)
+        offset += len(chunk)
+        if len(chunk) < want:  # a regular file reads short only at its end
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        want = 1 << 20
 
 
 def _listdir(directory: Path) -> list[str]:

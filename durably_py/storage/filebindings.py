@@ -47,13 +47,16 @@ class FileBindings:
         fails if the name exists, so it needs no lock; anything else is decided under the binding's own lock
         file, where a damaged binding counts as none."""
         path = self._index_path(identity)
-        os.makedirs(self._index_path_str, exist_ok=True)
         if expect is None and not durable and self._link_bindings:
             # made durable by the caller's syncfs: a symlink whose target is the run id is created only if the
             # name is free, in one step, with no temp file and no data block (a regular file where there are
-            # no symlinks)
+            # no symlinks); the index folder is made only when the link finds it missing (once, not per child)
             try:
-                os.symlink(run_id, path)
+                try:
+                    os.symlink(run_id, path)
+                except FileNotFoundError:
+                    os.makedirs(self._index_path_str, exist_ok=True)
+                    os.symlink(run_id, path)
                 return True
             except FileExistsError:
                 pass
@@ -61,6 +64,7 @@ class FileBindings:
                 if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
                     raise storage_full(exc, "write", self._index_path_str) from exc
                 self._link_bindings = False
+        os.makedirs(self._index_path_str, exist_ok=True)
         if expect is None:
             tmp = self._write_tmp(self._index_path_str, "bind", run_id.encode(), durable=durable)
             try:

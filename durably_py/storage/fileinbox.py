@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RunNotFoundError
 from .base import decode_signal
-from .filelocks import fsync_dir
+from .filelocks import fsync_dir, registered
 
 
 class FileInbox:
@@ -25,14 +25,16 @@ class FileInbox:
 
     if TYPE_CHECKING:
         def _log(self, run_id: str) -> Path: ...
+        def _lock_path(self, run_id: str) -> str: ...
         def _write_tmp(self, directory: str | Path, stem: str, data: bytes, *, durable: bool) -> str: ...
         @staticmethod
         def _unlink(path: str) -> None: ...
         def wake(self, run_id: str, name: str | None = None) -> bool: ...
 
     def _inbox_dir(self, run_id: str) -> Path:
-        """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown."""
-        if not self._log(run_id).exists():
+        """The inbox directory of an existing run; `RunNotFoundError` if the run is unknown (a run this process
+        holds the lease of exists: no look)."""
+        if not registered(self._lock_path(run_id)) and not self._log(run_id).exists():
             raise RunNotFoundError(f"no run {run_id} in {self.dir}", run_id=run_id)
         return self.runs_dir / f"{run_id}.inbox"
 

@@ -53,6 +53,7 @@ Row = tuple[str, str | None, str | None, str | None, str, float, int]
 """run_id, workflow, key, parent, state, updated, size (the log bytes the state was read from)."""
 
 _HEADER = msgspec.json.Decoder(dict[str, Any])
+_IN_MAX = 500  # run ids looked up by one statement (SQLite allows at least 999 parameters)
 
 
 class FileCatalog:
@@ -62,6 +63,7 @@ class FileCatalog:
     def __init__(self, path: Path, runs_dir: Path, names: Callable[[], list[str]]) -> None:
         self.path = path
         self.runs_dir = runs_dir
+        self._runs_path = str(runs_dir)
         self._names = names
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
@@ -134,10 +136,16 @@ class FileCatalog:
 
     def refresh_many(self, run_ids: list[str]) -> None:
         """`refresh` of many runs with one transaction for all their rows."""
+        olds: dict[str, Any] = dict.fromkeys(run_ids)
+        ids = list(olds)
         with self._lock:
             db = self._db()
-            olds = {run_id: db.execute("SELECT workflow, key, parent, state, size FROM runs WHERE run_id = ?",
-                                       (run_id,)).fetchone() for run_id in run_ids}
+            for first in range(0, len(ids), _IN_MAX):  # one statement (one read lock) for many rows, not one each
+                part = ids[first:first + _IN_MAX]
+                for run_id, *old in db.execute(
+                        "SELECT run_id, workflow, key, parent, state, size FROM runs WHERE run_id IN "
+                        f"({','.join('?' * len(part))})", part):
+                    olds[run_id] = tuple(old)
         rows = [(run_id, self._scan(run_id, old)) for run_id, old in olds.items()]
         with self._write() as db:
             db.executemany("DELETE FROM runs WHERE run_id = ?", [(run_id,) for run_id, row in rows if row is None])
@@ -165,16 +173,17 @@ class FileCatalog:
         """A run's row from its row `old` (None: none yet) and its log's new lines (None: no log); `lazy`:
         an open row's tail is not read (see `refresh`)."""
         try:
-            f = open(self.runs_dir / f"{run_id}.jsonl", "rb")
+            fd = os.open(os.path.join(self._runs_path, f"{run_id}.jsonl"), os.O_RDONLY)
         except FileNotFoundError:
             return None
-        with f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)
             if lazy and old is not None and old[3] == OPEN and 0 < old[4] <= st.st_size:
                 return (run_id, old[0], old[1], old[2], OPEN, st.st_mtime, old[4])
             start = old[4] if old is not None and 0 < old[4] <= st.st_size else 0
-            f.seek(start)
-            data = f.read(st.st_size - start)
+            data = _read_range(fd, start, st.st_size - start)
+        finally:
+            os.close(fd)
         data = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
         if start:
             workflow, key, parent = old[0], old[1], old[2]
@@ -278,3 +287,14 @@ class FileCatalog:
         self.repair()
         with self._lock:
             return int(self._db().execute("SELECT count(*) FROM runs").fetchone()[0])
+
+
+def _read_range(fd: int, start: int, size: int) -> bytes:
+    """`size` bytes of the file open at `fd` from `start` (fewer where it ends sooner), by position."""
+    data = os.pread(fd, size, start) if size > 0 else b""
+    while 0 < len(data) < size:  # a read cut short (rare): the rest
+        more = os.pread(fd, size - len(data), start + len(data))
+        if not more:
+            break
+        data += more
+    return data

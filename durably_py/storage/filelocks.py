@@ -328,12 +328,15 @@ def sidecar_epoch(runs_path: str, run_id: str) -> int:
     return epoch if isinstance(epoch, int) else 0
 
 
-def held_epoch(runs_path: str, held: Held) -> int:
-    """`sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file)."""
+def held_epoch(runs_path: str, held: Held, *, older: bool = True) -> int:
+    """`sidecar_epoch` read through the lock descriptor `held` holds (no second open of the lock file); `older`
+    False: the run is too new to have the ``.owner`` sidecar of older versions."""
     data = held.lock.read()
     if data is None:
         return sidecar_epoch(runs_path, held.run_id)
     info = owner_of(data)
+    if info is None and not older:
+        return 0
     if info is None:  # a new lock file, or one no claimant wrote: the ``.owner`` sidecar of older versions
         info = read_owner(os.path.join(runs_path, f"{held.run_id}.owner"))
         if info is None:

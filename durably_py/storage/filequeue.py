@@ -108,6 +108,12 @@ class FileQueue:
         first = sooner(entry, old)
         if first:
             self.journal.append([self.journal.set_line(entry)])
+        self._write_file(entry, old)
+        if not first:
+            self.journal.append([self.journal.set_line(entry)])
+
+    def _write_file(self, entry: QueueEntry, old: QueueEntry | None) -> None:
+        """Write the entry's file in place of `old` (None: it has none), leaving the due journal to the caller."""
         data = msgspec.json.encode(entry_fields(entry))
         path = os.path.join(self._path, f"{entry.run_id}.json")
         if old is not None or not self._new_link(path, data):
@@ -119,8 +125,6 @@ class FileQueue:
             except BaseException:
                 _unlink(tmp)
                 raise
-        if not first:
-            self.journal.append([self.journal.set_line(entry)])
 
     def _new_link(self, path: str, data: bytes) -> bool:
         """Create a run's first entry as a symlink in place: one step, whole or not at all, so no temp link
@@ -183,6 +187,18 @@ class FileQueue:
             return False
         self.write(entry, None)
         return True
+
+    def add_many(self, entries: list[QueueEntry]) -> list[bool]:
+        """`add` of a batch (call with the queue lock held): every new entry's due-journal line in one append,
+        before any of their files (a new entry makes its run due sooner, `filedue.sooner`), then the files; for
+        each entry whether it was added (False: it had an entry or a log already)."""
+        added = [not self.queued(entry.run_id)
+                 and not os.path.exists(os.path.join(self._runs_path, f"{entry.run_id}.jsonl")) for entry in entries]
+        self.journal.append([self.journal.set_line(entry) for entry, new in zip(entries, added, strict=True) if new])
+        for entry, new in zip(entries, added, strict=True):
+            if new:
+                self._write_file(entry, None)
+        return added
 
     def discard(self, run_id: str) -> None:
         """Delete the run's entry file, if any (a run whose log could not be created, or a deleted run), then
