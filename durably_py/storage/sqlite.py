@@ -304,6 +304,7 @@ class SqliteStorage(StorageFront):
             ).lastrowid
         except sqlite3.IntegrityError:
             raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
+        assert num is not None  # the row's num, its rowid
         db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (num * SPAN, header))
         db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created, queue_name, partition_name)"
                    " VALUES (?, ?, ?, ?, ?, ?)", (run_id, now if at is None else at, priority, now, *place))
@@ -997,13 +998,18 @@ def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
     seq = state.get("seq")
     if seq is not None:
         try:
-            cur = db.execute(_STEP, (seq, data, seq // SPAN, lease.run_id, lease.epoch))
+            done = db.execute(_STEP, (seq, data, seq // SPAN, lease.run_id, lease.epoch)).rowcount
         except sqlite3.IntegrityError:  # the number is taken
-            seq = None
-    if seq is None:
-        cur = db.execute(_STEP_AT_END, (data, lease.run_id, lease.epoch))
-        seq = cur.lastrowid
-    if cur.rowcount == 0:
+            done = -1
+        if done > 0:
+            if state["seq"] <= seq:
+                state["seq"] = seq + 1
+            return
+        if done == 0:
+            raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+    cur = db.execute(_STEP_AT_END, (data, lease.run_id, lease.epoch))
+    seq = cur.lastrowid
+    if cur.rowcount == 0 or seq is None:
         raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
     if state.get("seq", 0) <= seq:
         state["seq"] = seq + 1
