@@ -1,11 +1,14 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
-Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
+Tables: ``runs`` (one row per run: its number ``num``, header line, times (``updated``, indexed for the catalog, at a claim, park,
 end or operator record), lease epoch/owner/expiry, last line and log size as of that write (a step leaves the row
 alone: it is the fenced insert of its records and nothing else, so for an open run a reader takes the last line and
 the size from the records, `_infos`), and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
-``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
+``records`` (the log as appended chunks of lines, keyed by ``seq`` = the run's ``num`` * 2**32 + the append's
+number: a run's records are one range of the table's own key, so an append writes that b-tree alone and a new
+run's header goes at its end; before schema 10 they carried the run's id, with an index on it, and are moved on
+first open, `_move_records`), ``identities`` (identity -> run id) and
 ``run_blobs`` (each run's stored values, `valuestore`: written in the transaction of the record that first refers
 to them), ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
 ``queue`` (one row per run that has not ended: due time, priority, the signals that wake it; the due query
@@ -16,8 +19,9 @@ it may not survive a machine crash until `sync`, which commits once with ``synch
 fsynced, carrying every earlier commit with it) and counts that as one fsync.
 
 Leases are time-based: a claim holds for `ttl` seconds (renewed by `heartbeat`), after which another owner
-may claim. Every claim bumps the run's epoch and appends are ``UPDATE ... WHERE epoch = ?``-fenced, so an
-expired lease keeps appending only until someone else actually claims. One connection is shared by the
+may claim. Every claim bumps the run's epoch and appends are ``WHERE epoch = ?``-fenced (a step's insert reads
+the fence from the run's row in the same statement), so an expired lease keeps appending only until someone else
+actually claims. One connection is shared by the
 threads of a process behind a lock; other processes coordinate through SQLite's own locking.
 """
 
@@ -502,9 +506,9 @@ class SqliteStorage(StorageFront):
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
             gate = self._gate
-            taken = gate is not None and gate.enter()
+            taken = gate is not None and gate.on and gate.enter()
             try:
-                _insert_fenced(self._db(), lease, data)
+                _insert_fenced(self._conn or self._db(), lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
