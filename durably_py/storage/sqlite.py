@@ -188,7 +188,6 @@ class SqliteStorage(StorageFront):
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
         self._conn: sqlite3.Connection | None = None
-        self._steps: sqlite3.Cursor | None = None  # the connection's cursor for steps' inserts (`_append_step`)
         self._lock = threading.RLock()
 
         self._synced: dict[tuple[str, int], int | None] = {}  # (run, epoch) -> its latest append's seq at `sync`
@@ -226,7 +225,6 @@ class SqliteStorage(StorageFront):
                 _ensure_catalog(conn)
             conn.execute(_RUN_BLOBS)
             self._conn = conn
-            self._steps = conn.cursor()
         return self._conn
 
     def close(self) -> None:
@@ -234,7 +232,7 @@ class SqliteStorage(StorageFront):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
-                self._conn = self._steps = None
+                self._conn = None
             while self._idle:
                 self._idle.pop().close()
             if self._gate is not None:
@@ -510,9 +508,7 @@ class SqliteStorage(StorageFront):
             gate = self._gate
             taken = gate is not None and gate.on and gate.enter()
             try:
-                if self._steps is None:
-                    self._db()
-                _insert_fenced(self._steps, lease, data)
+                _insert_fenced(self._conn or self._db(), lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
@@ -993,7 +989,7 @@ CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT N
 """
 
 
-def _insert_fenced(db: sqlite3.Connection | sqlite3.Cursor, lease: Lease, data: bytes) -> None:
+def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
     """Insert the records `data` of the lease's run if its lease is current (one statement: the fence is read in
     the insert), else raise `LeaseLostError`.
 
