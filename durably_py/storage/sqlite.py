@@ -82,22 +82,23 @@ SCHEMA_VERSION = 10  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue
 _RUNS = """CREATE TABLE IF NOT EXISTS {name} (
     num INTEGER PRIMARY KEY,
     run_id TEXT NOT NULL UNIQUE,
-    header BLOB NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
     epoch INTEGER NOT NULL DEFAULT 0,
     owner TEXT,
     lease_expires REAL,
-    last BLOB NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
     size INTEGER NOT NULL,
     syncs INTEGER NOT NULL DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'open',
     workflow TEXT,
     key TEXT,
     parent TEXT,
-    state TEXT NOT NULL DEFAULT 'open',
-    touched REAL
+    touched REAL,
+    header BLOB NOT NULL,
+    last BLOB NOT NULL
 )"""
-"""The runs table since schema 10: ``num`` (the rowid, so VACUUM keeps it) numbers a run's records."""
+"""The runs table since schema 10: ``num`` (the rowid, so VACUUM keeps it) numbers a run's records; the lease's
+columns come first, so a step's fence reads them without a long header's overflow pages."""
 _RUN_COLUMNS = ("run_id", "header", "created", "updated", "epoch", "owner", "lease_expires", "last", "size", "syncs",
                 "workflow", "key", "parent", "state", "touched")
 _RECORDS = """CREATE TABLE IF NOT EXISTS {name} (
