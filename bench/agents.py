@@ -76,7 +76,12 @@ def store_bytes(kind: str, root: Path, run_id: str) -> tuple[int, int]:
         blobs = root / "runs" / f"{run_id}.blobs"
         return (root / "runs" / f"{run_id}.jsonl").stat().st_size, blobs.stat().st_size if blobs.exists() else 0
     db = sqlite3.connect(root / "runs.db")
-    log = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE run_id = ?", (run_id,)).fetchone()[0]
+    try:  # SQLite schema 10: a run's records are the range of its number
+        log = db.execute("SELECT coalesce(sum(length(r.data)), 0) FROM runs JOIN records r ON r.seq BETWEEN"
+                         " runs.num * 4294967296 AND runs.num * 4294967296 + 4294967295 WHERE runs.run_id = ?",
+                         (run_id,)).fetchone()[0]
+    except sqlite3.OperationalError:  # an older tree: records carry their run's id
+        log = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE run_id = ?", (run_id,)).fetchone()[0]
     try:
         values = db.execute("SELECT coalesce(sum(length(data)) + 64 * count(*), 0) FROM run_blobs WHERE run_id = ?",
                             (run_id,)).fetchone()[0]

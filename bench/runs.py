@@ -84,17 +84,24 @@ def make_files(state: Path, text: str, old_id: str, runs: int) -> None:
         os.utime(path, (at, at))
 
 
+SCHEMA_3 = (
+    "CREATE TABLE runs (run_id TEXT PRIMARY KEY, header BLOB NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,"
+    " epoch INTEGER NOT NULL DEFAULT 0, owner TEXT, lease_expires REAL, last BLOB NOT NULL, size INTEGER NOT NULL,"
+    " syncs INTEGER NOT NULL DEFAULT 0)",
+    "CREATE TABLE records (seq INTEGER PRIMARY KEY, run_id TEXT NOT NULL, data BLOB NOT NULL)",
+    "CREATE INDEX records_by_run ON records (run_id, seq)",
+)
+"""The runs and records tables of the SQLite adapter's schema 3 (it adds the others when it opens the file)."""
+
+
 def make_sqlite(path: Path, text: str, old_id: str, runs: int) -> None:
     """A database as the SQLite adapter wrote it before the run catalog (its schema version 3 tables)."""
-    from durably_py.storage import sqlite as adapter
-
     path.parent.mkdir(parents=True)
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("BEGIN")
-    for statement in adapter._SCHEMA.split(";"):
-        if statement.strip() and "ADD COLUMN" not in statement:
-            db.execute(statement)
+    for statement in SCHEMA_3:
+        db.execute(statement)
     db.execute("PRAGMA user_version=3")
     have = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
     assert "state" not in have, "the bench writes the pre-catalog layout"

@@ -285,13 +285,14 @@ def test_file_listing_without_a_usable_index_reads_the_logs(fs: FileStorage) -> 
 def test_an_sqlite_database_from_before_the_catalog_gets_it_on_first_use(tmp_path: Path) -> None:
     import sqlite3
 
-    from durably_py.storage import sqlite as adapter
-
     path = tmp_path / "old.db"
     db = sqlite3.connect(path, isolation_level=None)
-    for statement in adapter._SCHEMA.split(";"):  # the tables as they were before the catalog's columns
-        if statement.strip():
-            db.execute(statement)
+    db.executescript(  # the tables as they were before the catalog's columns
+        "CREATE TABLE runs (run_id TEXT PRIMARY KEY, header BLOB NOT NULL, created REAL NOT NULL, updated REAL NOT NULL,"
+        " epoch INTEGER NOT NULL DEFAULT 0, owner TEXT, lease_expires REAL, last BLOB NOT NULL, size INTEGER NOT NULL,"
+        " syncs INTEGER NOT NULL DEFAULT 0);"
+        "CREATE TABLE records (seq INTEGER PRIMARY KEY, run_id TEXT NOT NULL, data BLOB NOT NULL);"
+        "CREATE INDEX records_by_run ON records (run_id, seq);")
     db.execute("PRAGMA user_version=3")
     logs = {"done": header("done", workflow="x", key="k-done") + line(t="end", status="completed")
             + line(t="claim", epoch=2, owner="o", at="2024"),

@@ -20,7 +20,10 @@ from typing import Any
 import pytest
 
 from durably_py import SqliteStorage, StorageBusyError, create_engine, workflow
+from durably_py.storage.sqlite import SPAN
 from tests.helpers import wait_until
+
+OF_RUN = f"records.seq BETWEEN runs.num * {SPAN} AND runs.num * {SPAN} + {SPAN - 1}"  # a run's records (schema 10)
 
 CHILD = '''
 import asyncio, sys
@@ -57,12 +60,14 @@ async def counter(ctx: Any, n: int) -> int:
 
 
 def _log_bytes(store: SqliteStorage, run_id: str) -> bytes:
-    rows = store._db().execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
+    rows = store._db().execute(f"SELECT records.data FROM runs JOIN records ON {OF_RUN} WHERE runs.run_id = ?"
+                               " ORDER BY records.seq", (run_id,)).fetchall()
     return b"".join(bytes(row[0]) for row in rows)
 
 
 def _steps(store: SqliteStorage, run_id: str) -> int:
-    return int(store._db().execute("SELECT count(*) FROM records WHERE run_id = ?", (run_id,)).fetchone()[0])
+    return int(store._db().execute(f"SELECT count(*) FROM runs JOIN records ON {OF_RUN} WHERE runs.run_id = ?",
+                                   (run_id,)).fetchone()[0])
 
 
 def _check_readers(store: SqliteStorage, run_id: str) -> dict[str, Any]:

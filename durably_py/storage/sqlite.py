@@ -1,11 +1,14 @@
 """Runs in one SQLite database (stdlib ``sqlite3``, WAL, ``synchronous=NORMAL``), shareable by processes.
 
-Tables: ``runs`` (one row per run: header line, times (``updated``, indexed for the catalog, at a claim, park,
+Tables: ``runs`` (one row per run: its number ``num``, header line, times (``updated``, indexed for the catalog, at a claim, park,
 end or operator record), lease epoch/owner/expiry, last line and log size as of that write (a step leaves the row
 alone: it is the fenced insert of its records and nothing else, so for an open run a reader takes the last line and
 the size from the records, `_infos`), and a
 count of durable commits: a commit that changes nothing writes nothing, so `sync` bumps it to force a WAL write),
-``records`` (the log as appended chunks of lines, in ``seq`` order), ``identities`` (identity -> run id) and
+``records`` (the log as appended chunks of lines, keyed by ``seq`` = the run's ``num`` * 2**32 + the append's
+number: a run's records are one range of the table's own key, so an append writes that b-tree alone and a new
+run's header goes at its end; before schema 10 they carried the run's id, with an index on it, and are moved on
+first open, `_move_records`), ``identities`` (identity -> run id) and
 ``run_blobs`` (each run's stored values, `valuestore`: written in the transaction of the record that first refers
 to them), ``signals`` (each run's inbox of unacknowledged signal lines, in ``seq`` order; sends commit durably) and
 ``queue`` (one row per run that has not ended: due time, priority, the signals that wake it; the due query
@@ -16,8 +19,9 @@ it may not survive a machine crash until `sync`, which commits once with ``synch
 fsynced, carrying every earlier commit with it) and counts that as one fsync.
 
 Leases are time-based: a claim holds for `ttl` seconds (renewed by `heartbeat`), after which another owner
-may claim. Every claim bumps the run's epoch and appends are ``UPDATE ... WHERE epoch = ?``-fenced, so an
-expired lease keeps appending only until someone else actually claims. One connection is shared by the
+may claim. Every claim bumps the run's epoch and appends are ``WHERE epoch = ?``-fenced (a step's insert reads
+the fence from the run's row in the same statement), so an expired lease keeps appending only until someone else
+actually claims. One connection is shared by the
 threads of a process behind a lock; other processes coordinate through SQLite's own locking.
 """
 
@@ -74,26 +78,39 @@ from .sqlitegate import WriteGate
 from .valuestore import TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
-SCHEMA_VERSION = 9  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`), 9 queue_due; every statement below is idempotent, so older files just upgrade
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY,
-    header BLOB NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
+SCHEMA_VERSION = 10  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`), 9 queue_due, 10 records keyed by run number (`_move_records`); every statement below is idempotent, so older files just upgrade
+_RUNS = """CREATE TABLE IF NOT EXISTS {name} (
+    num INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL UNIQUE,
     epoch INTEGER NOT NULL DEFAULT 0,
     owner TEXT,
     lease_expires REAL,
-    last BLOB NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
     size INTEGER NOT NULL,
-    syncs INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS records (
+    syncs INTEGER NOT NULL DEFAULT 0,
+    state TEXT NOT NULL DEFAULT 'open',
+    workflow TEXT,
+    key TEXT,
+    parent TEXT,
+    touched REAL,
+    header BLOB NOT NULL,
+    last BLOB NOT NULL
+)"""
+"""The runs table since schema 10: ``num`` (the rowid, so VACUUM keeps it) numbers a run's records; the lease's
+columns come first, so a step's fence reads them without a long header's overflow pages."""
+_RUN_COLUMNS = ("run_id", "header", "created", "updated", "epoch", "owner", "lease_expires", "last", "size", "syncs",
+                "workflow", "key", "parent", "state", "touched")
+_RECORDS = """CREATE TABLE IF NOT EXISTS {name} (
     seq INTEGER PRIMARY KEY,
-    run_id TEXT NOT NULL,
     data BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS records_by_run ON records (run_id, seq);
+)"""
+"""The log since schema 10: a run's appends in ``seq`` order, ``seq`` = the run's ``num`` * `SPAN` + its append's
+number (0: the header), so a run's records are one range of the table's own key: no second index to write per
+append, and a new run's header goes at the table's end."""
+SPAN = 1 << 32
+"""Sequence numbers per run."""
+_SCHEMA = _RUNS.format(name="runs") + ";" + _RECORDS.format(name="records") + """;
 CREATE TABLE IF NOT EXISTS identities (
     identity TEXT PRIMARY KEY,
     run_id TEXT NOT NULL
@@ -144,12 +161,19 @@ _RUN_BLOBS = """CREATE TABLE IF NOT EXISTS run_blobs (
     PRIMARY KEY (run_id, digest)
 )"""  # created at every open (idempotent), so it needs no schema version of its own
 _FENCE = "run_id = ? AND epoch = ? AND owner IS NOT NULL"
-_LOG_SIZE = "(SELECT coalesce(sum(length(data)), 0) FROM records WHERE records.run_id = runs.run_id)"
+_OF_RUN = f"records.seq BETWEEN runs.num * {SPAN} AND runs.num * {SPAN} + {SPAN - 1}"
+"""The records of the run of a statement over ``runs`` (a range of ``records``' key)."""
+_LOG_SIZE = f"(SELECT coalesce(sum(length(data)), 0) FROM records WHERE {_OF_RUN})"
 """A run's log size from its records, in a statement over ``runs``."""
-_LAST_SEQ = "(SELECT max(seq) FROM records WHERE records.run_id = runs.run_id)"
-"""The sequence number of a run's latest append (one seek of ``records_by_run``), in a statement over ``runs``."""
-_LAST_CHUNK = "(SELECT data FROM records WHERE records.run_id = runs.run_id ORDER BY seq DESC LIMIT 1)"
+_LAST_SEQ = f"(SELECT max(seq) FROM records WHERE {_OF_RUN})"
+"""The sequence number of a run's latest append (one seek), in a statement over ``runs``."""
+_LAST_CHUNK = f"(SELECT data FROM records WHERE {_OF_RUN} ORDER BY seq DESC LIMIT 1)"
 """A run's latest append (one or more lines), in a statement over ``runs``."""
+_STEP = "INSERT INTO records (seq, data) SELECT ?, ? FROM runs WHERE num = ? AND " + _FENCE
+"""A step's fenced insert at the sequence number its lease expects (`_insert_fenced`)."""
+_STEP_AT_END = (f"INSERT INTO records (seq, data) SELECT coalesce({_LAST_SEQ} + 1, num * {SPAN}), ? FROM runs WHERE "
+                + _FENCE)
+"""A step's fenced insert after the run's latest append, wherever that is."""
 TRANSACTION_DOCS = "docs/policies.md#transactional-steps"
 _LOOKUP_CHUNK = 500  # identities per SELECT of `lookup_many` (SQLite before 3.32 binds at most 999 variables)
 
@@ -188,12 +212,16 @@ class SqliteStorage(StorageFront):
             with _transaction(conn):
                 version = conn.execute("PRAGMA user_version").fetchone()[0]
                 if version < SCHEMA_VERSION:
+                    keyed_by_id = "run_id" in {row[1] for row in conn.execute("PRAGMA table_info(records)")}
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
                             conn.execute(statement)
                     _ensure_places(conn)
                     if 0 < version < 3:
                         _queue_unended(conn)
+                    if keyed_by_id:  # before schema 10: the catalog as that layout had it, then the records moved
+                        _ensure_catalog(conn)
+                        _move_records(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 _ensure_catalog(conn)
             conn.execute(_RUN_BLOBS)
@@ -274,28 +302,25 @@ class SqliteStorage(StorageFront):
         """Insert a new run's row, header record and queue entry (inside the caller's transaction)."""
         now = time.time()
         try:
-            db.execute(
+            num = db.execute(
                 "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, header, now, now, header, len(header), *fields, OPEN),
-            )
+            ).lastrowid
         except sqlite3.IntegrityError:
             raise ValidationError(f"run {run_id} already exists in {self.path}", run_id=run_id) from None
-        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, header))
+        assert num is not None  # the row's num, its rowid
+        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (num * SPAN, header))
         db.execute("INSERT OR REPLACE INTO queue (run_id, due, priority, created, queue_name, partition_name)"
                    " VALUES (?, ?, ?, ?, ?, ?)", (run_id, now if at is None else at, priority, now, *place))
-
-    def _log_bytes(self, db: sqlite3.Connection, run_id: str) -> bytes:
-        """The whole log of a run as one byte string."""
-        rows = db.execute("SELECT data FROM records WHERE run_id = ? ORDER BY seq", (run_id,)).fetchall()
-        return b"".join(row[0] for row in rows)
 
     def _do_read(self, run_id: str) -> Log | None:
         """All records of a run (None if unknown)."""
         with self._lock, _transaction(self._db(), "BEGIN") as db:
-            if db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+            row = db.execute("SELECT num FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            if row is None:
                 return None
-            data = self._log_bytes(db, run_id)
+            data = _log_of(db, row[0])[0]
             values = _run_values(db, run_id) if TOKEN in data else {}
         records, _, torn = parse_log(data, self._where(run_id), lambda: values)
         return Log(records, torn, self._where(run_id))
@@ -313,27 +338,28 @@ class SqliteStorage(StorageFront):
     def _claim_in(self, db: sqlite3.Connection, run_id: str, owner: str, ttl: float, check: Check | None,
                   reopen: bool) -> Lease | None:
         """`claim` inside the caller's write transaction."""
-        row = db.execute("SELECT epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        row = db.execute("SELECT num, epoch, owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
-        epoch, holder, expires = row
+        num, epoch, holder, expires = row
         now = time.time()
         if holder is not None and expires >= now:
             return None
-        data, records, good, torn = self._checked_log(db, run_id, check)
+        data, records, good, torn, seq = self._checked_log(db, run_id, num, check)
         if not reopen and ended(records):
             _unschedule(db, run_id)
             return None
-        _cut_torn(db, run_id, data, good)
+        seq = _cut_torn(db, num, data, good, seq) + 1
         epoch += 1
         line = claimed(records, epoch, owner)
-        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (seq, line))
         db.execute(
             "UPDATE runs SET epoch = ?, owner = ?, lease_expires = ?, updated = ?, last = ?, size = ?"
-            " WHERE run_id = ?",
-            (epoch, owner, now + ttl, now, line, good + len(line), run_id),
+            " WHERE num = ?",
+            (epoch, owner, now + ttl, now, line, good + len(line), num),
         )
-        return Lease(run_id, owner, epoch, {"sqlite": self}, records, torn, self._where(run_id), good + len(line))
+        return Lease(run_id, owner, epoch, {"sqlite": self, "seq": seq + 1}, records, torn, self._where(run_id),
+                     good + len(line))
 
     @contextmanager
     def _claiming(self, run_id: str) -> Iterator[sqlite3.Connection]:
@@ -353,12 +379,13 @@ class SqliteStorage(StorageFront):
                      "inside BEGIN): end it, then run the same command again; nothing was written.",
                 docs="docs/storage.md#waiting-for-a-locked-run") from None
 
-    def _checked_log(self, db: sqlite3.Connection, run_id: str,
-                     check: Check | None) -> tuple[bytes, list[Any], int, str | None]:
-        """Inside a transaction: the log's bytes, its checked records, the length of its whole lines, the torn tail."""
-        data = self._log_bytes(db, run_id)
+    def _checked_log(self, db: sqlite3.Connection, run_id: str, num: int,
+                     check: Check | None) -> tuple[bytes, list[Any], int, str | None, int | None]:
+        """Inside a transaction: the log's bytes, its checked records, the length of its whole lines, the torn tail,
+        the sequence number of its latest append."""
+        data, seq = _log_of(db, num)
         records, good, torn = parse_log(data, self._where(run_id), lambda: _run_values(db, run_id))
-        return data, checked(records, self._where(run_id), check), good, torn
+        return data, checked(records, self._where(run_id), check), good, torn, seq
 
     def _do_amend(self, run_id: str, choose: Choose, check: Check | None) -> bool:
         """Append the lines `choose` returns to a run no live owner holds in one transaction, without a claim or
@@ -366,25 +393,25 @@ class SqliteStorage(StorageFront):
         with self._lock:
             db = self._db()
             with self._claiming(run_id):
-                row = db.execute("SELECT owner, lease_expires, state FROM runs WHERE run_id = ?",
+                row = db.execute("SELECT num, owner, lease_expires, state FROM runs WHERE run_id = ?",
                                  (run_id,)).fetchone()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id} in {self.path}", run_id=run_id)
-                holder, expires, state = row
+                num, holder, expires, state = row
                 now = time.time()
                 if holder is not None and expires >= now:
                     return False
-                data, records, good, _ = self._checked_log(db, run_id, check)
+                data, records, good, _, seq = self._checked_log(db, run_id, num, check)
                 line = choose(records, self._where(run_id))
                 if line is None:
                     return True
-                _cut_torn(db, run_id, data, good)
+                seq = _cut_torn(db, num, data, good, seq)
                 db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
                                [(run_id, digest, value) for digest, value in amended_values(choose).items()])
-                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, line))
+                db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (seq + 1, line))
                 db.execute("UPDATE runs SET owner = NULL, lease_expires = NULL, updated = ?, last = ?, size = ?,"
-                           " state = ? WHERE run_id = ?",
-                           (now, last_line(line), good + len(line), state_after(state or OPEN, line), run_id))
+                           " state = ? WHERE num = ?",
+                           (now, last_line(line), good + len(line), state_after(state or OPEN, line), num))
             with _durable(self, db) as tx:  # the WAL, with the commit above, on disk
                 tx.execute("UPDATE runs SET syncs = syncs + 1 WHERE run_id = ?", (run_id,))
         return True
@@ -440,20 +467,24 @@ class SqliteStorage(StorageFront):
             self._append_step(lease, data)
             return
         with self._lock, _transaction(self._db()) as db:  # an end, reopen or reset: the catalog's state too
-            row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-            self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
-                         (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
-            db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+            self._append_changing(db, lease, data)
+
+    def _append_changing(self, db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
+        """Inside a transaction: append lines that may change the run's catalog state, with its row (state, time,
+        last line, size), fenced by the lease's epoch."""
+        row = db.execute(f"SELECT state, num, {_LAST_SEQ} FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
+        self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
+                     (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
+        seq = row[1] * SPAN if row[2] is None else row[2] + 1
+        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (seq, data))
+        lease.state["seq"] = seq + 1
 
     def _do_append_values(self, lease: Lease, data: bytes, blobs: dict[str, bytes]) -> None:
         """Keep the run's new stored values and append the lines that refer to them in one transaction, fenced
         by the lease's epoch (a lost lease keeps neither)."""
         with self._lock, _transaction(self._db()) as db:
             if may_change_state(data):
-                row = db.execute("SELECT state FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()
-                self._fenced(db, lease, f"state = ?, updated = ?, touched = NULL, last = ?, size = {_LOG_SIZE} + ?",
-                             (state_after(row[0] if row else OPEN, data), time.time(), last_line(data), len(data)))
-                db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data))
+                self._append_changing(db, lease, data)
             else:  # a step: the fenced insert, as `_append_step`, and the run's row left alone
                 if lease.state.get("sqlite") is not self:
                     raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
@@ -476,9 +507,9 @@ class SqliteStorage(StorageFront):
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
             gate = self._gate
-            taken = gate is not None and gate.enter()
+            taken = gate is not None and gate.on and gate.enter()
             try:
-                _insert_fenced(self._db(), lease, data)
+                _insert_fenced(self._conn or self._db(), lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
@@ -548,9 +579,11 @@ class SqliteStorage(StorageFront):
                 "header = ?, last = ?, size = ?, updated = ?, state = ?",
                 (header, last_line(data), len(data), time.time(), state_after(OPEN, data)),
             )
-            db.execute("DELETE FROM records WHERE run_id = ?", (lease.run_id,))
-            seq = db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (lease.run_id, data)).lastrowid
+            seq = db.execute("SELECT num FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()[0] * SPAN
+            db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", (seq, seq + SPAN - 1))
+            db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (seq, data))
         self._synced[(lease.run_id, lease.epoch)] = seq
+        lease.state["seq"] = seq + 1
 
     def _do_bind(self, identity: str, run_id: str, expect: str | None) -> bool:
         """Point `identity` at `run_id` if it still points at `expect` (None: at nothing); False if not."""
@@ -599,6 +632,7 @@ class SqliteStorage(StorageFront):
                     break
                 current[run.identity] = run.run_id
             batch, now = runs[:take], time.time()
+            first = db.execute("SELECT coalesce(max(num), 0) + 1 FROM runs").fetchone()[0]
             ids = [run.run_id for run in batch]
             for start in range(0, len(ids), _LOOKUP_CHUNK):
                 chunk = ids[start : start + _LOOKUP_CHUNK]
@@ -612,12 +646,13 @@ class SqliteStorage(StorageFront):
             db.executemany("INSERT OR REPLACE INTO identities (identity, run_id) VALUES (?, ?)",
                            [(run.identity, run.run_id) for run in batch])
             db.executemany(
-                "INSERT INTO runs (run_id, header, created, updated, last, size, workflow, key, parent, state)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(run.run_id, bytes(run.header), now, now, bytes(run.header), len(run.header), *found, OPEN)
-                 for run, found in zip(batch, fields, strict=False)])
-            db.executemany("INSERT INTO records (run_id, data) VALUES (?, ?)",
-                           [(run.run_id, bytes(run.header)) for run in batch])
+                "INSERT INTO runs (num, run_id, header, created, updated, last, size, workflow, key, parent, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(num, run.run_id, bytes(run.header), now, now, bytes(run.header), len(run.header), *found, OPEN)
+                 for num, run, found in zip(range(first, first + take), batch, fields, strict=False)])
+            db.executemany("INSERT INTO records (seq, data) VALUES (?, ?)",
+                           [(num * SPAN, bytes(run.header)) for num, run in zip(range(first, first + take), batch,
+                                                                                strict=False)])
             db.executemany("INSERT OR REPLACE INTO queue (run_id, due, priority, created, queue_name,"
                            " partition_name) VALUES (?, ?, ?, ?, ?, ?)",
                            [(run.run_id, now if run.at is None else run.at, run.priority, now, *queue_fields(header))
@@ -650,18 +685,20 @@ class SqliteStorage(StorageFront):
         """Remove a run, its records, inbox, queue row and identity bindings in one transaction; the bytes
         freed, None (nothing removed) while an owner holds its lease, 0 for an unknown run."""
         with self._lock, _transaction(self._db()) as db:
-            row = db.execute("SELECT owner, lease_expires FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            row = db.execute("SELECT owner, lease_expires, num FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             if row is None:
                 return 0
             if row[0] is not None and row[1] is not None and row[1] >= time.time():
                 return None
-            freed = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE run_id = ?",
-                               (run_id,)).fetchone()[0]
+            span = (row[2] * SPAN, row[2] * SPAN + SPAN - 1)
+            freed = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE seq BETWEEN ? AND ?",
+                               span).fetchone()[0]
             freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM signals WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
             freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM run_blobs WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
-            for table in ("records", "signals", "run_blobs", "queue", "identities", "runs"):
+            db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", span)
+            for table in ("signals", "run_blobs", "queue", "identities", "runs"):
                 db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
             self._partials_table(db)
             db.execute("DELETE FROM partials WHERE run_id = ?", (run_id,))
@@ -955,11 +992,32 @@ CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT N
 
 def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
     """Insert the records `data` of the lease's run if its lease is current (one statement: the fence is read in
-    the insert), else raise `LeaseLostError`."""
-    cur = db.execute("INSERT INTO records (run_id, data) SELECT run_id, ? FROM runs WHERE " + _FENCE,
-                     (data, lease.run_id, lease.epoch))
-    if cur.rowcount == 0:
+    the insert), else raise `LeaseLostError`.
+
+    The lease knows the sequence number its next append takes (``state["seq"]``, from its claim and each append
+    since): while the fence holds, nothing but this lease appends to the run, so the insert needs no look at the
+    run's records. A number already taken (an append of this lease on another connection, `SqliteTransaction`)
+    fails the insert, which is then made after the run's latest append as found; the number only ever grows, so
+    an append is never put before one already made."""
+    state = lease.state
+    seq = state.get("seq")
+    if seq is not None:
+        try:
+            done = db.execute(_STEP, (seq, data, seq // SPAN, lease.run_id, lease.epoch)).rowcount
+        except sqlite3.IntegrityError:  # the number is taken
+            done = -1
+        if done > 0:
+            if state["seq"] <= seq:
+                state["seq"] = seq + 1
+            return
+        if done == 0:
+            raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+    cur = db.execute(_STEP_AT_END, (data, lease.run_id, lease.epoch))
+    seq = cur.lastrowid
+    if cur.rowcount == 0 or seq is None:
         raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
+    if state.get("seq", 0) <= seq:
+        state["seq"] = seq + 1
 
 
 def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
@@ -970,7 +1028,8 @@ def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
 
 def _ensure_catalog(db: sqlite3.Connection) -> None:
     """The run catalog's columns and indexes on ``runs``; a database from before them gets them filled in
-    from each run's header and log (once)."""
+    from each run's header and log (once: such a database's records still carry their run's id, as they did
+    before schema 10, `_move_records`)."""
     have = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
     missing = [name for name in _CATALOG_COLUMNS if name not in have]
     for name in missing:
@@ -1193,8 +1252,39 @@ def _durable(storage: SqliteStorage, db: sqlite3.Connection) -> Iterator[sqlite3
     storage.fsyncs += 1
 
 
-def _cut_torn(db: sqlite3.Connection, run_id: str, data: bytes, good: int) -> None:
-    """Drop a torn last line (a write cut off by a crash) before appending after it."""
+def _cut_torn(db: sqlite3.Connection, num: int, data: bytes, good: int, seq: int | None) -> int:
+    """Drop a torn last line (a write cut off by a crash) before appending after it; the sequence number of the
+    run's latest append afterwards (`seq` before)."""
     if good < len(data):
-        db.execute("DELETE FROM records WHERE run_id = ?", (run_id,))
-        db.execute("INSERT INTO records (run_id, data) VALUES (?, ?)", (run_id, data[:good]))
+        db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", (num * SPAN, num * SPAN + SPAN - 1))
+        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (num * SPAN, data[:good]))
+        return num * SPAN
+    return num * SPAN - 1 if seq is None else seq
+
+
+def _log_of(db: sqlite3.Connection, num: int) -> tuple[bytes, int | None]:
+    """The whole log of run number `num` as one byte string, and the sequence number of its latest append."""
+    rows = db.execute("SELECT seq, data FROM records WHERE seq BETWEEN ? AND ? ORDER BY seq",
+                      (num * SPAN, num * SPAN + SPAN - 1)).fetchall()
+    return b"".join(row[1] for row in rows), rows[-1][0] if rows else None
+
+
+def _move_records(db: sqlite3.Connection) -> None:
+    """Schema 10, inside the opening transaction: a database whose records carry their run's id (and an index on
+    it, a second b-tree written by every append) gets its runs numbered and each run's records keyed by that
+    number and their order (`_RECORDS`), in the order they had; nothing else changes. Every column of the old
+    runs table is copied (`_ensure_catalog` has added the catalog's first); the catalog's indexes are made again
+    on the new table by `_ensure_catalog` afterwards."""
+    columns = ", ".join(_RUN_COLUMNS)
+    db.execute("DROP TABLE IF EXISTS runs_v10")
+    db.execute("DROP TABLE IF EXISTS records_v10")
+    db.execute(_RUNS.format(name="runs_v10"))
+    db.execute(f"INSERT INTO runs_v10 (num, {columns}) SELECT rowid, {columns} FROM runs ORDER BY rowid")
+    db.execute(_RECORDS.format(name="records_v10"))
+    db.execute(f"INSERT INTO records_v10 (seq, data) SELECT r.num * {SPAN} + row_number() OVER"
+               " (PARTITION BY r.num ORDER BY o.seq) - 1, o.data FROM records o JOIN runs_v10 r ON r.run_id = o.run_id"
+               " ORDER BY 1")
+    db.execute("DROP TABLE records")
+    db.execute("DROP TABLE runs")
+    db.execute("ALTER TABLE runs_v10 RENAME TO runs")
+    db.execute("ALTER TABLE records_v10 RENAME TO records")
