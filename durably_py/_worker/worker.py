@@ -38,6 +38,7 @@ from .schedules import ScheduleHost, fire_due
 JOIN_POLL = 0.05
 
 ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
+AHEAD_FOR = 1.0  # seconds a run claimed ahead waits for a slot at most; then it is let go, due again at once
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
 SETTINGS_DOCS = "docs/deploying.md#settings"
 
@@ -174,6 +175,9 @@ class Worker:
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._skip: dict[str, float] = {}
+        self._ahead: list[tuple[float, Any]] = []  # (claimed at, lease) of runs claimed ahead, waiting for a slot
+        self._claiming: asyncio.Future[Any] | None = None  # a claim ahead under way on a thread
+        self._more = False  # the last claim took as many runs as it asked for: more may be due
         self._advertised_at = 0.0
         self.started = time.time()
         self.ends = EndCommit(engine.storage, lambda call: asyncio.get_running_loop().run_in_executor(
@@ -213,7 +217,8 @@ class Worker:
     def skipped(self) -> tuple[str, ...]:
         """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
         now = time.monotonic()
-        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+        return (tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+                + tuple(lease.run_id for _, lease in self._ahead))
 
     async def join(self, handle: RunHandle) -> Any:
         """Wait for a run this worker (or any other) runs to end; return its value or raise its error."""
@@ -233,7 +238,8 @@ class Worker:
         while True:
             while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
                 waiting.pop()
-            if not waiting and not self.active and not self.ending and not storage.due(1, skip=self.skipped()):
+            if not waiting and not self.active and not self.ending and not self._ahead and self._claiming is None \
+                    and not storage.due(1, skip=self.skipped()):
                 waiting = [r for r in enqueued if not self._settled(r)]  # one that was queued again
                 if not waiting:
                     return
@@ -277,22 +283,27 @@ class Worker:
                 claimed = 0
                 if free > 0:
                     admission = self.admission
+                    leases = self._take_ahead(free)
                     try:
-                        full = admission.full()
-                        leases = self._claim_orphans(free)
                         if len(leases) < free:
-                            leases += engine.storage.claim_due(engine.owner, engine.lease_ttl, free - len(leases),
-                                                               skip=self.skipped(), workflows=engine.code.claims(),
-                                                               queues=admission.served, full=full)
+                            full = admission.full()
+                            leases += self._claim_orphans(free - len(leases))
+                        if len(leases) < free:
+                            asked = free - len(leases)
+                            found = engine.storage.claim_due(engine.owner, engine.lease_ttl, asked,
+                                                             skip=self.skipped(), workflows=engine.code.claims(),
+                                                             queues=admission.served, full=full)
+                            self._more = len(found) == asked
+                            leases += found
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
-                        leases = []
                     for lease in leases:
                         if self._stopping or not self._admitted(lease):
                             engine.storage.release(lease)
                             continue
                         self.active[lease.run_id] = asyncio.get_running_loop().create_task(self._serve(lease))
                         claimed += 1
+                    self._claim_ahead()
                 if claimed and len(self.active) < self.concurrency:
                     continue
                 self._wake.clear()
@@ -307,6 +318,11 @@ class Worker:
             self._stopping = True
             if unwatch is not None:
                 unwatch()
+            if self._claiming is not None:
+                await asyncio.gather(self._claiming, return_exceptions=True)
+            for _, lease in self._ahead:  # claimed ahead and never started: due again at once
+                engine.storage.release(lease)
+            self._ahead = []
             while self.active or self.ending:
                 await asyncio.gather(*self.active.values(), *self.ending.values(), return_exceptions=True)
             try:
@@ -314,6 +330,54 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
                 self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _take_ahead(self, free: int) -> list[Any]:
+        """Up to `free` of the runs claimed ahead, oldest first; one that waited longer than `AHEAD_FOR` is let go
+        (its lease released, the run due again at once for any worker) rather than started late."""
+        taken: list[Any] = []
+        now = time.monotonic()
+        while self._ahead and len(taken) < free:
+            at, lease = self._ahead.pop(0)
+            if now - at > AHEAD_FOR:
+                self.engine.storage.release(lease)
+            else:
+                taken.append(lease)
+        return taken
+
+    def _claim_ahead(self) -> None:
+        """On a storage whose claims are round trips to a server (`claims_ahead`), while every slot is busy and the
+        last claim found as many due runs as it asked for: claim the runs for the slots that free next on a worker
+        thread, so a run that ends is followed by the next at once instead of after a claim that stops the loop.
+        At most `concurrency` runs wait so, each for `AHEAD_FOR` seconds at most."""
+        engine = self.engine
+        want = self.concurrency - len(self._ahead)
+        if (self._claiming is not None or not self._more or self._stopping or want <= 0
+                or not getattr(engine.storage, "claims_ahead", False)):
+            return
+        admission = self.admission
+        try:
+            full = admission.full()
+        except Exception:  # noqa: BLE001 - the claim when a slot frees asks again
+            return
+        claim = functools.partial(engine.storage.claim_due, engine.owner, engine.lease_ttl, want, skip=self.skipped(),
+                                  workflows=engine.code.claims(), queues=admission.served, full=full)
+        loop = asyncio.get_running_loop()
+        self._claiming = loop.run_in_executor(engine.executor, claim)
+
+        def claimed(done: asyncio.Future[Any]) -> None:
+            self._claiming = None
+            try:
+                leases = done.result()
+            except Exception as exc:  # noqa: BLE001 - a storage hiccup: the next claim tries again
+                self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
+                self._more = False
+                return
+            self._more = len(leases) == want
+            now = time.monotonic()
+            self._ahead += [(now, lease) for lease in leases]
+            if leases:
+                self.poke()
+        self._claiming.add_done_callback(claimed)
 
     def _claim_orphans(self, free: int) -> list[Any]:
         """Claim up to `free` runs that hold places in full queues and are due with no process (`Admission.orphans`)."""
