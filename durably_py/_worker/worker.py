@@ -31,7 +31,7 @@ from .._authoring.queues import check_queue_name
 from .._authoring.workflow import Workflow
 from .._replay.kernel import Parked
 from .._state.history import History
-from ..errors import DurablyError, RunCancelledError, ValidationError
+from ..errors import DurablyError, LeaseLostError, RunCancelledError, ValidationError
 from .admission import Admission
 from .schedules import ScheduleHost, fire_due
 
@@ -112,7 +112,9 @@ class EndCommit:
     """Group commit of the ends of the runs one worker holds. A served run that ended hands its lease here and
     waits: every lease handed over while the previous commit was under way goes into the next one, a single
     `Storage.finish_all` on a worker thread (one fsync or durable commit for all of them, each run out of the
-    queue and released), so a worker running several runs at once pays one durable write for several ends."""
+    queue and released), so a worker running several runs at once pays one durable write for several ends. A
+    storage whose commits are grouped on a thread of their own (`finish_soon`: PostgreSQL) takes each end from the
+    loop directly, into the group commit of the records and ends the loop's pass hands in."""
 
     def __init__(self, storage: Any, run_in_thread: Callable[[Callable[[], Any]], Any]) -> None:
         self.storage = storage
@@ -124,6 +126,13 @@ class EndCommit:
     async def finish(self, lease: Any) -> BaseException | None:
         """Make the ended run of `lease` durable, out of the queue and released in the next group commit; the
         error that kept it from being so (None: done)."""
+        soon = getattr(self.storage, "finish_soon", None)
+        if soon is not None:  # the loop's own future, in the commit of what the loop's pass hands in
+            (error,) = await asyncio.gather(*soon([lease]), return_exceptions=True)
+            if error is not None and not isinstance(error, LeaseLostError):
+                self.storage.release(lease)  # as a failed group below: its end is recorded again later
+            self.commits += 1
+            return error
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         self.waiting.append((lease, done))
@@ -178,6 +187,7 @@ class Worker:
         self._ahead: list[tuple[float, Any]] = []  # (claimed at, lease) of runs claimed ahead, waiting for a slot
         self._claiming: asyncio.Future[Any] | None = None  # a claim ahead under way on a thread
         self._more = False  # the last claim took as many runs as it asked for: more may be due
+        self._pace: float | None = None  # how long a run held a slot here lately (a moving average), seconds
         self._advertised_at = 0.0
         self.started = time.time()
         self.ends = EndCommit(engine.storage, lambda call: asyncio.get_running_loop().run_in_executor(
@@ -345,15 +355,17 @@ class Worker:
         return taken
 
     def _claim_ahead(self) -> None:
-        """On a storage whose claims are round trips to a server (`claims_ahead`), while every slot is busy and the
-        last claim found as many due runs as it asked for: claim the runs for the slots that free next on a worker
-        thread, so a run that ends is followed by the next at once instead of after a claim that stops the loop.
-        At most `concurrency` runs wait so, each for `AHEAD_FOR` seconds at most."""
+        """On a storage whose claims are round trips to a server (`claims_ahead`), while the last claim found as many
+        due runs as it asked for and runs lately held their slots for less than a quarter of `AHEAD_FOR`: claim the
+        runs for the slots that free next on a worker thread, so a run that ends is followed by the next at once
+        instead of after a claim that stops the loop. At most `concurrency` runs wait so, each for `AHEAD_FOR`
+        seconds at most."""
         engine = self.engine
         want = self.concurrency - len(self._ahead)
         if (self._claiming is not None or not self._more or self._stopping or want <= 0
+                or self._pace is None or self._pace > AHEAD_FOR / 4
                 or not getattr(engine.storage, "claims_ahead", False)):
-            return
+            return  # (runs that hold their slots long would wait long, or be let go and claimed again)
         admission = self.admission
         try:
             full = admission.full()
@@ -486,6 +498,7 @@ class Worker:
         """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
         engine = self.engine
         run_id = lease.run_id
+        began = time.monotonic()
         try:
             history = History(lease.records)
             if history.end is not None:
@@ -532,6 +545,8 @@ class Worker:
             print(f"durably worker: {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
             engine.storage.release(lease)
         finally:
+            held = time.monotonic() - began
+            self._pace = held if self._pace is None else 0.8 * self._pace + 0.2 * held
             self.active.pop(run_id, None)
             self.ending.pop(run_id, None)
             self._left(lease)

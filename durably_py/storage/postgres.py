@@ -857,6 +857,25 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         self.fsyncs += 1
         return errors
 
+    def finish_soon(self, leases: list[Lease]) -> list[asyncio.Future[Any]]:
+        """`finish_all` without waiting, from a thread running an asyncio loop: each lease's end goes into the next
+        group commit with the records the loop's current pass hands in (`append_soon`), and its future (the
+        loop's) holds None once it is durable, or the error that kept it out (`LeaseLostError` for a lease no
+        longer current). No worker thread stands between the loop and the committer."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for lease in leases:
+            if self._mine(lease):
+                future = self._committer.submit(Write("end", lease, unschedule=True), soon=True)
+                assert isinstance(future, asyncio.Future)
+            else:
+                future = loop.create_future()
+                future.set_exception(self._lost(lease))
+            futures.append(future)
+            self._synced.pop((lease.run_id, lease.epoch), None)
+        self.fsyncs += 1
+        return futures
+
     def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
         rows = self._fetch(f"SELECT size FROM {self._runs} WHERE run_id = %s", (run_id,))
