@@ -336,8 +336,8 @@ class PostgresCommitter:
             releases.append(end is not None)
             unschedules.append(end is not None and end.unschedule)
         query = (
-            "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bytea[], %s::bytea[],"
-            " %s::bigint[], %s::text[], %s::bool[], %s::bool[])"
+            "WITH u AS (SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bytea[], %b::bytea[],"
+            " %b::bigint[], %b::text[], %b::bool[], %b::bool[])"
             " AS u(run_id, epoch, owner, data, last, size, state, release, unschedule)),"
             f" fenced AS (UPDATE {self._runs} r SET"
             " updated = CASE WHEN u.size > 0 THEN clock_timestamp() ELSE r.updated END,"
