@@ -356,13 +356,13 @@ class Worker:
 
     def _claim_ahead(self) -> None:
         """On a storage whose claims are round trips to a server (`claims_ahead`), while the last claim found as many
-        due runs as it asked for and runs lately held their slots for less than a quarter of `AHEAD_FOR`: claim the
-        runs for the slots that free next on a worker thread, so a run that ends is followed by the next at once
-        instead of after a claim that stops the loop. At most `concurrency` runs wait so, each for `AHEAD_FOR`
-        seconds at most."""
+        due runs as it asked for and runs lately held their slots for less than a quarter of `AHEAD_FOR`: once
+        fewer than `concurrency` runs wait for a slot, claim up to twice that many on a worker thread, so a run that
+        ends is followed by the next at once instead of after a claim that stops the loop, and a claim serves
+        several turns of the slots. Each run waits so for `AHEAD_FOR` seconds at most."""
         engine = self.engine
-        want = self.concurrency - len(self._ahead)
-        if (self._claiming is not None or not self._more or self._stopping or want <= 0
+        want = 2 * self.concurrency - len(self._ahead)
+        if (self._claiming is not None or not self._more or self._stopping or len(self._ahead) >= self.concurrency
                 or self._pace is None or self._pace > AHEAD_FOR / 4
                 or not getattr(engine.storage, "claims_ahead", False)):
             return  # (runs that hold their slots long would wait long, or be let go and claimed again)
