@@ -109,6 +109,23 @@ def test_appends_and_ends_handed_in_in_one_pass_are_each_fenced_and_kept_in_orde
     assert [r["i"] for r in a.read("e3").records[2:]] == [0, 1] and a.held("e3") and a.entry("e3") is not None
 
 
+def test_a_step_leaves_the_catalogs_updated_time_alone_and_a_release_moves_it(postgres_storage: Any) -> None:
+    """As on SQLite: the catalog's indexed `updated` moves at a claim, a park or end (the lease released) and a
+    record that changes the run's state, not at each step (whose row update then touches no index)."""
+    store = postgres_storage()
+    store.create("u1", header("u1"))
+    lease = store.claim("u1", "me", 3600)
+    assert lease is not None
+    claimed = store.info("u1").updated_at
+    time.sleep(0.01)
+    store.append(lease, line(t="step", i=0))
+    info = store.info("u1")
+    assert info.updated_at == claimed and info.last["t"] == "step"  # the last record is current all the same
+    time.sleep(0.01)
+    store.release(lease)
+    assert store.info("u1").updated_at > claimed
+
+
 def test_a_worker_claims_ahead_on_postgres_and_a_stop_lets_those_runs_go(postgres_storage: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """While its slots are busy, a worker on PostgreSQL claims the next runs on a thread; stopped, it releases the

@@ -320,7 +320,11 @@ class PostgresCommitter:
         """One statement for the appends and ends of several leases, each run's row updated once: if its lease is
         current, its lines (its appends' data joined, in order) inserted as one chunk and its row's last line,
         size and state moved on; the lease released when it ends; and the runs whose end asks it taken out of the
-        queue (their queue rows and joins deleted; the parents whose last child one was come back)."""
+        queue (their queue rows and joins deleted; the parents whose last child one was come back).
+
+        The catalog's ``updated`` (indexed) moves when the lease is released (a park, an end) or the lines change
+        the run's catalog state, as at a claim; a step's lines leave it alone, so their row update touches no index
+        and stays on its page (a HOT update)."""
         run_ids, epochs, owners, datas, lasts, sizes, states, releases, unschedules = [], [], [], [], [], [], [], [], []
         for run_id, (lease, indexes) in leases.items():
             chunks = [group[k].data for k in indexes if group[k].kind == "append"]
@@ -340,7 +344,7 @@ class PostgresCommitter:
             " %b::bigint[], %b::text[], %b::bool[], %b::bool[])"
             " AS u(run_id, epoch, owner, data, last, size, state, release, unschedule)),"
             f" fenced AS (UPDATE {self._runs} r SET"
-            " updated = CASE WHEN u.size > 0 THEN clock_timestamp() ELSE r.updated END,"
+            " updated = CASE WHEN u.release OR u.state IS NOT NULL THEN clock_timestamp() ELSE r.updated END,"
             " last = coalesce(u.last, r.last), size = r.size + u.size, state = coalesce(u.state, r.state),"
             " owner = CASE WHEN u.release THEN NULL ELSE r.owner END,"
             " lease_expires = CASE WHEN u.release THEN NULL ELSE r.lease_expires END FROM u"
@@ -392,7 +396,8 @@ class PostgresCommitter:
         query = (
             "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bytea[], %s::bytea[],"
             " %s::bigint[], %s::text[]) AS u(run_id, epoch, owner, data, last, size, state)),"
-            f" fenced AS (UPDATE {self._runs} r SET updated = clock_timestamp(), last = u.last, size = r.size + u.size,"
+            f" fenced AS (UPDATE {self._runs} r SET last = u.last, size = r.size + u.size,"
+            " updated = CASE WHEN u.state IS NULL THEN r.updated ELSE clock_timestamp() END,"
             " state = coalesce(u.state, r.state) FROM u"
             " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id),"
             + kept_values +

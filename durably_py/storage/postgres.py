@@ -494,7 +494,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         run's earlier appends, committed in groups on another connection, are committed first."""
         self._committer.flush()
         if not self._mine(lease) or conn.execute(
-            f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
+            f"WITH fenced AS (UPDATE {self._runs} SET last = %s, size = size + %s"  # a step: `updated` stays (pgcommit)
             f" WHERE {_FENCE} RETURNING run_id) INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
             (last_line(data), len(data), lease.run_id, lease.epoch, lease.owner, data),
         ).rowcount == 0:
