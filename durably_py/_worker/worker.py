@@ -128,11 +128,16 @@ class EndCommit:
         error that kept it from being so (None: done)."""
         soon = getattr(self.storage, "finish_soon", None)
         if soon is not None:  # the loop's own future, in the commit of what the loop's pass hands in
-            (error,) = await asyncio.gather(*soon([lease]), return_exceptions=True)
-            if error is not None and not isinstance(error, LeaseLostError):
-                self.storage.release(lease)  # as a failed group below: its end is recorded again later
+            (future,) = soon([lease])
             self.commits += 1
-            return error
+            try:
+                await future
+            except LeaseLostError as lost:
+                return lost
+            except Exception as exc:  # noqa: BLE001 - as a failed group below: its end is recorded again later
+                self.storage.release(lease)
+                return exc
+            return None
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         self.waiting.append((lease, done))
