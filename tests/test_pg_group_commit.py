@@ -172,6 +172,51 @@ def test_a_worker_claims_ahead_on_postgres_and_a_stop_lets_those_runs_go(postgre
         assert [r["t"] for r in records].count("ok") == 2 and records[-1]["result"] == i + 2
 
 
+def test_runs_claimed_ahead_behind_a_long_run_are_let_go_within_a_second(postgres_storage: Any,
+                                                                          tmp_path: Path) -> None:
+    """Runs claimed ahead wait for a slot a second at most: behind a run that holds the only slot for long, they
+    are released, due again for any worker, instead of held unrenewed; afterwards every run ends once."""
+    store = postgres_storage()
+    gate = tmp_path / "go"
+
+    async def quick(i: int) -> int:
+        return i
+
+    async def hold(i: int) -> int:
+        while not gate.exists():
+            await asyncio.sleep(0.02)
+        return i
+
+    @workflow
+    async def gc_mixed(ctx: Any, n: int) -> int:
+        return await ctx.step(hold if n == 20 else quick, n)
+
+    engine = create_engine(store, concurrency=1)
+    handles = asyncio.run(engine.enqueue_many([(gc_mixed, i, f"mixed-{i}") for i in range(40)]))
+    slow = handles[20].run_id
+
+    def only_the_long_run_held() -> bool:
+        return store.held(slow) and not any(store.held(h.run_id) for h in handles if h.run_id != slow)
+
+    async def main() -> None:
+        await engine.start(poll=0.02)
+        deadline = time.monotonic() + 60
+        while not only_the_long_run_held():  # it starts, and the runs claimed behind it are let go
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        gate.write_text("")
+        await engine.drain()
+        await engine.stop()
+
+    asyncio.run(main())
+    let_go = 0
+    for i, h in enumerate(handles):
+        records = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in store.read(h.run_id).records]
+        assert [r["t"] for r in records].count("ok") == 1 and records[-1]["result"] == i
+        let_go += [r["t"] for r in records].count("claim") > 1  # claimed ahead, released, claimed again
+    assert let_go >= 1
+
+
 def test_a_step_is_handed_back_only_once_its_record_is_durable(postgres_storage: Any) -> None:
     """Each step's `ok` is in the database (read on another connection) before the workflow gets its result."""
     store = postgres_storage()

@@ -291,6 +291,7 @@ class Worker:
         unwatch = self._watch()
         try:
             while not self._stopping:
+                self._let_go_stale()
                 self._advertise()
                 await self._fire_schedules()
                 await self._prune()
@@ -347,17 +348,23 @@ class Worker:
             self.finished = True
 
     def _take_ahead(self, free: int) -> list[Any]:
-        """Up to `free` of the runs claimed ahead, oldest first; one that waited longer than `AHEAD_FOR` is let go
-        (its lease released, the run due again at once for any worker) rather than started late."""
-        taken: list[Any] = []
-        now = time.monotonic()
-        while self._ahead and len(taken) < free:
-            at, lease = self._ahead.pop(0)
-            if now - at > AHEAD_FOR:
-                self.engine.storage.release(lease)
-            else:
-                taken.append(lease)
+        """Up to `free` of the runs claimed ahead, oldest first (`_let_go_stale` first)."""
+        self._let_go_stale()
+        taken = [lease for _, lease in self._ahead[:free]]
+        del self._ahead[:free]
         return taken
+
+    def _let_go_stale(self) -> None:
+        """Release the runs claimed ahead that waited longer than `AHEAD_FOR` for a slot (due again at once for any
+        worker) rather than start them late: their leases are not renewed while they wait. The loop calls this at
+        every pass, at least once a `poll`, busy slots or not."""
+        now = time.monotonic()
+        while self._ahead and now - self._ahead[0][0] > AHEAD_FOR:
+            _, lease = self._ahead.pop(0)
+            try:
+                self.engine.storage.release(lease)
+            except Exception as exc:  # noqa: BLE001 - its lease lapses instead
+                self._say(f"{lease.run_id}: releasing it failed: {type(exc).__name__}: {exc}")
 
     def _claim_ahead(self) -> None:
         """On a storage whose claims are round trips to a server (`claims_ahead`), while the last claim found as many
