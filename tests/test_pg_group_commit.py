@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,140 @@ def test_a_group_commit_fails_only_the_writes_of_a_lost_lease_and_keeps_each_run
     a.sync(two)
     assert a.finish_all([one, two])[1] is None and a.entry("r2") is None and not a.held("r2")
     assert a.entry("r1") is not None and b.held("r1")  # the lost lease's end touched nothing
+
+
+def test_appends_and_ends_handed_in_in_one_pass_are_each_fenced_and_kept_in_order(postgres_storage: Any) -> None:
+    """Records and ends of several leases handed in during one pass of a loop go into one group commit: each
+    lease's end after its records, a lost lease's writes refused alone, a record after its lease's end refused."""
+    a, b = postgres_storage(), postgres_storage()
+    for run_id in ("e1", "e2", "e3"):
+        a.create(run_id, header(run_id))
+    one, two, three = a.claim("e1", "me", 0.2), a.claim("e2", "me", 3600), a.claim("e3", "me", 3600)
+    assert one is not None and two is not None and three is not None
+    wait_until(lambda: not a.held("e1"))
+    assert b.claim("e1", "other", 3600) is not None  # another machine took e1 over
+
+    async def hand_in() -> list[Any]:
+        futures = [a.append_soon(lease, line(t="step", i=0)) for lease in (one, two, three)]
+        futures += a.finish_soon([one, two])
+        futures.append(a.append_soon(two, line(t="step", i=1)))  # after its lease ended
+        futures.append(a.append_soon(three, line(t="step", i=1)))
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    outcomes = asyncio.run(hand_in())
+    assert [type(o).__name__ for o in outcomes] == ["LeaseLostError", "NoneType", "NoneType", "LeaseLostError",
+                                                    "NoneType", "LeaseLostError", "NoneType"]
+    assert kinds(a, "e1") == ["run", "claim", "claim"] and b.held("e1") and a.entry("e1") is not None
+    assert kinds(a, "e2") == ["run", "claim", "step"] and not a.held("e2") and a.entry("e2") is None
+    assert [r["i"] for r in a.read("e3").records[2:]] == [0, 1] and a.held("e3") and a.entry("e3") is not None
+
+
+def test_a_step_leaves_the_catalogs_updated_time_alone_and_a_release_moves_it(postgres_storage: Any) -> None:
+    """As on SQLite: the catalog's indexed `updated` moves at a claim, a park or end (the lease released) and a
+    record that changes the run's state, not at each step (whose row update then touches no index)."""
+    store = postgres_storage()
+    store.create("u1", header("u1"))
+    lease = store.claim("u1", "me", 3600)
+    assert lease is not None
+    claimed = store.info("u1").updated_at
+    time.sleep(0.01)
+    store.append(lease, line(t="step", i=0))
+    info = store.info("u1")
+    assert info.updated_at == claimed and info.last["t"] == "step"  # the last record is current all the same
+    time.sleep(0.01)
+    store.release(lease)
+    assert store.info("u1").updated_at > claimed
+
+
+def test_a_worker_claims_ahead_on_postgres_and_a_stop_lets_those_runs_go(postgres_storage: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While its slots are busy, a worker on PostgreSQL claims the next runs on a thread; stopped, it releases the
+    runs it claimed ahead (due again at once), and another worker finishes every run once."""
+    store = postgres_storage()
+
+    async def plus(i: int) -> int:
+        return i + 1
+
+    @workflow
+    async def gc_quick(ctx: Any, n: int) -> int:
+        return await ctx.step(plus, await ctx.step(plus, n))
+
+    claims_on: list[str] = []
+    claim_due = store.claim_due
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        claims_on.append(threading.current_thread().name)
+        return claim_due(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim_due", spied)
+    engine = create_engine(store, concurrency=2)
+    handles = asyncio.run(engine.enqueue_many([(gc_quick, i, f"ahead-{i}") for i in range(80)]))
+
+    async def part_way() -> None:
+        await engine.start(poll=0.02)
+        deadline = time.monotonic() + 60
+        while sum(1 for h in handles if (i := store.info(h.run_id)) is not None and i.ended) < 30:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await engine.stop()
+
+    asyncio.run(part_way())
+    assert any(name != threading.main_thread().name for name in claims_on)  # some claims were made ahead
+    now = time.time()
+    for h in handles:
+        assert not store.held(h.run_id)  # nothing left claimed by the stopped worker
+        info, entry = store.info(h.run_id), store.entry(h.run_id)
+        assert info is not None and (info.ended or (entry is not None and entry.at is not None and entry.at <= now))
+    other = create_engine(postgres_storage(), concurrency=3)
+    asyncio.run(other.drain())
+    for i, h in enumerate(handles):
+        records = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in store.read(h.run_id).records]
+        assert [r["t"] for r in records].count("ok") == 2 and records[-1]["result"] == i + 2
+
+
+def test_runs_claimed_ahead_behind_a_long_run_are_let_go_within_a_second(postgres_storage: Any,
+                                                                          tmp_path: Path) -> None:
+    """Runs claimed ahead wait for a slot a second at most: behind a run that holds the only slot for long, they
+    are released, due again for any worker, instead of held unrenewed; afterwards every run ends once."""
+    store = postgres_storage()
+    gate = tmp_path / "go"
+
+    async def quick(i: int) -> int:
+        return i
+
+    async def hold(i: int) -> int:
+        while not gate.exists():
+            await asyncio.sleep(0.02)
+        return i
+
+    @workflow
+    async def gc_mixed(ctx: Any, n: int) -> int:
+        return await ctx.step(hold if n == 20 else quick, n)
+
+    engine = create_engine(store, concurrency=1)
+    handles = asyncio.run(engine.enqueue_many([(gc_mixed, i, f"mixed-{i}") for i in range(40)]))
+    slow = handles[20].run_id
+
+    def only_the_long_run_held() -> bool:
+        return store.held(slow) and not any(store.held(h.run_id) for h in handles if h.run_id != slow)
+
+    async def main() -> None:
+        await engine.start(poll=0.02)
+        deadline = time.monotonic() + 60
+        while not only_the_long_run_held():  # it starts, and the runs claimed behind it are let go
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        gate.write_text("")
+        await engine.drain()
+        await engine.stop()
+
+    asyncio.run(main())
+    let_go = 0
+    for i, h in enumerate(handles):
+        records = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in store.read(h.run_id).records]
+        assert [r["t"] for r in records].count("ok") == 1 and records[-1]["result"] == i
+        let_go += [r["t"] for r in records].count("claim") > 1  # claimed ahead, released, claimed again
+    assert let_go >= 1
 
 
 def test_a_step_is_handed_back_only_once_its_record_is_durable(postgres_storage: Any) -> None:

@@ -271,9 +271,9 @@ def test_create_bound_binds_and_creates_a_batch_in_one_transaction(postgres_stor
     cursor = store._cursor
 
     @contextmanager
-    def counted(transaction: bool = False) -> Any:
+    def counted(transaction: bool = False, **kwargs: Any) -> Any:
         opened.append(transaction)
-        with cursor(transaction) as cur:
+        with cursor(transaction, **kwargs) as cur:
             yield cur
 
     monkeypatch.setattr(store, "_cursor", counted)
@@ -314,8 +314,8 @@ def test_lookup_many_is_one_round_trip_and_none_for_no_identities(postgres_stora
             return getattr(self.cur, name)
 
     @contextmanager
-    def counted(transaction: bool = False) -> Any:
-        with cursor(transaction) as cur:
+    def counted(transaction: bool = False, **kwargs: Any) -> Any:
+        with cursor(transaction, **kwargs) as cur:
             yield Counted(cur)
 
     monkeypatch.setattr(store, "_cursor", counted)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from .._authoring.queues import DEFAULT_QUEUE, QUEUES, Queue, find_queue
+from .._authoring.queues import DEFAULT_QUEUE, QUEUES, Queue
 from .._authoring.resources import Limit
 from .._replay.limits import full, give_back, permits, starts, take
 
@@ -111,7 +111,10 @@ class Admission:
     def admit(self, run_id: str, header: Any) -> bool:
         """Take the permits a claimed run needs to start (all or none); False: no room, let it go."""
         name, partition = placed(header)
-        queue = find_queue(name)
+        queue = QUEUES.get(name)
+        if queue is None:  # not declared here: no limit to take
+            self.running[run_id] = name
+            return True
         if queue.per_worker is not None and sum(1 for q in self.running.values() if q == name) >= queue.per_worker:
             return False  # claimed in the same batch as the run that filled this worker's share
         limits = limits_of(queue, partition)
@@ -130,7 +133,10 @@ class Admission:
         when `release()` says so (it ended, or never started); a parked run keeps its place."""
         self.running.pop(run_id, None)
         name, partition = placed(header)
-        limits = limits_of(find_queue(name), partition)
+        queue = QUEUES.get(name)
+        if queue is None:  # not declared here: no permits were taken
+            return
+        limits = limits_of(queue, partition)
         if limits and release():
             self._give_back(limits, run_id)
 

@@ -31,13 +31,14 @@ from .._authoring.queues import check_queue_name
 from .._authoring.workflow import Workflow
 from .._replay.kernel import Parked
 from .._state.history import History
-from ..errors import DurablyError, RunCancelledError, ValidationError
+from ..errors import DurablyError, LeaseLostError, RunCancelledError, ValidationError
 from .admission import Admission
 from .schedules import ScheduleHost, fire_due
 
 JOIN_POLL = 0.05
 
 ENDING_MAX = 4  # ended runs per slot that may wait for a group commit (each holds its lease until then)
+AHEAD_FOR = 1.0  # seconds a run claimed ahead waits for a slot at most; then it is let go, due again at once
 SKIP_SECONDS = 30.0  # how long a run whose code cannot be found is left alone before the next try
 SETTINGS_DOCS = "docs/deploying.md#settings"
 
@@ -111,7 +112,9 @@ class EndCommit:
     """Group commit of the ends of the runs one worker holds. A served run that ended hands its lease here and
     waits: every lease handed over while the previous commit was under way goes into the next one, a single
     `Storage.finish_all` on a worker thread (one fsync or durable commit for all of them, each run out of the
-    queue and released), so a worker running several runs at once pays one durable write for several ends."""
+    queue and released), so a worker running several runs at once pays one durable write for several ends. A
+    storage whose commits are grouped on a thread of their own (`finish_soon`: PostgreSQL) takes each end from the
+    loop directly, into the group commit of the records and ends the loop's pass hands in."""
 
     def __init__(self, storage: Any, run_in_thread: Callable[[Callable[[], Any]], Any]) -> None:
         self.storage = storage
@@ -123,6 +126,18 @@ class EndCommit:
     async def finish(self, lease: Any) -> BaseException | None:
         """Make the ended run of `lease` durable, out of the queue and released in the next group commit; the
         error that kept it from being so (None: done)."""
+        soon = getattr(self.storage, "finish_soon", None)
+        if soon is not None:  # the loop's own future, in the commit of what the loop's pass hands in
+            (future,) = soon([lease])
+            self.commits += 1
+            try:
+                await future
+            except LeaseLostError as lost:
+                return lost
+            except Exception as exc:  # noqa: BLE001 - as a failed group below: its end is recorded again later
+                self.storage.release(lease)
+                return exc
+            return None
         loop = asyncio.get_running_loop()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         self.waiting.append((lease, done))
@@ -174,6 +189,10 @@ class Worker:
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Event | None = None
         self._skip: dict[str, float] = {}
+        self._ahead: list[tuple[float, Any]] = []  # (claimed at, lease) of runs claimed ahead, waiting for a slot
+        self._claiming: asyncio.Future[Any] | None = None  # a claim ahead under way on a thread
+        self._more = False  # the last claim took as many runs as it asked for: more may be due
+        self._pace: float | None = None  # how long a run held a slot here lately (a moving average), seconds
         self._advertised_at = 0.0
         self.started = time.time()
         self.ends = EndCommit(engine.storage, lambda call: asyncio.get_running_loop().run_in_executor(
@@ -213,7 +232,8 @@ class Worker:
     def skipped(self) -> tuple[str, ...]:
         """Runs this worker leaves alone for now (their code could not be found), plus those it runs."""
         now = time.monotonic()
-        return tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+        return (tuple(r for r, until in self._skip.items() if until > now) + tuple(self.active) + tuple(self.ending)
+                + tuple(lease.run_id for _, lease in self._ahead))
 
     async def join(self, handle: RunHandle) -> Any:
         """Wait for a run this worker (or any other) runs to end; return its value or raise its error."""
@@ -233,7 +253,8 @@ class Worker:
         while True:
             while waiting and self._settled(waiting[-1]):  # each run is looked at until it settles, once
                 waiting.pop()
-            if not waiting and not self.active and not self.ending and not storage.due(1, skip=self.skipped()):
+            if not waiting and not self.active and not self.ending and not self._ahead and self._claiming is None \
+                    and not storage.due(1, skip=self.skipped()):
                 waiting = [r for r in enqueued if not self._settled(r)]  # one that was queued again
                 if not waiting:
                     return
@@ -270,6 +291,7 @@ class Worker:
         unwatch = self._watch()
         try:
             while not self._stopping:
+                self._let_go_stale()
                 self._advertise()
                 await self._fire_schedules()
                 await self._prune()
@@ -277,22 +299,27 @@ class Worker:
                 claimed = 0
                 if free > 0:
                     admission = self.admission
+                    leases = self._take_ahead(free)
                     try:
-                        full = admission.full()
-                        leases = self._claim_orphans(free)
                         if len(leases) < free:
-                            leases += engine.storage.claim_due(engine.owner, engine.lease_ttl, free - len(leases),
-                                                               skip=self.skipped(), workflows=engine.code.claims(),
-                                                               queues=admission.served, full=full)
+                            full = admission.full()
+                            leases += self._claim_orphans(free - len(leases))
+                        if len(leases) < free:
+                            asked = free - len(leases)
+                            found = engine.storage.claim_due(engine.owner, engine.lease_ttl, asked,
+                                                             skip=self.skipped(), workflows=engine.code.claims(),
+                                                             queues=admission.served, full=full)
+                            self._more = len(found) == asked
+                            leases += found
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
                         self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
-                        leases = []
                     for lease in leases:
                         if self._stopping or not self._admitted(lease):
                             engine.storage.release(lease)
                             continue
                         self.active[lease.run_id] = asyncio.get_running_loop().create_task(self._serve(lease))
                         claimed += 1
+                    self._claim_ahead()
                 if claimed and len(self.active) < self.concurrency:
                     continue
                 self._wake.clear()
@@ -307,6 +334,11 @@ class Worker:
             self._stopping = True
             if unwatch is not None:
                 unwatch()
+            if self._claiming is not None:
+                await asyncio.gather(self._claiming, return_exceptions=True)
+            for _, lease in self._ahead:  # claimed ahead and never started: due again at once
+                engine.storage.release(lease)
+            self._ahead = []
             while self.active or self.ending:
                 await asyncio.gather(*self.active.values(), *self.ending.values(), return_exceptions=True)
             try:
@@ -314,6 +346,62 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - its advertisement lapses with its lease instead
                 self._say(f"retiring this worker's advertisement failed: {type(exc).__name__}: {exc}")
             self.finished = True
+
+    def _take_ahead(self, free: int) -> list[Any]:
+        """Up to `free` of the runs claimed ahead, oldest first (`_let_go_stale` first)."""
+        self._let_go_stale()
+        taken = [lease for _, lease in self._ahead[:free]]
+        del self._ahead[:free]
+        return taken
+
+    def _let_go_stale(self) -> None:
+        """Release the runs claimed ahead that waited longer than `AHEAD_FOR` for a slot (due again at once for any
+        worker) rather than start them late: their leases are not renewed while they wait. The loop calls this at
+        every pass, at least once a `poll`, busy slots or not."""
+        now = time.monotonic()
+        while self._ahead and now - self._ahead[0][0] > AHEAD_FOR:
+            _, lease = self._ahead.pop(0)
+            try:
+                self.engine.storage.release(lease)
+            except Exception as exc:  # noqa: BLE001 - its lease lapses instead
+                self._say(f"{lease.run_id}: releasing it failed: {type(exc).__name__}: {exc}")
+
+    def _claim_ahead(self) -> None:
+        """On a storage whose claims are round trips to a server (`claims_ahead`), while the last claim found as many
+        due runs as it asked for and runs lately held their slots for less than a quarter of `AHEAD_FOR`: once
+        fewer than `concurrency` runs wait for a slot, claim up to twice that many on a worker thread, so a run that
+        ends is followed by the next at once instead of after a claim that stops the loop, and a claim serves
+        several turns of the slots. Each run waits so for `AHEAD_FOR` seconds at most."""
+        engine = self.engine
+        want = 2 * self.concurrency - len(self._ahead)
+        if (self._claiming is not None or not self._more or self._stopping or len(self._ahead) >= self.concurrency
+                or self._pace is None or self._pace > AHEAD_FOR / 4
+                or not getattr(engine.storage, "claims_ahead", False)):
+            return  # (runs that hold their slots long would wait long, or be let go and claimed again)
+        admission = self.admission
+        try:
+            full = admission.full()
+        except Exception:  # noqa: BLE001 - the claim when a slot frees asks again
+            return
+        claim = functools.partial(engine.storage.claim_due, engine.owner, engine.lease_ttl, want, skip=self.skipped(),
+                                  workflows=engine.code.claims(), queues=admission.served, full=full)
+        loop = asyncio.get_running_loop()
+        self._claiming = loop.run_in_executor(engine.executor, claim)
+
+        def claimed(done: asyncio.Future[Any]) -> None:
+            self._claiming = None
+            try:
+                leases = done.result()
+            except Exception as exc:  # noqa: BLE001 - a storage hiccup: the next claim tries again
+                self._say(f"claiming due runs failed: {type(exc).__name__}: {exc}")
+                self._more = False
+                return
+            self._more = len(leases) == want
+            now = time.monotonic()
+            self._ahead += [(now, lease) for lease in leases]
+            if leases:
+                self.poke()
+        self._claiming.add_done_callback(claimed)
 
     def _claim_orphans(self, free: int) -> list[Any]:
         """Claim up to `free` runs that hold places in full queues and are due with no process (`Admission.orphans`)."""
@@ -422,6 +510,7 @@ class Worker:
         """Run one claimed run until it ends, parks or is stopped; its lease is always released."""
         engine = self.engine
         run_id = lease.run_id
+        began = time.monotonic()
         try:
             history = History(lease.records)
             if history.end is not None:
@@ -468,6 +557,8 @@ class Worker:
             print(f"durably worker: {run_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
             engine.storage.release(lease)
         finally:
+            held = time.monotonic() - began
+            self._pace = held if self._pace is None else 0.8 * self._pace + 0.2 * held
             self.active.pop(run_id, None)
             self.ending.pop(run_id, None)
             self._left(lease)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import psycopg
 
 _KEEP = "\x00"  # `state_after` of this: the appended lines left the run's catalog state as it was
+_Statement = tuple[str, tuple[Any, ...], Callable[[Any], None]]  # a query, its parameters, what reads its result
 
 
 class Write:
@@ -238,68 +239,142 @@ class PostgresCommitter:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _transaction(self, conn: psycopg.Connection[Any], group: list[Write]) -> list[Any]:
-        """One transaction for `group`, its statements and its commit sent in one pipeline (one round trip); two
-        when a run ending in it is a child run (its parent may be waiting for it: whether it was the last child is
-        asked once the run's `joins` rows are gone, inside the transaction). Each write's outcome (a
-        `LeaseLostError` for one whose lease is not current)."""
+        """One transaction for `group`; each write's outcome (a `LeaseLostError` for one whose lease is not current).
+
+        Most groups are one statement (`_writes`: appends and ends of many runs together): it is sent alone and
+        commits on its own (the connection is in autocommit mode), one round trip with no BEGIN and COMMIT. A group
+        of several statements sends them with its BEGIN and COMMIT in one pipeline (one round trip); two when a run
+        ending in it is a child run (its parent may be waiting for it: whether it was the last child is asked once
+        the run's `joins` rows are gone, inside the transaction)."""
         outcomes: list[Any] = [None] * len(group)
         parents: list[str] = []
         children = any(write.kind == "end" and write.unschedule and header_fields(write.lease.records[:1] and
                                                                                   write.lease.records[0])[2]
                        for write in group)
-        with conn.pipeline() as pipe:
-            conn.execute("BEGIN")
-            reads = self._statements(conn, group, outcomes, parents)
-            if not children:
-                conn.execute("COMMIT")
-            pipe.sync()
-            for read in reads:
-                read()
-            if children:
-                if parents:
-                    with conn.cursor() as cur:
-                        self._parents_due(cur, parents)
-                conn.execute("COMMIT")
+        statements = self._statements(group, outcomes, parents)
+        if len(statements) == 1 and not children:
+            query, params, read = statements[0]
+            with conn.cursor() as cur:
+                cur.execute(query, params)
+                read(cur)
+        else:
+            with conn.pipeline() as pipe:
+                conn.execute("BEGIN")
+                cursors = []
+                for query, params, read in statements:
+                    cur = conn.cursor()
+                    cur.execute(query, params)
+                    cursors.append((cur, read))
+                if not children:
+                    conn.execute("COMMIT")
+                pipe.sync()
+                for cur, read in cursors:
+                    read(cur)
+                if children:
+                    if parents:
+                        with conn.cursor() as cur:
+                            self._parents_due(cur, parents)
+                    conn.execute("COMMIT")
         if parents and not children:  # a run that was waited for though its header names no parent (none should)
             with conn.transaction(), conn.cursor() as cur:
                 self._parents_due(cur, parents)
         return outcomes
 
-    def _statements(self, conn: psycopg.Connection[Any], group: list[Write], outcomes: list[Any],
-                    parents: list[str]) -> list[Callable[[], None]]:
-        """Send the statements of one group, in order: runs of consecutive appends become one statement (a run
-        appearing twice: its chunks joined), runs of consecutive ends another; a sync or an append with stored
-        values one of its own. Returns what reads their results once they came (filling `outcomes`, and
-        `parents` with the runs some ended child was the last one of)."""
-        reads = []
+    def _statements(self, group: list[Write], outcomes: list[Any], parents: list[str]) -> list[_Statement]:
+        """The statements of one group, in order: each stretch of appends and ends becomes one statement (`_writes`;
+        a lease's appends joined, its end after them), a sync or an append with stored values one of its own. A
+        stretch ends where a lease would write after its end, or a run comes again under another lease. Each
+        comes with what reads its result (filling `outcomes`, and `parents` with the runs some ended child was the
+        last one of)."""
+        statements = []
         i = 0
         while i < len(group):
             write = group[i]
             j = i + 1
-            if write.kind == "append" and not write.blobs:
-                chunks: dict[str, list[int]] = {write.lease.run_id: [i]}
-                while j < len(group) and group[j].kind == "append" and not group[j].blobs:
-                    same = chunks.get(group[j].lease.run_id)
-                    if same is not None and group[same[0]].lease is not group[j].lease:
-                        break  # the run again under another lease: in a statement of its own
-                    chunks.setdefault(group[j].lease.run_id, []).append(j)
+            if write.kind == "end" or (write.kind == "append" and not write.blobs):
+                leases: dict[str, tuple[Lease, list[int]]] = {}
+                ended: set[str] = set()
+                j = i
+                while j < len(group) and (group[j].kind == "end" or (group[j].kind == "append" and not group[j].blobs)):
+                    run_id = group[j].lease.run_id
+                    same = leases.get(run_id)
+                    if same is not None and (same[0] is not group[j].lease or run_id in ended):
+                        break  # the run again under another lease, or after its end: in a statement of its own
+                    if same is None:
+                        leases[run_id] = (group[j].lease, [j])
+                    else:
+                        same[1].append(j)
+                    if group[j].kind == "end":
+                        ended.add(run_id)
                     j += 1
-                reads.append(self._appends(conn, group, chunks, outcomes))
-            elif write.kind == "end":
-                while j < len(group) and group[j].kind == "end":
-                    j += 1
-                reads.append(self._ends(conn, group, range(i, j), outcomes, parents))
+                statements.append(self._writes(group, leases, outcomes, parents))
             elif write.kind == "append":
-                reads.append(self._appends(conn, group, {write.lease.run_id: [i]}, outcomes, write.blobs))
+                statements.append(self._appends(group, {write.lease.run_id: [i]}, outcomes, write.blobs))
             else:  # "sync": the lease checked, the log's size read
-                reads.append(self._sync(conn, write, i, outcomes))
+                statements.append(self._sync(write, i, outcomes))
             i = j
-        return reads
+        return statements
 
-    def _appends(self, conn: psycopg.Connection[Any], group: list[Write], chunks: dict[str, list[int]],
-                 outcomes: list[Any], blobs: dict[str, bytes] | None = None) -> Callable[[], None]:
-        """One statement for the appends of several runs: each run's row updated if its lease is current, its
-        lines (its writes' data joined, in order) inserted as one chunk, and `blobs` kept (one run's only)."""
+    def _writes(self, group: list[Write], leases: dict[str, tuple[Lease, list[int]]], outcomes: list[Any],
+                parents: list[str]) -> _Statement:
+        """One statement for the appends and ends of several leases, each run's row updated once: if its lease is
+        current, its lines (its appends' data joined, in order) inserted as one chunk and its row's last line,
+        size and state moved on; the lease released when it ends; and the runs whose end asks it taken out of the
+        queue (their queue rows and joins deleted; the parents whose last child one was come back).
+
+        The catalog's ``updated`` (indexed) moves when the lease is released (a park, an end) or the lines change
+        the run's catalog state, as at a claim; a step's lines leave it alone, so their row update touches no index
+        and stays on its page (a HOT update)."""
+        run_ids, epochs, owners, datas, lasts, sizes, states, releases, unschedules = [], [], [], [], [], [], [], [], []
+        for run_id, (lease, indexes) in leases.items():
+            chunks = [group[k].data for k in indexes if group[k].kind == "append"]
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            end = group[indexes[-1]] if group[indexes[-1]].kind == "end" else None
+            run_ids.append(run_id)
+            epochs.append(lease.epoch)
+            owners.append(lease.owner)
+            datas.append(data)
+            lasts.append(bytes(last_line(data)) if data else None)
+            sizes.append(len(data))
+            states.append(_state(data) if data else None)
+            releases.append(end is not None)
+            unschedules.append(end is not None and end.unschedule)
+        query = (
+            "WITH u AS (SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bytea[], %b::bytea[],"
+            " %b::bigint[], %b::text[], %b::bool[], %b::bool[])"
+            " AS u(run_id, epoch, owner, data, last, size, state, release, unschedule)),"
+            f" fenced AS (UPDATE {self._runs} r SET"
+            " updated = CASE WHEN u.release OR u.state IS NOT NULL THEN clock_timestamp() ELSE r.updated END,"
+            " last = coalesce(u.last, r.last), size = r.size + u.size, state = coalesce(u.state, r.state),"
+            " owner = CASE WHEN u.release THEN NULL ELSE r.owner END,"
+            " lease_expires = CASE WHEN u.release THEN NULL ELSE r.lease_expires END FROM u"
+            " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id, u.unschedule),"
+            f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT u.run_id, u.data FROM u JOIN fenced"
+            " ON fenced.run_id = u.run_id WHERE u.size > 0),"
+            " gone AS (SELECT run_id FROM fenced WHERE unschedule),"
+            f" dequeued AS (DELETE FROM {self._queue} WHERE run_id IN (SELECT run_id FROM gone)),"
+            f" waited AS (DELETE FROM {self._joins} WHERE parent IN (SELECT run_id FROM gone)),"
+            f" joined AS (DELETE FROM {self._joins} WHERE child IN (SELECT run_id FROM gone) RETURNING parent)"
+            " SELECT run_id, NULL FROM fenced UNION ALL SELECT NULL, parent FROM joined")
+        params = (run_ids, epochs, owners, datas, lasts, sizes, states, releases, unschedules)
+
+        def read(cur: Any) -> None:
+            kept = set()
+            for run_id, parent in cur.fetchall():
+                if parent is not None:
+                    parents.append(parent)
+                else:
+                    kept.add(run_id)
+            for run_id, (lease, indexes) in leases.items():
+                if run_id not in kept:
+                    for k in indexes:
+                        outcomes[k] = self._lost(lease)
+        return query, params, read
+
+    def _appends(self, group: list[Write], chunks: dict[str, list[int]], outcomes: list[Any],
+                 blobs: dict[str, bytes] | None = None) -> _Statement:
+        """One statement for an append with stored values: the run's row updated if its lease is current, its
+        lines inserted, and `blobs` kept."""
         run_ids, epochs, owners, datas, lasts, sizes, states = [], [], [], [], [], [], []
         for run_id, indexes in chunks.items():
             lease = group[indexes[0]].lease
@@ -318,68 +393,34 @@ class PostgresCommitter:
                            " b.digest, b.data FROM fenced, unnest(%s::text[], %s::bytea[]) AS b(digest, data)"
                            " ON CONFLICT DO NOTHING),")
             params += (list(blobs), list(blobs.values()))
-        cur = conn.cursor()
-        cur.execute(
+        query = (
             "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bytea[], %s::bytea[],"
             " %s::bigint[], %s::text[]) AS u(run_id, epoch, owner, data, last, size, state)),"
-            f" fenced AS (UPDATE {self._runs} r SET updated = clock_timestamp(), last = u.last, size = r.size + u.size,"
+            f" fenced AS (UPDATE {self._runs} r SET last = u.last, size = r.size + u.size,"
+            " updated = CASE WHEN u.state IS NULL THEN r.updated ELSE clock_timestamp() END,"
             " state = coalesce(u.state, r.state) FROM u"
             " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id),"
             + kept_values +
             f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT u.run_id, u.data FROM u JOIN fenced"
-            " ON fenced.run_id = u.run_id RETURNING run_id) SELECT run_id FROM logged",
-            params)
+            " ON fenced.run_id = u.run_id RETURNING run_id) SELECT run_id FROM logged")
 
-        def read() -> None:
+        def read(cur: Any) -> None:
             kept = {row[0] for row in cur.fetchall()}
             for run_id, indexes in chunks.items():
                 if run_id not in kept:
                     for k in indexes:
                         outcomes[k] = self._lost(group[k].lease)
-        return read
+        return query, params, read
 
-    def _ends(self, conn: psycopg.Connection[Any], group: list[Write], ends: range, outcomes: list[Any],
-              parents: list[str]) -> Callable[[], None]:
-        """One statement for the ends of several leases: each released if current, and the runs asked for taken
-        out of the queue (their queue rows and joins deleted; the parents whose last child one was come back)."""
-        leases = [group[k].lease for k in ends]
-        cur = conn.cursor()
-        cur.execute(
-            "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bool[])"
-            " AS u(run_id, epoch, owner, unschedule)),"
-            f" released AS (UPDATE {self._runs} r SET owner = NULL, lease_expires = NULL FROM u"
-            " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id, u.unschedule),"
-            " gone AS (SELECT run_id FROM released WHERE unschedule),"
-            f" dequeued AS (DELETE FROM {self._queue} WHERE run_id IN (SELECT run_id FROM gone)),"
-            f" waited AS (DELETE FROM {self._joins} WHERE parent IN (SELECT run_id FROM gone)),"
-            f" joined AS (DELETE FROM {self._joins} WHERE child IN (SELECT run_id FROM gone) RETURNING parent)"
-            " SELECT run_id, NULL FROM released UNION ALL SELECT NULL, parent FROM joined",
-            ([lease.run_id for lease in leases], [lease.epoch for lease in leases],
-             [lease.owner for lease in leases], [group[k].unschedule for k in ends]))
-
-        def read() -> None:
-            released = set()
-            for run_id, parent in cur.fetchall():
-                if parent is not None:
-                    parents.append(parent)
-                else:
-                    released.add(run_id)
-            for k in ends:
-                if group[k].lease.run_id not in released:
-                    outcomes[k] = self._lost(group[k].lease)
-        return read
-
-    def _sync(self, conn: psycopg.Connection[Any], write: Write, k: int, outcomes: list[Any]) -> Callable[[], None]:
+    def _sync(self, write: Write, k: int, outcomes: list[Any]) -> _Statement:
         """The lease checked and the log's size read, in the group's transaction."""
         lease = write.lease
-        cur = conn.cursor()
-        cur.execute(f"SELECT size FROM {self._runs} WHERE run_id = %s AND epoch = %s AND owner = %s",
-                    (lease.run_id, lease.epoch, lease.owner))
 
-        def read() -> None:
+        def read(cur: Any) -> None:
             row = cur.fetchone()
             outcomes[k] = self._lost(lease) if row is None else int(row[0])
-        return read
+        return (f"SELECT size FROM {self._runs} WHERE run_id = %s AND epoch = %s AND owner = %s",
+                (lease.run_id, lease.epoch, lease.owner), read)
 
 
 def _wake(waiters: list[tuple[asyncio.Future[Any], Any]]) -> None:

@@ -27,7 +27,8 @@ class PostgresInbox:
     _signals: str
 
     if TYPE_CHECKING:
-        def _cursor(self, transaction: bool = False) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
+        def _cursor(self, transaction: bool = False, *,
+                    flush: bool = True) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
         def _write(self, query: str, params: tuple[Any, ...]) -> int: ...
         def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
         def _missing(self, run_id: str) -> RunNotFoundError: ...
@@ -35,7 +36,6 @@ class PostgresInbox:
 
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:
         """Store one signal line in one durable statement (no lease needed); `RunNotFoundError` if unknown."""
-        self._committer.flush()  # after the writes still pending in the group commit
         self._quiet.pop(run_id, None)
         if self._write(
             f"INSERT INTO {self._signals} (run_id, id, data)"
@@ -65,7 +65,6 @@ class PostgresInbox:
 
     def _do_ack(self, run_id: str, signal_id: str) -> None:
         """Delete every stored copy of signal `signal_id` (none stored: nothing happens)."""
-        self._committer.flush()  # after the writes still pending in the group commit
         with self._cursor() as cur:
             cur.execute(
                 f"WITH acked AS (DELETE FROM {self._signals} WHERE run_id = %s AND id = %s)"

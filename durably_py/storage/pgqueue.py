@@ -38,7 +38,8 @@ class PostgresDueQueue:
     _channel: str
 
     if TYPE_CHECKING:
-        def _cursor(self, transaction: bool = False) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
+        def _cursor(self, transaction: bool = False, *,
+                    flush: bool = True) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
         def _write(self, query: str, params: tuple[Any, ...]) -> int: ...
         def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
         def _missing(self, run_id: str) -> RunNotFoundError: ...
@@ -50,7 +51,6 @@ class PostgresDueQueue:
     def _do_schedule(self, run_id: str, at: float | None, wait: tuple[str, ...], priority: int | None) -> None:
         """Move the run's queue row in one statement; a run without one (queued again) gets a row in the queue
         and partition its header names, read in a second statement (the row's insert needs the run's row)."""
-        self._committer.flush()  # after the writes still pending in the group commit
         names = list(wait)
         if self._write(
             f"WITH dropped AS (DELETE FROM {self._joins} WHERE parent = %s)"
@@ -71,7 +71,6 @@ class PostgresDueQueue:
 
     def _do_join_wait(self, run_id: str, children: tuple[str, ...]) -> bool:
         """In one transaction: the run's row due only when woken, and a `joins` row per child still queued."""
-        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         with self._cursor(transaction=True) as cur:
             cur.execute(f"SELECT 1 FROM {self._runs} WHERE run_id = %s", (run_id,))
@@ -102,7 +101,6 @@ class PostgresDueQueue:
 
     def _do_unschedule(self, run_id: str) -> None:
         """Delete the run's queue row and its `joins` rows; a parent left waiting for nothing is due now."""
-        self._committer.flush()  # after the writes still pending in the group commit
         with self._cursor(transaction=True) as cur:
             self._unschedule(cur, run_id)
 
@@ -134,7 +132,6 @@ class PostgresDueQueue:
 
     def _do_wake(self, run_id: str, name: str | None) -> bool:
         """Make the run due now if its row waits for `name` (None: unconditionally)."""
-        self._committer.flush()  # after the writes still pending in the group commit
         now = time.time()
         woke = self._write(
             f"UPDATE {self._queue} SET due = %s WHERE run_id = %s AND (due IS NULL OR due > %s)"
@@ -210,7 +207,7 @@ class PostgresDueQueue:
     """Whether any queued row has a partition (one probe of the partial index ``queue_parts``)."""
     _PLAIN = ("SELECT q.run_id, r.epoch, r.size, r.last FROM {queue} q JOIN {runs} r ON r.run_id = q.run_id WHERE " + _KEPT
               + " ORDER BY q.priority DESC, q.due, q.created, q.run_id LIMIT %s")
-    """The due query while no row has a partition: the walk of ``queue_by_due`` in order, as before partitions."""
+    """The due query while no row has a partition: the walk of ``queue_due_order`` in order, as before partitions."""
     _FAIR = ("SELECT c.run_id, r.epoch, r.size, r.last FROM ("
              "(SELECT q.run_id, q.priority, 1::bigint AS nth, q.due, q.created FROM {queue} q"
              " JOIN {runs} r ON r.run_id = q.run_id WHERE q.partition_name IS NULL AND " + _KEPT
@@ -222,7 +219,7 @@ class PostgresDueQueue:
              ") c JOIN {runs} r ON r.run_id = c.run_id WHERE (r.owner IS NULL OR r.lease_expires < clock_timestamp())"
              " ORDER BY c.priority DESC, c.nth, c.due, c.created, c.run_id LIMIT %s")
     """The due query in the queue's fair order (`base.fair_order`) once some row has a partition, in two parts:
-    the rows without a partition walk ``queue_by_due`` in order up to a number of rows; the rows with one
+    the rows without a partition walk ``queue_due_order`` in order up to a number of rows; the rows with one
     (through ``queue_parts``) are ranked in their (queue, partition, priority) by row_number(), a rank past that
     number left out. Outside, each run's row is joined once more, so ``FOR UPDATE OF r SKIP LOCKED`` locks it
     and re-checks its lease."""
@@ -263,7 +260,7 @@ class PostgresDueQueue:
         psycopg = _psycopg()
         for tries_left in (1, 0):  # as `_fetch`: once more on a new connection if the old one had broken
             try:
-                with self._cursor() as cur:
+                with self._cursor(flush=False) as cur:
                     return [row[0] for row in self._due_rows(cur, kept, limit, limit)]
             except psycopg.OperationalError:
                 if not tries_left or self._conn is not None:
@@ -288,7 +285,7 @@ class PostgresDueQueue:
             return []
         kept = self._kept_params(time.time(), skip, names, queues, full)
         names_of = {"queue": self._queue, "runs": self._runs}
-        with self._cursor() as cur:
+        with self._cursor(flush=False) as cur:  # no write of a lease this process holds comes before it
             conn = cur.connection
             try:  # two round trips: the start, the probe and the due rows pipelined; the claims and the commit
                 with conn.pipeline():

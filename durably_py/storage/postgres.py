@@ -120,7 +120,6 @@ CREATE TABLE IF NOT EXISTS {s}.queue (
     created DOUBLE PRECISION NOT NULL,
     wait TEXT[] NOT NULL DEFAULT '{{}}'
 );
-CREATE INDEX IF NOT EXISTS queue_by_due ON {s}.queue (priority DESC, due, created) WHERE due IS NOT NULL;
 ALTER TABLE {s}.queue ADD COLUMN IF NOT EXISTS queue_name TEXT NOT NULL DEFAULT 'default';
 ALTER TABLE {s}.queue ADD COLUMN IF NOT EXISTS partition_name TEXT;
 CREATE TABLE IF NOT EXISTS {s}.joins (
@@ -150,7 +149,12 @@ CREATE TABLE IF NOT EXISTS {s}.run_blobs (
 );
 CREATE INDEX IF NOT EXISTS queue_parts ON {s}.queue (queue_name, partition_name, priority, due, created, run_id)
     WHERE partition_name IS NOT NULL;
+CREATE INDEX IF NOT EXISTS queue_due_order ON {s}.queue (priority DESC, due, created, run_id) WHERE due IS NOT NULL;
+DROP INDEX IF EXISTS {s}.queue_by_due;
 """
+"""The tables, created or brought up to date in one transaction when the newest relation (`queue_due_order`) is
+missing. ``queue_due_order`` is the due query's whole order, down to the run id: runs enqueued in one batch share
+their due and created times, and an index without the run id made each claim sort all of them."""
 
 
 _CATALOG = """
@@ -334,7 +338,8 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         self._partials: PostgresPartials = PostgresPartials(self.schema, self._cursor)
         self._blobs = f"{s}.blobs"
         self._run_blobs = f"{s}.run_blobs"  # each run's stored values (`valuestore`)
-        self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues), the newest
+        self._queue_parts = f"{s}.queue_parts"  # the index of partitioned queue rows (named queues)
+        self._queue_order = f"{s}.queue_due_order"  # the index of due rows in the due query's order, the newest
         self._committer = PostgresCommitter(
             dsn, {"runs": self._runs, "records": self._records, "run_blobs": self._run_blobs, "queue": self._queue,
                   "joins": self._joins}, lost=self._lost, parents_due=self._parents_due,
@@ -353,7 +358,8 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
             conn = psycopg.connect(self.dsn, autocommit=True)
             try:
                 conn.execute("SET synchronous_commit = on")  # whatever the server's default: every commit is durable
-                if not self._exists(conn, self._limits, self._queue_parts, self._run_blobs):  # the newest: older ones upgrade here
+                if not self._exists(conn, self._limits, self._queue_parts, self._run_blobs,
+                                    self._queue_order):  # the newest: older ones upgrade here
                     with conn.transaction():
                         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"durably-schema:{self.schema}",))
                         before_queue = self._exists(conn, self._runs) and not self._exists(conn, self._queue)
@@ -388,8 +394,14 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
                              " ON CONFLICT (run_id) DO NOTHING", (run_id, updated, created))
 
     @contextmanager
-    def _cursor(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
-        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`."""
+    def _cursor(self, transaction: bool = False, *, flush: bool = True) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor with the lock held: each statement commits on its own, or all in one `transaction`.
+
+        Unless told not to (`flush` false: a read, or a claim, which takes only rows no lease of this process
+        holds), the writes still pending in the group commit (`pgcommit`) are committed first, so what this
+        connection writes comes after them: the one place every write on it goes through."""
+        if flush:
+            self._committer.flush()
         with self._lock:
             conn: psycopg.Connection[Any] | None = None
             try:
@@ -419,7 +431,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         psycopg = _psycopg()
         for tries_left in (1, 0):
             try:
-                with self._cursor() as cur:
+                with self._cursor(flush=False) as cur:
                     cur.execute(query, params)
                     return cur.fetchall()
             except psycopg.OperationalError:
@@ -482,7 +494,7 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         run's earlier appends, committed in groups on another connection, are committed first."""
         self._committer.flush()
         if not self._mine(lease) or conn.execute(
-            f"WITH fenced AS (UPDATE {self._runs} SET updated = clock_timestamp(), last = %s, size = size + %s"
+            f"WITH fenced AS (UPDATE {self._runs} SET last = %s, size = size + %s"  # a step: `updated` stays (pgcommit)
             f" WHERE {_FENCE} RETURNING run_id) INSERT INTO {self._records} (run_id, data) SELECT run_id, %s FROM fenced",
             (last_line(data), len(data), lease.run_id, lease.epoch, lease.owner, data),
         ).rowcount == 0:
@@ -508,7 +520,6 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
                    priority: int) -> None:
         """Create a run whose log starts with the `header` line, queued due at `at` (None: now), in one
         statement; `ValidationError` if the id exists."""
-        self._committer.flush()  # after the writes still pending in the group commit
         fields = header_fields(record)
         header = bytes(header)
         now = time.time()
@@ -747,6 +758,10 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         )
         return bool(rows and rows[0][0])
 
+    claims_ahead = True
+    """A claim is a round trip to the server: a worker whose slots are all busy claims the runs for the slots that
+    free next on a thread meanwhile (`Worker._claim_ahead`)."""
+
     groups_appends = True
     """Appends are committed in groups (`pgcommit`): `RunLog` hands a step's record in with `append_soon` and
     awaits its commit before the step's result goes back to the workflow."""
@@ -785,7 +800,6 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
 
     def _do_keep_values(self, lease: Lease, blobs: dict[str, bytes]) -> None:
         """Keep the run's new stored values (before a `rewrite` that refers to them)."""
-        self._committer.flush()
         with self._cursor(transaction=True) as cur:
             self._keep_values(cur, lease.run_id, blobs)
 
@@ -843,6 +857,25 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         self.fsyncs += 1
         return errors
 
+    def finish_soon(self, leases: list[Lease]) -> list[asyncio.Future[Any]]:
+        """`finish_all` without waiting, from a thread running an asyncio loop: each lease's end goes into the next
+        group commit with the records the loop's current pass hands in (`append_soon`), and its future (the
+        loop's) holds None once it is durable, or the error that kept it out (`LeaseLostError` for a lease no
+        longer current). No worker thread stands between the loop and the committer."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for lease in leases:
+            if self._mine(lease):
+                future = self._committer.submit(Write("end", lease, unschedule=True), soon=True)
+                assert isinstance(future, asyncio.Future)
+            else:
+                future = loop.create_future()
+                future.set_exception(self._lost(lease))
+            futures.append(future)
+            self._synced.pop((lease.run_id, lease.epoch), None)
+        self.fsyncs += 1
+        return futures
+
     def _do_size(self, run_id: str) -> int:
         """Bytes of the run's log."""
         rows = self._fetch(f"SELECT size FROM {self._runs} WHERE run_id = %s", (run_id,))
@@ -855,7 +888,6 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         header = data[: data.index(b"\n") + 1]
         if not self._mine(lease):
             raise self._lost(lease)
-        self._committer.flush()
         with self._cursor(transaction=True) as cur:
             cur.execute(
                 f"UPDATE {self._runs} SET header = %s, last = %s, size = %s, updated = clock_timestamp(), state = %s"
@@ -904,7 +936,6 @@ class PostgresStorage(PartialsKeptApart, PostgresDueQueue, PostgresInbox, Postgr
         are locked first (``FOR UPDATE``), so the batch stops at the first one not bound as its run expects,
         as a bind would. A batch that names one identity twice, or that another process races (a binding or a
         run id that appears meanwhile), is rolled back and made one bind and one create at a time instead."""
-        self._committer.flush()  # after the writes still pending in the group commit
         fields = [header_fields(header) for header in headers]
         places = [queue_fields(header) for header in headers]
         digests = [_digest(run.identity) for run in runs]
