@@ -48,7 +48,7 @@ from ..errors import (
     StorageFullError,
     ValidationError,
 )
-from ..records import is_end_line, kind_of, may_change_state
+from ..records import is_end_line, is_open_line, kind_of, may_change_state
 from .base import (
     Check,
     Choose,
@@ -75,7 +75,7 @@ from .catalog import OPEN, RunFilter, header_fields, queue_fields, state_after
 from .front import StorageFront, amended_values
 from .partials import SQLITE_TABLE
 from .sqlitegate import WriteGate
-from .valuestore import TOKEN, resolve_line
+from .valuestore import LINE_MIN, TOKEN, resolve_line
 from .wakeup import LocalWakeups
 
 SCHEMA_VERSION = 10  # 2 added signals, 3 the queue, 4 joins, 5 workers, 6 queue_next, 7 limits, 8 named queues (`_ensure_places`), 9 queue_due, 10 records keyed by run number (`_move_records`); every statement below is idempotent, so older files just upgrade
@@ -189,6 +189,7 @@ class SqliteStorage(StorageFront):
         self.compact_above_bytes: int | None = None
         self.fsyncs = 0
         self._conn: sqlite3.Connection | None = None
+        self._steps: sqlite3.Cursor | None = None  # the connection's cursor for steps' inserts (`append`)
         self._lock = threading.RLock()
 
         self._synced: dict[tuple[str, int], int | None] = {}  # (run, epoch) -> its latest append's seq at `sync`
@@ -226,6 +227,7 @@ class SqliteStorage(StorageFront):
                 _ensure_catalog(conn)
             conn.execute(_RUN_BLOBS)
             self._conn = conn
+            self._steps = conn.cursor()
         return self._conn
 
     def close(self) -> None:
@@ -233,7 +235,7 @@ class SqliteStorage(StorageFront):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
-                self._conn = None
+                self._conn = self._steps = None
             while self._idle:
                 self._idle.pop().close()
             if self._gate is not None:
@@ -498,18 +500,32 @@ class SqliteStorage(StorageFront):
             db.executemany("INSERT OR IGNORE INTO run_blobs (run_id, digest, data) VALUES (?, ?, ?)",
                            [(lease.run_id, digest, value) for digest, value in blobs.items()])
 
+    def append(self, lease: Lease, data: bytes) -> None:
+        """Append complete record lines (`StorageFront.append`). A step's record takes `_append_step` at once:
+        one short line (no value to keep apart) that is no end, reopen or reset (the kinds that change the run's
+        catalog state, `catalog.state_after`). These are the front's and `_do_append`'s
+        checks, written out here because every step comes this way; anything else takes their path."""
+        if type(data) is bytes and len(data) < LINE_MIN and data.find(b"\n") == len(data) - 1 \
+                and not is_end_line(data) and not is_open_line(data):
+            self._append_step(lease, data)
+        else:
+            super().append(lease, data)
+
     def _append_step(self, lease: Lease, data: bytes) -> None:
         """Append lines that change no catalog state as one statement, its own commit: the fenced insert of the
         records, and nothing else. The run's row (its last line, size and time) is left as the claim wrote it:
         readers of an open run take those from the records (`_infos`, `_do_size`), so a step writes the pages of
-        the records alone, and no crash can leave the row and the log apart."""
+        the records alone, and no crash can leave the row and the log apart. The insert goes through one cursor
+        kept for it (`_steps`), not a new one per statement."""
         if lease.state.get("sqlite") is not self:
             raise LeaseLostError(f"lease on run {lease.run_id} is not from {self!r}", run_id=lease.run_id)
         with self._lock:
             gate = self._gate
             taken = gate is not None and gate.on and gate.enter()
             try:
-                _insert_fenced(self._conn or self._db(), lease, data)
+                if self._steps is None:
+                    self._db()
+                _insert_fenced(self._steps, lease, data)  # type: ignore[arg-type] # set with the connection
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
@@ -990,7 +1006,7 @@ CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent) WHERE parent IS NOT N
 """
 
 
-def _insert_fenced(db: sqlite3.Connection, lease: Lease, data: bytes) -> None:
+def _insert_fenced(db: sqlite3.Connection | sqlite3.Cursor, lease: Lease, data: bytes) -> None:
     """Insert the records `data` of the lease's run if its lease is current (one statement: the fence is read in
     the insert), else raise `LeaseLostError`.
 
