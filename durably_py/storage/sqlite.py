@@ -505,7 +505,7 @@ class SqliteStorage(StorageFront):
         one short line (no value to keep apart) that is no end, reopen or reset (the kinds that change the run's
         catalog state, `catalog.state_after`). These are the front's and `_do_append`'s
         checks, written out here because every step comes this way; anything else takes their path."""
-        if type(data) is bytes and len(data) < LINE_MIN and data.find(b"\n") == len(data) - 1 \
+        if type(data) is bytes and 0 < len(data) < LINE_MIN and data.find(b"\n") == len(data) - 1 \
                 and not is_end_line(data) and not is_open_line(data):
             self._append_step(lease, data)
         else:
