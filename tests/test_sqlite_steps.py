@@ -2,7 +2,8 @@
 run (info, list, inspect, `durably list`, size) take its last record and size from the records; a process
 SIGKILLed between steps leaves a log they read right and a run that resumes; due runs are found by walking the
 queue's index (no sort of the backlog, nor of every run of a workflow, under the write lock); and processes
-sharing the file wait for each other at the write gate, never longer than the storage's timeout."""
+sharing the file wait for each other at the write gate, never longer than the storage's timeout, a gate no other
+process takes going off again."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import fcntl
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ import pytest
 
 from durably_py import SqliteStorage, StorageBusyError, create_engine, workflow
 from durably_py.storage.sqlite import SPAN
+from durably_py.storage.sqlitegate import QUIET, WAITED, WriteGate
 from tests.helpers import wait_until
 
 OF_RUN = f"records.seq BETWEEN runs.num * {SPAN} AND runs.num * {SPAN} + {SPAN - 1}"  # a run's records (schema 10)
@@ -230,3 +234,60 @@ def test_processes_writing_one_file_at_once_lose_nothing_and_take_the_gate(tmp_p
     for found in runs:
         assert found.last.get("p") == "2" and found.state == "open" and not found.held
         assert store.size(found.run_id) == len(_log_bytes(store, found.run_id))
+
+
+def test_a_write_gate_no_other_process_takes_goes_off_again(tmp_path: Path) -> None:
+    """A write that waited turns the gate on; entries that always find it free (no other process takes it, as after
+    a write that was merely slow on a busy machine) turn it off again, so steps stop paying its two flocks; one
+    entry that found it held starts the count again."""
+    gate = WriteGate(str(tmp_path / "runs.db.gate"), timeout=5.0)
+    gate.took(time.perf_counter() - 2 * WAITED)  # as after a write that waited 2 ms
+    assert gate.on
+    for _ in range(QUIET - 1):
+        assert gate.enter()
+        gate.leave()
+    fd = os.open(gate.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process inside its write, out again soon
+        threading.Timer(0.02, fcntl.flock, (fd, fcntl.LOCK_UN)).start()
+        assert gate.enter()  # waited for it
+        gate.leave()
+    finally:
+        os.close(fd)
+    for _ in range(QUIET - 1):
+        assert gate.enter()
+        gate.leave()
+    assert gate.on  # the count began again at the entry that waited
+    assert gate.enter()
+    gate.leave()
+    assert not gate.on and not gate.enter()  # off: no flock until a write waits again
+    gate.took(time.perf_counter() - 2 * WAITED)
+    assert gate.on and gate.enter()
+    gate.leave()
+    gate.close()
+
+
+def test_the_write_gate_stays_on_while_another_connection_commits(tmp_path: Path) -> None:
+    """Steps that always find the gate free turn it off only when no other connection committed meanwhile: a
+    writer that never takes the gate (a `sqlite3` shell, an application's own connection) keeps it on."""
+    db = tmp_path / "runs.db"
+    store = SqliteStorage(db)
+    store.create("r", b'{"t":"run","v":1,"run_id":"r","workflow":"w"}\n')
+    lease = store.claim("r", "me", 30)
+    assert lease is not None
+    gate = store._gate  # type: ignore[union-attr]
+    assert gate is not None and not gate.on
+    gate.took(time.perf_counter() - 2 * WAITED)  # as after a write that waited 2 ms
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("CREATE TABLE app (n INTEGER)")
+    for i in range(3 * QUIET):
+        store.append(lease, b'{"t":"ok","p":"%d","l":"add","v":%d,"a":1,"ms":0.01}\n' % (i, i))
+        if i % 100 == 0:
+            other.execute("INSERT INTO app VALUES (?)", (i,))
+    assert gate.on
+    for i in range(3 * QUIET, 4 * QUIET + 1):
+        store.append(lease, b'{"t":"ok","p":"%d","l":"add","v":%d,"a":1,"ms":0.01}\n' % (i, i))
+    assert not gate.on  # alone again: steps no longer pay the gate
+    other.close()
+    assert len(store.read("r").records) == 2 + 4 * QUIET + 1  # type: ignore[union-attr]
+    store.close()

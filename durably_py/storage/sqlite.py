@@ -207,7 +207,6 @@ class SqliteStorage(StorageFront):
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False,
                                    factory=_Connection)
-            conn.gate = self._gate
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _transaction(conn):
@@ -226,6 +225,9 @@ class SqliteStorage(StorageFront):
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 _ensure_catalog(conn)
             conn.execute(_RUN_BLOBS)
+            if self._gate is not None:  # after the schema's transaction, which creates a new file's WAL (slow, not waited)
+                self._gate.version = partial(_data_version, conn)
+                conn.gate = self._gate
             self._conn = conn
             self._steps = conn.cursor()
         return self._conn
@@ -523,9 +525,12 @@ class SqliteStorage(StorageFront):
             gate = self._gate
             taken = gate is not None and gate.on and gate.enter()
             try:
-                if self._steps is None:
+                steps = self._steps
+                if steps is None:  # the connection is not open yet
                     self._db()
-                _insert_fenced(self._steps, lease, data)  # type: ignore[arg-type] # set with the connection
+                    steps = self._steps
+                    assert steps is not None
+                _insert_fenced(steps, lease, data)
             except sqlite3.Error as exc:
                 full = _full(exc)
                 if full is exc:
@@ -1034,6 +1039,11 @@ def _insert_fenced(db: sqlite3.Connection | sqlite3.Cursor, lease: Lease, data: 
         raise LeaseLostError(f"the lease on run {lease.run_id} is no longer current", run_id=lease.run_id)
     if state.get("seq", 0) <= seq:
         state["seq"] = seq + 1
+
+
+def _data_version(db: sqlite3.Connection) -> int:
+    """SQLite's ``data_version`` of `db`: it changes when another connection commits to the database."""
+    return int(db.execute("PRAGMA data_version").fetchone()[0])
 
 
 def _run_values(db: sqlite3.Connection, run_id: str) -> dict[str, bytes]:
