@@ -224,7 +224,7 @@ class SqliteStorage(StorageFront):
                         _move_records(conn)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 _ensure_catalog(conn)
-            conn.execute(_RUN_BLOBS)
+                conn.execute(_RUN_BLOBS)
             if self._gate is not None:  # after the schema's transaction, which creates a new file's WAL (slow, not waited)
                 self._gate.version = partial(_data_version, conn)
                 conn.gate = self._gate
