@@ -163,8 +163,10 @@ class Soak:
 
     def kill(self, proc: subprocess.Popen[bytes] | None = None) -> int:
         victim = proc or random.choice(self.live())
-        victim.send_signal(signal.SIGKILL)
+        # the time just before the signal: the victim may be dead (its locks free) as soon as the signal is sent,
+        # and this process may be scheduled out before it reads the clock again
         self.killed[victim.pid] = time.time()
+        victim.send_signal(signal.SIGKILL)
         victim.wait()
         return victim.pid
 
