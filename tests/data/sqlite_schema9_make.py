@@ -1,7 +1,7 @@
 """Make tests/data/sqlite_schema9.sql: a SQLite database of schema 9 with runs in every state, dumped as SQL, and
 tests/data/sqlite_schema9.json: what its readers answered then. Run with a checkout of durably-py whose SQLite
-adapter writes schema 9 (0.1.0 before schema 10) on the path: ``PYTHONPATH=<that checkout> python
-tests/data/sqlite_schema9_make.py``. `tests/test_sqlite_upgrade.py` opens the dump with the current adapter."""
+adapter writes schema 9 (0.1.0 before schema 10) on the path, from that checkout's folder (its `durably list`
+subprocess imports from there): ``cd <that checkout> && PYTHONPATH=. python <this checkout>/tests/data/sqlite_schema9_make.py``. `tests/test_sqlite_upgrade.py` opens the dump with the current adapter."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from durably_py import RunParkedError, SqliteStorage, create_engine, records, wo
 from durably_py.storage import sqlite as adapter
 
 HERE = Path(__file__).parent
+FAR = 50 * 365 * 86400  # the delayed run and the sleeping one stay so for the life of the fixture
 
 
 def add(a: int, b: int) -> int:
@@ -57,7 +58,7 @@ async def waits(ctx: Any, n: int) -> Any:
 @workflow(name="u9_sleeps")
 async def sleeps(ctx: Any, n: int) -> int:
     await ctx.step(add, n, 1)
-    await ctx.sleep(3600)
+    await ctx.sleep(FAR)
     return n
 
 
@@ -111,7 +112,7 @@ async def fill(path: Path) -> str:
     await engine.run(big, 4, key="big-4")
     await engine.enqueue(three, 5, key="pending-5")
     await engine.enqueue(three, 6, key="pending-6", priority=3, queue="q", partition="p1")
-    await engine.enqueue(three, 7, key="later-7", delay=3600)
+    await engine.enqueue(three, 7, key="later-7", delay=FAR)
     held = await engine.enqueue(three, 11, key="held-11")
     doomed = await engine.enqueue(three, 12, key="cancelled-12")
     await engine.cancel(doomed.run_id)
