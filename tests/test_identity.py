@@ -325,14 +325,20 @@ class CompletesBeforeTheClaim(FileStorage):
         return super().claim(run_id, owner, ttl, **options)
 
 
-def test_failed_run_that_completes_before_its_claim_is_not_reopened(tmp_path: Path) -> None:
-    storage = CompletesBeforeTheClaim(tmp_path)
+def failed_once(storage: FileStorage) -> tuple[Probe, Engine]:
+    """A probe whose run of "x" on `storage` failed at its second step, and the engine that ran it."""
     probe = Probe()
     probe.fail_second = True
     engine = Engine(storage)
     with pytest.raises(Flaky):
         go(lambda: engine.run(probe.wf, "x"))
     probe.fail_second = False
+    return probe, engine
+
+
+def test_failed_run_that_completes_before_its_claim_is_not_reopened(tmp_path: Path) -> None:
+    storage = CompletesBeforeTheClaim(tmp_path)
+    probe, engine = failed_once(storage)
     storage.race = True
     assert go(lambda: engine.run(probe.wf, "x")) == ["x", "by the other"]
     assert probe.counts == {"first": 1, "second": 2}  # nothing ran again
@@ -360,12 +366,7 @@ class Counting(FileStorage):
 
 def test_a_failed_run_is_claimed_reopened_with_one_read_of_its_log(tmp_path: Path) -> None:
     storage = Counting(tmp_path)
-    probe = Probe()
-    probe.fail_second = True
-    engine = Engine(storage)
-    with pytest.raises(Flaky):
-        go(lambda: engine.run(probe.wf, "x"))
-    probe.fail_second = False
+    probe, engine = failed_once(storage)
     storage.asked.clear()
     assert go(lambda: engine.run(probe.wf, "x")) == ["x", "done"]
     assert storage.asked == ["claim reopen"]  # not a refused claim, a read and a second claim
