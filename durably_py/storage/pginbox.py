@@ -5,19 +5,17 @@ deleting them. A part of `PostgresStorage`, in a module of its own as its due qu
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RunNotFoundError
 from .base import decode_signal
+from .pgdriver import PostgresPart
 
 if TYPE_CHECKING:
-    import psycopg
 
     from .pgcommit import PostgresCommitter
 
 
-class PostgresInbox:
+class PostgresInbox(PostgresPart):
     """The inbox methods of `PostgresStorage` (which provides the connection, the tables' names and `wake`)."""
 
     fsyncs: int
@@ -27,11 +25,6 @@ class PostgresInbox:
     _signals: str
 
     if TYPE_CHECKING:
-        def _cursor(self, transaction: bool = False, *,
-                    flush: bool = True) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
-        def _write(self, query: str, params: tuple[Any, ...]) -> int: ...
-        def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
-        def _missing(self, run_id: str) -> RunNotFoundError: ...
         def wake(self, run_id: str, name: str | None = None) -> bool: ...
 
     def _do_send(self, run_id: str, line: bytes, signal_id: str) -> None:

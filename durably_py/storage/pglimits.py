@@ -4,30 +4,25 @@ as its due queue is."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StorageBusyError
 from .base import LimitStep
 from .catalog import OPEN
-from .pgdriver import BUSY_DOCS
+from .pgdriver import BUSY_DOCS, PostgresPart
 from .pgdriver import psycopg_module as _psycopg
 
 if TYPE_CHECKING:
-    import psycopg
+    pass
 
 
-class PostgresLimits:
+class PostgresLimits(PostgresPart):
     """The limit methods of `PostgresStorage` (which provides the connection and the tables' names)."""
 
     schema: str
     lock_wait: float
     _runs: str
     _limits: str
-
-    if TYPE_CHECKING:
-        def _cursor(self, transaction: bool = False) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
-        def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
 
     def _do_limit(self, key: str, step: LimitStep) -> Any:
         """Run `step` on the key's row in one transaction: a transaction-scoped advisory lock on (this schema, the

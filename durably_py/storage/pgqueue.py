@@ -9,13 +9,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RunNotFoundError
 from .base import Check, Lease, QueueEntry, QueueStats, decode_record, sorted_stats
 from .catalog import queue_fields
-from .pgdriver import MAX_TTL
+from .pgdriver import MAX_TTL, PostgresPart
 from .pgdriver import psycopg_module as _psycopg
 
 if TYPE_CHECKING:
@@ -24,7 +22,7 @@ if TYPE_CHECKING:
     from .pgcommit import PostgresCommitter
 
 
-class PostgresDueQueue:
+class PostgresDueQueue(PostgresPart):
     """The queue methods of `PostgresStorage` (which provides the connection, the tables' names and the claim)."""
 
     dsn: str
@@ -38,11 +36,6 @@ class PostgresDueQueue:
     _channel: str
 
     if TYPE_CHECKING:
-        def _cursor(self, transaction: bool = False, *,
-                    flush: bool = True) -> AbstractContextManager[psycopg.Cursor[Any]]: ...
-        def _write(self, query: str, params: tuple[Any, ...]) -> int: ...
-        def _fetch(self, query: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]: ...
-        def _missing(self, run_id: str) -> RunNotFoundError: ...
         def _claim_locked(self, cur: psycopg.Cursor[Any], run_id: str, epoch: int, owner: str, ttl: float,
                           check: Check | None, reopen: bool = False) -> Lease | None: ...
         def _claim_rows(self, cur: psycopg.Cursor[Any], rows: list[tuple[Any, ...]], owner: str, ttl: float,
