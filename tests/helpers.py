@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from typer.testing import CliRunner
 
@@ -78,6 +80,38 @@ def wait_until(check: Callable[[], bool], seconds: float = 20.0, every: float = 
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(every)
+
+
+def drain_while_killing(start: Callable[[], subprocess.Popen[bytes]], done: Callable[[], bool], *, kills: int,
+                        pause: tuple[float, float], rng: Any, seconds: float, processes: int = 3) -> int:
+    """Run `processes` workers made by `start` until `done()` or `seconds` pass: after a pause drawn from `pause`,
+    SIGKILL one at random and start another in its place, `kills` times, then only wait; terminate them all at the
+    end. Returns how many were killed."""
+    procs = [start() for _ in range(processes)]
+    killed = 0
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not done():
+            if killed < kills:
+                time.sleep(rng.uniform(*pause))
+                victim = rng.randrange(len(procs))
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
+                procs[victim] = start()
+                killed += 1
+            else:
+                time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+    return killed
+
+
+def records_of(storage: Any, run_id: str) -> list[dict[str, Any]]:
+    """A run's records as plain dicts."""
+    return [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in storage.read(run_id).records]
 
 
 def invoke(*args: str) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import wait_until
+from helpers import drain_while_killing, records_of, wait_until
 
 from durably_py import create_engine, workflow
 from durably_py._authoring.workflow import REGISTRY, load_script
@@ -55,7 +54,7 @@ def header(run_id: str) -> bytes:
 
 
 def kinds(store: Any, run_id: str) -> list[str]:
-    return [r["t"] if isinstance(r, dict) else msgspec.to_builtins(r)["t"] for r in store.read(run_id).records]
+    return [r["t"] for r in records_of(store, run_id)]
 
 
 def test_a_group_commit_fails_only_the_writes_of_a_lost_lease_and_keeps_each_runs_order(
@@ -168,7 +167,7 @@ def test_a_worker_claims_ahead_on_postgres_and_a_stop_lets_those_runs_go(postgre
     other = create_engine(postgres_storage(), concurrency=3)
     asyncio.run(other.drain())
     for i, h in enumerate(handles):
-        records = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in store.read(h.run_id).records]
+        records = records_of(store, h.run_id)
         assert [r["t"] for r in records].count("ok") == 2 and records[-1]["result"] == i + 2
 
 
@@ -211,7 +210,7 @@ def test_runs_claimed_ahead_behind_a_long_run_are_let_go_within_a_second(postgre
     asyncio.run(main())
     let_go = 0
     for i, h in enumerate(handles):
-        records = [r if isinstance(r, dict) else msgspec.to_builtins(r) for r in store.read(h.run_id).records]
+        records = records_of(store, h.run_id)
         assert [r["t"] for r in records].count("ok") == 1 and records[-1]["result"] == i
         let_go += [r["t"] for r in records].count("claim") > 1  # claimed ahead, released, claimed again
     assert let_go >= 1
@@ -253,32 +252,16 @@ def _kill_workers(tmp_path: Path, request: pytest.FixtureRequest, runs: int, mos
     load_script(jobs)
     args = [sys.executable, "-m", "durably_py.cli", "worker", "--storage", url, "--import", str(jobs), "-c", "8",
             "--lease", "2", "-q"]
-    procs = [subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL) for _ in range(3)]
-    rng = random.Random(26)
-    kills = 0
+    ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["gc_three"], n) for n in range(runs)]))]
     seen_ended: set[str] = set()
-    try:
-        ids = [h.run_id for h in asyncio.run(engine.enqueue_many([(REGISTRY["gc_three"], n) for n in range(runs)]))]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            ended = {r.run_id for r in engine.storage.list_runs(state="completed")}
-            seen_ended |= ended
-            if len(ended) == len(ids):
-                break
-            if kills < most:
-                time.sleep(rng.uniform(0.05, 0.25))
-                victim = rng.randrange(len(procs))
-                procs[victim].send_signal(signal.SIGKILL)
-                procs[victim].wait()
-                procs[victim] = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
-                kills += 1
-            else:
-                time.sleep(0.2)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(30)
+
+    def drained() -> bool:
+        ended = {r.run_id for r in engine.storage.list_runs(state="completed")}
+        seen_ended.update(ended)
+        return len(ended) == len(ids)
+
+    kills = drain_while_killing(lambda: subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL), drained,
+                                kills=most, pause=(0.05, 0.25), rng=random.Random(26), seconds=180)
     order = ledger.read_text().split()
     last_seen: dict[str, int] = {}
     for position, key in enumerate(order):
@@ -288,7 +271,7 @@ def _kill_workers(tmp_path: Path, request: pytest.FixtureRequest, runs: int, mos
         first_seen[key] = position
     doubles = again_after_next = 0
     for n, run_id in enumerate(ids):
-        records = [msgspec.to_builtins(r) if not isinstance(r, dict) else r for r in engine.storage.read(run_id).records]
+        records = records_of(engine.storage, run_id)
         assert records[-1]["t"] == "end" and records[-1]["status"] == "completed", (run_id, records[-1])
         paths = [r["p"] for r in records if r["t"] == "ok"]
         doubles += (len(paths) - len(set(paths))) + sum(1 for r in records if r["t"] == "end") - 1

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import storage_of, wait_until
+from helpers import drain_while_killing, records_of, storage_of, wait_until
 
 from durably_py import KeyConflictError, ValidationError, create_engine, workflow
 from durably_py._authoring.workflow import REGISTRY, load_script
@@ -226,40 +225,23 @@ def test_workers_killed_during_group_commits_lose_no_run_and_run_none_twice(kind
         # tests timing a signal in other processes beside it do
         return subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
 
-    procs = [worker() for _ in range(3)]
-    rng = random.Random(7)
-    kills = 0
-    try:
-        deadline = time.monotonic() + 120
-        first_open = 0  # runs before it have ended: each look reads from there on, so looking stays quick
-        while time.monotonic() < deadline:
-            while first_open < len(ids) and (info := engine.storage.info(ids[first_open])) is not None \
-                    and info.last.get("t") == "end":
-                first_open += 1
-            # every run ended; the queue entry of one whose end a killed worker recorded but did not commit as a
-            # group goes once its lease lapses and a worker claims it (and finds it ended)
-            if first_open == len(ids) and not engine.storage.due(10):
-                break
-            if kills < most:
-                time.sleep(rng.uniform(0.1, 0.3))
-                victim = rng.randrange(len(procs))
-                procs[victim].send_signal(signal.SIGKILL)
-                procs[victim].wait()
-                procs[victim] = worker()
-                kills += 1
-            else:
-                time.sleep(0.2)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(30)
-    import msgspec
+    first_open = 0  # runs before it have ended: each look reads from there on, so looking stays quick
+
+    def drained() -> bool:
+        nonlocal first_open
+        while first_open < len(ids) and (info := engine.storage.info(ids[first_open])) is not None \
+                and info.last.get("t") == "end":
+            first_open += 1
+        # every run ended; the queue entry of one whose end a killed worker recorded but did not commit as a
+        # group goes once its lease lapses and a worker claims it (and finds it ended)
+        return first_open == len(ids) and not engine.storage.due(10)
+
+    kills = drain_while_killing(worker, drained, kills=most, pause=(0.1, 0.3), rng=random.Random(7), seconds=120)
 
     executions = len((tmp_path / "ledger.txt").read_text().split())
     claims_after_end = twice = 0
     for run_id in ids:
-        records = [msgspec.to_builtins(r) if not isinstance(r, dict) else r for r in engine.storage.read(run_id).records]
+        records = records_of(engine.storage, run_id)
         assert records[-1]["t"] == "end" and records[-1]["status"] == "completed", (run_id, records[-1])
         ends = [i for i, r in enumerate(records) if r["t"] == "end"]
         claims_after_end += sum(1 for r in records[ends[0]:] if r["t"] == "claim")
