@@ -306,9 +306,7 @@ class Worker:
                             leases += self._claim_orphans(free - len(leases))
                         if len(leases) < free:
                             asked = free - len(leases)
-                            found = engine.storage.claim_due(engine.owner, engine.lease_ttl, asked,
-                                                             skip=self.skipped(), workflows=engine.code.claims(),
-                                                             queues=admission.served, full=full)
+                            found = self._claim_due(asked, full)()
                             self._more = len(found) == asked
                             leases += found
                     except Exception as exc:  # noqa: BLE001 - a storage hiccup (a restarting database) is retried
@@ -378,15 +376,12 @@ class Worker:
                 or self._pace is None or self._pace > AHEAD_FOR / 4
                 or not getattr(engine.storage, "claims_ahead", False)):
             return  # (runs that hold their slots long would wait long, or be let go and claimed again)
-        admission = self.admission
         try:
-            full = admission.full()
+            full = self.admission.full()
         except Exception:  # noqa: BLE001 - the claim when a slot frees asks again
             return
-        claim = functools.partial(engine.storage.claim_due, engine.owner, engine.lease_ttl, want, skip=self.skipped(),
-                                  workflows=engine.code.claims(), queues=admission.served, full=full)
         loop = asyncio.get_running_loop()
-        self._claiming = loop.run_in_executor(engine.executor, claim)
+        self._claiming = loop.run_in_executor(engine.executor, self._claim_due(want, full))
 
         def claimed(done: asyncio.Future[Any]) -> None:
             self._claiming = None
@@ -402,6 +397,13 @@ class Worker:
             if leases:
                 self.poke()
         self._claiming.add_done_callback(claimed)
+
+    def _claim_due(self, count: int, full: Any) -> Callable[[], list[Any]]:
+        """The claim of up to `count` due runs this worker serves, its arguments taken now (on the loop: what the
+        worker runs and skips), to be made here or on a thread."""
+        engine = self.engine
+        return functools.partial(engine.storage.claim_due, engine.owner, engine.lease_ttl, count, skip=self.skipped(),
+                                 workflows=engine.code.claims(), queues=self.admission.served, full=full)
 
     def _claim_orphans(self, free: int) -> list[Any]:
         """Claim up to `free` runs that hold places in full queues and are due with no process (`Admission.orphans`)."""
