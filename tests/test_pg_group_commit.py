@@ -194,14 +194,18 @@ def test_runs_claimed_ahead_behind_a_long_run_are_let_go_within_a_second(postgre
     handles = asyncio.run(engine.enqueue_many([(gc_mixed, i, f"mixed-{i}") for i in range(40)]))
     slow = handles[20].run_id
 
-    def only_the_long_run_held() -> bool:
-        return store.held(slow) and not any(store.held(h.run_id) for h in handles if h.run_id != slow)
+    def held_behind_the_long_run() -> int | None:
+        """How many other runs are held while the long run is, or None while it is not."""
+        return sum(store.held(h.run_id) for h in handles if h.run_id != slow) if store.held(slow) else None
 
     async def main() -> None:
         await engine.start(poll=0.02)
         deadline = time.monotonic() + 60
-        while not only_the_long_run_held():  # it starts, and the runs claimed behind it are let go
-            assert time.monotonic() < deadline
+        while not held_behind_the_long_run():  # it starts, with runs claimed ahead behind it
+            assert time.monotonic() < deadline, "no run was claimed ahead behind the long one"
+            await asyncio.sleep(0.01)
+        while held_behind_the_long_run() != 0:  # and they are let go while it holds the only slot
+            assert time.monotonic() < deadline, "the runs claimed ahead were not let go"
             await asyncio.sleep(0.05)
         gate.write_text("")
         await engine.drain()
