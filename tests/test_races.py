@@ -360,3 +360,48 @@ def test_the_engines_cleanup_window_stops_a_clean_up_that_runs_too_long(tmp_path
 
     assert asyncio.run(main()) == "cancelled"
     assert calls == {"cleanup-began": 1}
+
+
+STOP_AFTER_STEPS = {"on": False}
+
+
+@workflow
+async def replayed_idioms(ctx):
+    a, b, c = ctx.step(effect, "ra"), ctx.step(effect, "rb"), ctx.step(effect, "rc")
+    second = await b  # awaited out of call order
+    first = await a
+    again = [await a, await b, await a]  # awaited again: the same values
+    both = await asyncio.gather(a, c)  # one already awaited, one not yet
+    d = ctx.step(effect, "rd")
+    done, _ = await asyncio.wait([d], return_when=asyncio.FIRST_COMPLETED)
+    out = {"x": 1}
+    mine = await ctx.step(dict, out)
+    mine["x"] = 2  # the workflow's own copy: the recorded value stays as it was
+    if STOP_AFTER_STEPS["on"]:
+        raise RuntimeError("stop")
+    return [first, second, again, both, [h.result() for h in done], mine, await ctx.step(dict, out)]
+
+
+@pytest.mark.parametrize("mode", ["test-engine", "memory", "file"])
+def test_replayed_handles_behave_as_the_live_ones(mode: str, tmp_path) -> None:
+    """Recorded steps delivered on replay (a direct await in their turn takes no coroutine) are futures as live
+    ones are: awaited again, out of call order, gathered after an await, waited on; each ran once."""
+    calls.clear()
+    expected = ["ra", "rb", ["ra", "rb", "ra"], ["ra", "rc"], ["rd"], {"x": 2}, {"x": 1}]
+    STOP_AFTER_STEPS["on"] = True  # the first run fails after its steps; running it again resumes it
+    try:
+        if mode == "test-engine":
+            engine = TestEngine()
+            assert engine.sync.run(replayed_idioms, key="ri").status == "failed"
+            STOP_AFTER_STEPS["on"] = False
+            again = engine.sync.run(replayed_idioms, key="ri")
+            assert again.status == "completed" and again.result == expected, again.error
+        else:
+            real = create_engine(MemoryStorage() if mode == "memory" else tmp_path)
+            with pytest.raises(RuntimeError, match="stop"):
+                asyncio.run(real.run(replayed_idioms, key="ri"))
+            STOP_AFTER_STEPS["on"] = False
+            assert asyncio.run(real.run(replayed_idioms, key="ri")) == expected
+    finally:
+        STOP_AFTER_STEPS["on"] = False
+    assert calls == {"ra": 1, "rb": 1, "rc": 1, "rd": 1}

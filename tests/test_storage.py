@@ -28,6 +28,7 @@ from durably_py.storage import (
     Storage,
     validate_run_id,
 )
+from durably_py.storage.file import LOOK_EVERY
 
 LONG = 3600.0
 BAD_IDS: list[Any] = ["../x", "a/b", "x\x00", "r1\n", "", ".", "..", "a" * 200, 7, None, b"abc", "a..b", "-x"]
@@ -929,14 +930,39 @@ def test_foreign_write_fences_the_lease(fs: FileStorage) -> None:
     fs.release(lease)
 
 
-def test_foreign_replace_fences_the_lease(fs: FileStorage) -> None:
-    lease = started(fs)
+def replace_log(fs: FileStorage) -> bytes:
+    """Replace r1's log file with a copy of itself (a foreign tool's save); the copy's bytes."""
     path = log_path(fs)
     tmp = path.with_suffix(".other")
-    tmp.write_bytes(path.read_bytes())
+    data = path.read_bytes()
+    tmp.write_bytes(data)
     os.replace(tmp, path)
-    with pytest.raises(LeaseLostError):
+    return data
+
+
+@pytest.mark.parametrize("after", [0, 5])
+def test_foreign_replace_fails_the_lease_before_a_sync(fs: FileStorage, after: int) -> None:
+    """A log replaced under a live lease: appends stop within `LOOK_EVERY`, and no sync makes them durable."""
+    lease = started(fs)
+    for _ in range(after):
         fs.append(lease, line(t="step"))
+    copy = replace_log(fs)
+    with pytest.raises(LeaseLostError, match="changed by someone else"):
+        fs.sync(lease)
+    assert fs.heartbeat(lease, LONG) is False
+    assert log_path(fs).read_bytes() == copy
+    fs.release(lease)
+
+
+def test_foreign_replace_stops_appends_within_a_look(fs: FileStorage) -> None:
+    lease = started(fs)
+    replace_log(fs)
+    accepted = 0
+    with pytest.raises(LeaseLostError, match="changed by someone else"):
+        for _ in range(LOOK_EVERY + 1):
+            fs.append(lease, line(t="step"))
+            accepted += 1
+    assert accepted <= LOOK_EVERY
     fs.release(lease)
 
 

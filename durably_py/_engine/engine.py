@@ -595,9 +595,11 @@ class Engine:
         if torn:
             print(f"durably: {torn}; the run resumes from the last complete record", file=sys.stderr)
         threshold = getattr(self.storage, "compact_above_bytes", None)
-        if threshold and (lease.size if lease.size >= 0 else self.storage.size(lease.run_id)) > threshold:
+        most = 0.75 * len(lease.records)  # a compaction that keeps more than this is not worth a rewrite
+        if threshold and (lease.size if lease.size >= 0 else self.storage.size(lease.run_id)) > threshold \
+                and (history.snaps or len(history.done) < most):  # (each outcome is kept unless a snapshot covers it)
             kept = history.compacted()
-            if len(kept) <= 0.75 * len(lease.records):
+            if len(kept) <= most:
                 self.storage.rewrite(lease, b"".join(log_format.encode(r) for r in kept))
         tracker = AdvisoryTracker(lease.run_id, now=self.clock.now, on_advisory=on_advisory,
                                   silent=advisories == "silent",

@@ -18,7 +18,7 @@ import functools
 import inspect
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -77,19 +77,46 @@ if TYPE_CHECKING:
 _Ok = records.Ok
 
 
-async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) -> Any:
-    """A recorded `Ok` of a step with no options: the fewest operations between the record and its value.
+def loaded(wire: Any) -> Any:
+    """A recorded step output as the workflow gets it: a copy of a flat dict of scalars (the common output, with
+    `load_value` inlined), the scalar itself, or what `load_value` makes of the rest."""
+    t = type(wire)
+    if t is dict:
+        for x in wire.values():
+            if type(x) not in SCALARS:
+                return load_value(wire)
+        return load_value(wire) if len(wire) == 1 and (DT_TAG in wire or ESC_TAG in wire) else wire.copy()
+    return wire if t in SCALARS else load_value(wire)
 
-    In a run of one strand its turn is now (the head of the recorded order is this path): a comparison and a
-    counter. Otherwise it waits for its turn (`Turns.recorded`)."""
+
+class Replayed(Handle[Any]):
+    """The handle of a recorded `Ok` of a step with no options (operands: turns, scope, path, recorded value).
+
+    Awaited directly in its turn (in a run of one strand, the head of the recorded order is its path: a comparison
+    and a counter), it delivers the value in `__await__` itself, with no coroutine; else `replayed` waits for the
+    turn. Observed any other way (`start`), it is a handle like any other."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self.operation is not None:
+            turns, scope, path, wire = self.operands
+            order = turns.order
+            head = turns.head
+            if turns.solo and head < len(order) and order[head] == path:
+                self.operation = None
+                turns.head = head + 1
+                if turns.early:
+                    turns.skip_early()
+                scope.pending -= 1
+                set_result(self, loaded(wire))
+        return Handle.__await__(self)
+
+
+async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) -> Any:
+    """A recorded `Ok` of a step with no options (`Replayed`), delivered in its turn."""
     try:
-        order = turns.order
-        head = turns.head
-        if turns.solo and head < len(order) and order[head] == path:
-            turns.head = head + 1
-            if turns.early:
-                turns.skip_early()
-        elif not turns.now(path):
+        if not turns.now(path):
             h.driver = current_task()
             await turns.recorded(path)
     except BaseException as exc:
@@ -98,16 +125,7 @@ async def replayed(h: Handle, turns: Turns, scope: Scope, path: str, wire: Any) 
         raise
     finally:
         scope.pending -= 1
-    t = type(wire)
-    if t is dict:  # `load_value` inlined for the common step output, a flat dict of scalars
-        for x in wire.values():
-            if type(x) not in SCALARS:
-                value = load_value(wire)
-                break
-        else:
-            value = load_value(wire) if len(wire) == 1 and (DT_TAG in wire or ESC_TAG in wire) else wire.copy()
-    else:
-        value = wire if t in SCALARS else load_value(wire)
+    value = loaded(wire)
     set_result(h, value)
     if h.observed:
         turns.hop()
@@ -363,7 +381,9 @@ class RunKernel:
                 self.advise("LOOP_SUGGESTED", count, f"{count} steps labelled {label!r} ran one after another")
         rec = self.done.get(path)
         scope.pending = pending + 1
-        h: Handle[Any] = Handle(loop=scope.loop)  # `handle()` inlined: this is every step's hot path
+        ok = rec if type(rec) is _Ok and opts is PLAIN and self.on_step is None else None  # replayed plainly
+        # `handle()` inlined: this is every step's hot path
+        h: Handle[Any] = (Handle if ok is None else Replayed)(loop=scope.loop)
         h.operator = self
         h.path = path
         h.label = label
@@ -376,9 +396,9 @@ class RunKernel:
             return h
         if rec.label != label:
             self.check_label(path, rec, label)
-        if opts is PLAIN and type(rec) is _Ok and self.on_step is None:
+        if ok is not None:
             h.operation = replayed
-            h.operands = (self.turns, scope, path, rec.value)
+            h.operands = (self.turns, scope, path, ok.value)
         else:
             h.operation = self.replay
             h.operands = (scope, path, rec, opts)
@@ -573,7 +593,7 @@ class RunKernel:
         """Allocate a path for the fan-out now; each branch runs under its own prefix."""
         items = checked_branches(items, concurrency)
         scope = self.scope()
-        prefix = None if all(type(item) is Handle for item in items) else scope.alloc()
+        prefix = None if all(isinstance(item, Handle) for item in items) else scope.alloc()
         if len(items) >= 1000:
             self.advise("FANOUT_CEILING", len(items), f"ctx.parallel with {len(items)} branches")
         return self.composite(scope, prefix or "", "ctx.parallel", self.branch_out, prefix, items, concurrency)

@@ -22,7 +22,7 @@ def make_task(loop: asyncio.AbstractEventLoop, coro: Any, previous: Callable[...
               **kwargs: Any) -> Any:
     """The task factory workflows' loops get (`turns.install_factory`): `asyncio.create_task(handle)` (and a
     `TaskGroup`'s) starts the handle and returns it; a task the workflow creates is one of its run's."""
-    if type(coro) is Handle:
+    if isinstance(coro, Handle):
         coro.start()
         return coro
     context = kwargs.get("context")

@@ -134,7 +134,7 @@ def probe(lock_path: str) -> bool:
 class Held:
     """This process's side of one lease: the lock, the append descriptor and the log size it expects."""
 
-    __slots__ = ("run_id", "log", "lock", "fd", "size", "synced", "dir_synced", "live", "mutex")
+    __slots__ = ("run_id", "log", "lock", "fd", "size", "synced", "dir_synced", "live", "mutex", "unlooked")
 
     def __init__(self, run_id: str, log: Path, lock: OsLock) -> None:
         self.run_id = run_id
@@ -146,6 +146,7 @@ class Held:
         self.dir_synced = False
         self.live = False
         self.mutex = threading.Lock()
+        self.unlooked = 0  # appends since `check` last looked whether the log was replaced
 
     def check(self) -> None:
         """Raise `LeaseLostError` unless this lease is live and the log is exactly as this process left it."""
@@ -154,6 +155,7 @@ class Held:
         st = os.fstat(self.fd)
         if st.st_size != self.size or st.st_nlink == 0:
             raise self.changed()
+        self.unlooked = 0
 
     def changed(self) -> LeaseLostError:
         """The error for a log that is not as this lease left it (grown, cut or replaced by someone else)."""
