@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -73,8 +74,10 @@ def own_data(n: int) -> float:
     return size
 
 
-def one(kind: str, n: int, rounds_of: int | None, concurrency: int, postgres: str | None) -> dict[str, Any]:
-    """Run one row in this process and return its figures."""
+def one(kind: str, n: int, rounds_of: int | None, concurrency: int, postgres: str | None,
+        where: str | None = None) -> dict[str, Any]:
+    """Run one row in this process and return its figures; its files go in a new folder in `where` (which whoever
+    made it removes) or in a temporary folder removed at the end."""
     from durably_py import Engine, FileStorage, SqliteStorage, workflow
     from durably_py.storage.url import open_storage
 
@@ -85,7 +88,7 @@ def one(kind: str, n: int, rounds_of: int | None, concurrency: int, postgres: st
 
     @workflow(name="bench_child")
     async def child(ctx: Any, i: int) -> int:
-        return await ctx.step(tiny, i)  # type: ignore[no-any-return]
+        return await ctx.step(tiny, i)
 
     @workflow(name="bench_parent")
     async def parent(ctx: Any, count: int) -> int:
@@ -99,7 +102,7 @@ def one(kind: str, n: int, rounds_of: int | None, concurrency: int, postgres: st
             del handles, results
         return total
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.nullcontext(tempfile.mkdtemp(dir=where)) if where else tempfile.TemporaryDirectory() as tmp:
         schemas: list[str] = []
 
         def storage(sub: str) -> Any:
@@ -148,11 +151,20 @@ def main() -> None:
     parser.add_argument("--postgres", default=os.environ.get("DURABLY_BENCH_POSTGRES"),
                         help="postgresql://USER@HOST/DB: adds the PostgreSQL rows")
     parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--where", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
         kind, n, rounds_of = ROWS[args.row]
-        print(json.dumps(one(kind, n, rounds_of, args.concurrency, args.postgres)))
+        print(json.dumps(one(kind, n, rounds_of, args.concurrency, args.postgres, args.where)))
         return
+    # Every row's files are removed after the last row: removing tens of thousands of files keeps a disk busy
+    # for a while after (more so on a file system mounted with `discard`), and the next row would pay for it.
+    with tempfile.TemporaryDirectory(prefix="durably-bench-children-") as where:
+        table(args, where)
+
+
+def table(args: argparse.Namespace, where: str) -> None:
+    """Run each row in a fresh subprocess, its files in `where`, and print its line."""
     print(f"{'row':<18} {'wall s':>8} {'spawn s':>8} {'floor s':>8} {'spawn/floor':>11} {'peak RSS MiB':>13} "
           f"{'RSS/1k':>7} {'data/1k':>7} {'ours/1k':>7}")
     for name in args.only or [row for row in ROWS if args.postgres or ROWS[row][0] != "postgres"]:
@@ -160,7 +172,7 @@ def main() -> None:
             print(f"{name:<18} skipped (pass --postgres postgresql://USER@HOST/DB)")
             continue
         out = subprocess.run([sys.executable, __file__, "--row", name, "--concurrency", str(args.concurrency),
-                              *(["--postgres", args.postgres] if args.postgres else [])],
+                              "--where", where, *(["--postgres", args.postgres] if args.postgres else [])],
                              capture_output=True, text=True, check=False)
         if out.returncode != 0:
             print(f"{name:<18} failed: {out.stderr.strip().splitlines()[-1:]}")
