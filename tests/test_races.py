@@ -405,3 +405,35 @@ def test_replayed_handles_behave_as_the_live_ones(mode: str, tmp_path) -> None:
     finally:
         STOP_AFTER_STEPS["on"] = False
     assert calls == {"ra": 1, "rb": 1, "rc": 1, "rd": 1}
+
+
+@workflow
+async def replayed_race(ctx):
+    first = await ctx.step(effect, "qa")  # a direct await: answered in its turn on replay
+    c = ctx.step(slow_effect, "qc", 0.05)
+    d = ctx.step(slow_effect, "qd", 5)
+    done, pending = await asyncio.wait([c, d], return_when=asyncio.FIRST_COMPLETED)
+    assert done == {c} and pending == {d}
+    d.cancel()
+    last = await ctx.step(effect, "qe")
+    if STOP_AFTER_STEPS["on"]:
+        raise RuntimeError("stop")
+    return [first, c.result(), d.cancelled(), last]
+
+
+@pytest.mark.parametrize("mode", ["memory", "file"])
+def test_a_race_after_a_replayed_await_replays_as_recorded(mode: str, tmp_path) -> None:
+    """A step answered by a direct await on replay leaves the race after it to the recorded order: the same
+    winner, the loser cancelled again, nothing run twice."""
+    calls.clear()
+    real = create_engine(MemoryStorage() if mode == "memory" else tmp_path)
+    STOP_AFTER_STEPS["on"] = True
+    try:
+        with pytest.raises(RuntimeError, match="stop"):
+            asyncio.run(real.run(replayed_race, key="rr"))
+    finally:
+        STOP_AFTER_STEPS["on"] = False
+    started = time.monotonic()
+    assert asyncio.run(real.run(replayed_race, key="rr")) == ["qa", "qc", True, "qe"]
+    assert time.monotonic() - started < 4  # the loser is not waited for again
+    assert calls == {"qa": 1, "qc": 1, "qe": 1}
