@@ -942,11 +942,13 @@ def replace_log(fs: FileStorage) -> bytes:
 
 @pytest.mark.parametrize("after", [0, 5])
 def test_foreign_replace_fails_the_lease_before_a_sync(fs: FileStorage, after: int) -> None:
-    """A log replaced under a live lease: appends stop within `LOOK_EVERY`, and no sync makes them durable."""
+    """A log replaced under a live lease: an append the size check lets through goes nowhere durable, since the
+    next sync fails the lease; the replacement is left as it was."""
     lease = started(fs)
     for _ in range(after):
         fs.append(lease, line(t="step"))
     copy = replace_log(fs)
+    fs.append(lease, line(t="unseen"))  # same size as the copy: only the look at the link count tells
     with pytest.raises(LeaseLostError, match="changed by someone else"):
         fs.sync(lease)
     assert fs.heartbeat(lease, LONG) is False
