@@ -182,11 +182,7 @@ class FileQueue:
     def add(self, entry: QueueEntry) -> bool:
         """Queue a run about to be created (call with the queue lock held); False when it has an entry or a
         log already (the log's creation then fails loudly)."""
-        run_id = entry.run_id
-        if self.queued(run_id) or os.path.exists(os.path.join(self._runs_path, f"{run_id}.jsonl")):
-            return False
-        self.write(entry, None)
-        return True
+        return self.add_many([entry])[0]
 
     def add_many(self, entries: list[QueueEntry]) -> list[bool]:
         """`add` of a batch (call with the queue lock held): every new entry's due-journal line in one append,
