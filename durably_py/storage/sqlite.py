@@ -600,8 +600,7 @@ class SqliteStorage(StorageFront):
                 "header = ?, last = ?, size = ?, updated = ?, state = ?",
                 (header, last_line(data), len(data), time.time(), state_after(OPEN, data)),
             )
-            seq = db.execute("SELECT num FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()[0] * SPAN
-            db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", (seq, seq + SPAN - 1))
+            seq = _drop_log(db, db.execute("SELECT num FROM runs WHERE run_id = ?", (lease.run_id,)).fetchone()[0])
             db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (seq, data))
         self._synced[(lease.run_id, lease.epoch)] = seq
         lease.state["seq"] = seq + 1
@@ -711,14 +710,13 @@ class SqliteStorage(StorageFront):
                 return 0
             if row[0] is not None and row[1] is not None and row[1] >= time.time():
                 return None
-            span = (row[2] * SPAN, row[2] * SPAN + SPAN - 1)
             freed = db.execute("SELECT coalesce(sum(length(data)), 0) FROM records WHERE seq BETWEEN ? AND ?",
-                               span).fetchone()[0]
+                               _span(row[2])).fetchone()[0]
             freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM signals WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
             freed += db.execute("SELECT coalesce(sum(length(data)), 0) FROM run_blobs WHERE run_id = ?",
                                 (run_id,)).fetchone()[0]
-            db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", span)
+            _drop_log(db, row[2])
             for table in ("signals", "run_blobs", "queue", "identities", "runs"):
                 db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
             self._partials_table(db)
@@ -1282,16 +1280,27 @@ def _cut_torn(db: sqlite3.Connection, num: int, data: bytes, good: int, seq: int
     """Drop a torn last line (a write cut off by a crash) before appending after it; the sequence number of the
     run's latest append afterwards (`seq` before)."""
     if good < len(data):
-        db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", (num * SPAN, num * SPAN + SPAN - 1))
-        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (num * SPAN, data[:good]))
-        return num * SPAN
+        first = _drop_log(db, num)
+        db.execute("INSERT INTO records (seq, data) VALUES (?, ?)", (first, data[:good]))
+        return first
     return num * SPAN - 1 if seq is None else seq
+
+
+def _span(num: int) -> tuple[int, int]:
+    """The first and last of the sequence numbers that hold run number `num`'s records (a range of their key)."""
+    return num * SPAN, num * SPAN + SPAN - 1
+
+
+def _drop_log(db: sqlite3.Connection, num: int) -> int:
+    """Delete every record of run number `num`; the sequence number its header takes (the range's first)."""
+    span = _span(num)
+    db.execute("DELETE FROM records WHERE seq BETWEEN ? AND ?", span)
+    return span[0]
 
 
 def _log_of(db: sqlite3.Connection, num: int) -> tuple[bytes, int | None]:
     """The whole log of run number `num` as one byte string, and the sequence number of its latest append."""
-    rows = db.execute("SELECT seq, data FROM records WHERE seq BETWEEN ? AND ? ORDER BY seq",
-                      (num * SPAN, num * SPAN + SPAN - 1)).fetchall()
+    rows = db.execute("SELECT seq, data FROM records WHERE seq BETWEEN ? AND ? ORDER BY seq", _span(num)).fetchall()
     return b"".join(row[1] for row in rows), rows[-1][0] if rows else None
 
 
