@@ -309,18 +309,20 @@ class PostgresCommitter:
                     j += 1
                 statements.append(self._writes(group, leases, outcomes, parents))
             elif write.kind == "append":
-                statements.append(self._appends(group, {write.lease.run_id: [i]}, outcomes, write.blobs))
+                statements.append(self._writes(group, {write.lease.run_id: (write.lease, [i])}, outcomes, parents,
+                                               write.blobs))
             else:  # "sync": the lease checked, the log's size read
                 statements.append(self._sync(write, i, outcomes))
             i = j
         return statements
 
     def _writes(self, group: list[Write], leases: dict[str, tuple[Lease, list[int]]], outcomes: list[Any],
-                parents: list[str]) -> _Statement:
+                parents: list[str], blobs: dict[str, bytes] | None = None) -> _Statement:
         """One statement for the appends and ends of several leases, each run's row updated once: if its lease is
         current, its lines (its appends' data joined, in order) inserted as one chunk and its row's last line,
         size and state moved on; the lease released when it ends; and the runs whose end asks it taken out of the
-        queue (their queue rows and joins deleted; the parents whose last child one was come back).
+        queue (their queue rows and joins deleted; the parents whose last child one was come back). `blobs`: the
+        stored values an append of one run refers to, kept with it.
 
         The catalog's ``updated`` (indexed) moves when the lease is released (a park, an end) or the lines change
         the run's catalog state, as at a claim; a step's lines leave it alone, so their row update touches no index
@@ -339,6 +341,13 @@ class PostgresCommitter:
             states.append(_state(data) if data else None)
             releases.append(end is not None)
             unschedules.append(end is not None and end.unschedule)
+        params: tuple[Any, ...] = (run_ids, epochs, owners, datas, lasts, sizes, states, releases, unschedules)
+        kept_values = ""
+        if blobs:
+            kept_values = (f" kept AS (INSERT INTO {self._run_blobs} (run_id, digest, data) SELECT fenced.run_id,"
+                           " b.digest, b.data FROM fenced, unnest(%b::text[], %b::bytea[]) AS b(digest, data)"
+                           " ON CONFLICT DO NOTHING),")
+            params += (list(blobs), list(blobs.values()))
         query = (
             "WITH u AS (SELECT * FROM unnest(%b::text[], %b::bigint[], %b::text[], %b::bytea[], %b::bytea[],"
             " %b::bigint[], %b::text[], %b::bool[], %b::bool[])"
@@ -349,6 +358,7 @@ class PostgresCommitter:
             " owner = CASE WHEN u.release THEN NULL ELSE r.owner END,"
             " lease_expires = CASE WHEN u.release THEN NULL ELSE r.lease_expires END FROM u"
             " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id, u.unschedule),"
+            + kept_values +
             f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT u.run_id, u.data FROM u JOIN fenced"
             " ON fenced.run_id = u.run_id WHERE u.size > 0),"
             " gone AS (SELECT run_id FROM fenced WHERE unschedule),"
@@ -356,7 +366,6 @@ class PostgresCommitter:
             f" waited AS (DELETE FROM {self._joins} WHERE parent IN (SELECT run_id FROM gone)),"
             f" joined AS (DELETE FROM {self._joins} WHERE child IN (SELECT run_id FROM gone) RETURNING parent)"
             " SELECT run_id, NULL FROM fenced UNION ALL SELECT NULL, parent FROM joined")
-        params = (run_ids, epochs, owners, datas, lasts, sizes, states, releases, unschedules)
 
         def read(cur: Any) -> None:
             kept = set()
@@ -369,47 +378,6 @@ class PostgresCommitter:
                 if run_id not in kept:
                     for k in indexes:
                         outcomes[k] = self._lost(lease)
-        return query, params, read
-
-    def _appends(self, group: list[Write], chunks: dict[str, list[int]], outcomes: list[Any],
-                 blobs: dict[str, bytes] | None = None) -> _Statement:
-        """One statement for an append with stored values: the run's row updated if its lease is current, its
-        lines inserted, and `blobs` kept."""
-        run_ids, epochs, owners, datas, lasts, sizes, states = [], [], [], [], [], [], []
-        for run_id, indexes in chunks.items():
-            lease = group[indexes[0]].lease
-            data = b"".join(group[k].data for k in indexes) if len(indexes) > 1 else group[indexes[0]].data
-            run_ids.append(run_id)
-            epochs.append(lease.epoch)
-            owners.append(lease.owner)
-            datas.append(data)
-            lasts.append(bytes(last_line(data)))
-            sizes.append(len(data))
-            states.append(_state(data))
-        kept_values = ""
-        params: tuple[Any, ...] = (run_ids, epochs, owners, datas, lasts, sizes, states)
-        if blobs:
-            kept_values = (f" kept AS (INSERT INTO {self._run_blobs} (run_id, digest, data) SELECT fenced.run_id,"
-                           " b.digest, b.data FROM fenced, unnest(%s::text[], %s::bytea[]) AS b(digest, data)"
-                           " ON CONFLICT DO NOTHING),")
-            params += (list(blobs), list(blobs.values()))
-        query = (
-            "WITH u AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::text[], %s::bytea[], %s::bytea[],"
-            " %s::bigint[], %s::text[]) AS u(run_id, epoch, owner, data, last, size, state)),"
-            f" fenced AS (UPDATE {self._runs} r SET last = u.last, size = r.size + u.size,"
-            " updated = CASE WHEN u.state IS NULL THEN r.updated ELSE clock_timestamp() END,"
-            " state = coalesce(u.state, r.state) FROM u"
-            " WHERE r.run_id = u.run_id AND r.epoch = u.epoch AND r.owner = u.owner RETURNING r.run_id),"
-            + kept_values +
-            f" logged AS (INSERT INTO {self._records} (run_id, data) SELECT u.run_id, u.data FROM u JOIN fenced"
-            " ON fenced.run_id = u.run_id RETURNING run_id) SELECT run_id FROM logged")
-
-        def read(cur: Any) -> None:
-            kept = {row[0] for row in cur.fetchall()}
-            for run_id, indexes in chunks.items():
-                if run_id not in kept:
-                    for k in indexes:
-                        outcomes[k] = self._lost(group[k].lease)
         return query, params, read
 
     def _sync(self, write: Write, k: int, outcomes: list[Any]) -> _Statement:
